@@ -1,0 +1,1 @@
+"""m3serve: a serving stack for MiniMax-M3."""
