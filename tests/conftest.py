@@ -1,6 +1,12 @@
-"""Shared test fixtures: the tiny checkpoint (written once per session) and the gpu marker."""
+"""Shared test fixtures: the tiny checkpoint (written once per session), transformers reference
+fixtures built from it, and the gpu marker."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "model"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -10,3 +16,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    from m3serve.model.tiny import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tiny_dir, tmp_path_factory):
+    """transformers models built from the tiny checkpoint, saved both ways.
+
+    Returns (hf_text_model fp32, dir in transformers' names, dir in original names).
+    """
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
+        MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLForCausalLM)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    vl = MiniMaxM3SparseForConditionalGeneration.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    text = MiniMaxM3VLForCausalLM(vl.config.text_config)
+    text.model.load_state_dict(vl.model.language_model.state_dict())
+    text.lm_head.load_state_dict(vl.lm_head.state_dict())
+    text.eval()
+    hf_dir = tmp_path_factory.mktemp("hf_names")
+    orig_dir = tmp_path_factory.mktemp("orig_names")
+    text.save_pretrained(str(hf_dir))
+    vl.save_pretrained(str(orig_dir))
+    for d in (hf_dir, orig_dir):  # the engine needs the tokenizer next to the weights
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (d / f).write_bytes((tiny_dir / f).read_bytes())
+    return text, hf_dir, orig_dir

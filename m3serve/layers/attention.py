@@ -1,0 +1,122 @@
+"""Paged attention for MiniMax-M3: metadata, cache writes, and the attention module that serves
+both dense layers and MSA sparse layers (indexer selection + block-restricted attention).
+
+Cache layouts (one block = one page of `block_size` tokens, block ids shared by both groups):
+  main cache  kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]  (K plane, V plane)
+  index cache index_cache [num_blocks, block_size, index_head_dim]             (sparse layers)
+The `_ref` functions here are the PyTorch reference ops (CPU backend, oracle for GPU kernels).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from m3serve.distributed import TPInfo
+from m3serve.layers.attention_metadata import AttentionMetadata, context_slots, write_cache_ref
+from m3serve.layers.indexer import index_topk_ref
+from m3serve.layers.linear import QKVParallelLinear, RowParallelLinear, kv_head_range
+from m3serve.layers.norm import RMSNorm, gemma_rms_norm
+from m3serve.layers.rotary import apply_rotary
+
+
+def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each query over its request's paged context.
+
+    q: [T, H, D]; kv_cache: [2, num_blocks, block_size, G, D]; block_ids: None (dense) or
+    [T, G, topk] logical block ids (-1 padded) restricting each KV group's visible blocks.
+    Returns [T, H, D] in q's dtype; softmax in fp32.
+    """
+    T, H, D = q.shape
+    G = kv_cache.shape[3]
+    group_of_head = torch.arange(H, device=q.device) // (H // G)
+    k_flat = kv_cache[0].reshape(-1, G, D)
+    v_flat = kv_cache[1].reshape(-1, G, D)
+    out = torch.empty_like(q)
+    for r in range(meta.num_reqs):
+        qs, qe = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
+        if qe == qs:
+            continue
+        L = meta.seq_lens_cpu[r]
+        slots = context_slots(meta, r)
+        k = k_flat[slots].float()[:, group_of_head]                          # [L, H, D]
+        v = v_flat[slots].float()[:, group_of_head]
+        q_pos = torch.arange(L - (qe - qs), L, device=q.device)              # [Tq]
+        key_pos = torch.arange(L, device=q.device)
+        allowed = (key_pos[None, :] <= q_pos[:, None])[:, None, :]           # [Tq, 1, L]
+        if block_ids is not None:
+            key_block = key_pos // meta.block_size
+            sel = block_ids[qs:qe]                                           # [Tq, G, topk]
+            in_sel = (key_block[None, None, :, None] == sel[:, :, None, :]).any(-1)  # [Tq, G, L]
+            allowed = allowed & in_sel[:, group_of_head]                      # [Tq, H, L]
+        scores = torch.einsum("thd,lhd->thl", q[qs:qe].float(), k) * scale
+        scores = scores.masked_fill(~allowed, -math.inf)
+        out[qs:qe] = torch.einsum("thl,lhd->thd", torch.softmax(scores, -1), v).to(q.dtype)
+    return out
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused q/k/v(/index) projection, per-head Gemma QK norm,
+    partial NeoX RoPE, cache writes, dense or MSA block-sparse paged attention, o_proj."""
+
+    def __init__(self, cfg, layer_id: int, tp: TPInfo, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.is_sparse = cfg.is_sparse(layer_id)
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = kv_head_range(cfg.num_key_value_heads, tp)[1]
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, tp, dtype,
+            index_heads=cfg.index_n_heads if self.is_sparse else 0,
+            index_dim=cfg.index_head_dim if self.is_sparse else 0)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        if self.is_sparse:
+            self.indexer = Indexer(cfg, dtype)
+        self.kv_cache: torch.Tensor | None = None      # bound by the model runner
+        self.index_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] (normalised) -> [T, hidden]."""
+        T, D = x.shape[0], self.head_dim
+        parts = self.qkv_proj(x)
+        q = gemma_rms_norm(parts[0].view(T, self.num_heads, D), self.q_norm.weight, self.cfg.rms_norm_eps)
+        k = gemma_rms_norm(parts[1].view(T, self.num_kv_heads, D), self.k_norm.weight, self.cfg.rms_norm_eps)
+        v = parts[2].view(T, self.num_kv_heads, D)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_cache_ref(self.kv_cache[0], k, meta.slot_mapping)
+        write_cache_ref(self.kv_cache[1], v, meta.slot_mapping)
+        block_ids = None
+        if self.is_sparse:
+            block_ids = self.indexer(parts[3], parts[4], cos, sin, self.index_cache, meta)
+            if meta.record_selections is not None:
+                meta.record_selections.append(block_ids)
+        o = paged_attention_ref(q, self.kv_cache, meta, self.scale, block_ids)
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of an MSA layer: index q/k norms + RoPE, index-cache write, top-k blocks.
+    Its q/k projections live in the layer's fused `qkv_proj`."""
+
+    def __init__(self, cfg, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.q_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, iq: torch.Tensor, ik: torch.Tensor, cos, sin, index_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """iq: [T, Hi_local * Di]; ik: [T, Di] -> block ids [T, Hi_local, topk] int64 (-1 padded)."""
+        cfg, T, Di = self.cfg, iq.shape[0], self.cfg.index_head_dim
+        iq = apply_rotary(gemma_rms_norm(iq.view(T, -1, Di), self.q_norm.weight, cfg.rms_norm_eps), cos, sin)
+        ik = apply_rotary(gemma_rms_norm(ik.view(T, 1, Di), self.k_norm.weight, cfg.rms_norm_eps), cos, sin)
+        write_cache_ref(index_cache, ik[:, 0], meta.slot_mapping)
+        return index_topk_ref(iq, index_cache, meta, cfg.index_topk_blocks, cfg.index_local_blocks,
+                              cfg.index_init_blocks)

@@ -1,0 +1,43 @@
+"""Attention metadata for one forward over a flattened batch, and the paged-cache helpers
+(slot writes, context slot lookup) shared by the dense, sparse and indexer reference ops."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flattened batch description shared by every attention layer in one forward.
+
+    Requests are laid out back to back: request r owns query tokens
+    `query_start_loc[r] : query_start_loc[r+1]`, which are the LAST tokens of its context of
+    `seq_lens[r]` tokens (so query i of r sits at position seq_lens[r] - q_len + i).
+    """
+    query_start_loc: torch.Tensor   # [num_reqs + 1] int32
+    seq_lens: torch.Tensor          # [num_reqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor      # [num_reqs, max_blocks] int32, logical block -> page id
+    slot_mapping: torch.Tensor      # [num_tokens] int64, page id * block_size + offset; -1 = skip
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+    record_selections: list | None = None  # when a list, sparse layers append their [T, Hi, topk]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+def write_cache_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache: [num_blocks, block_size, *rest]; values: [T, *rest]; slots < 0 are skipped."""
+    flat = cache.view(-1, *cache.shape[2:])
+    keep = slot_mapping >= 0
+    flat[slot_mapping[keep]] = values[keep].to(cache.dtype)
+
+
+def context_slots(meta: AttentionMetadata, r: int) -> torch.Tensor:
+    """Slot of every context position 0 .. seq_len-1 of request r: [seq_len] int64."""
+    pos = torch.arange(meta.seq_lens_cpu[r], device=meta.block_tables.device)
+    pages = meta.block_tables[r, pos // meta.block_size].long()
+    return pages * meta.block_size + pos % meta.block_size

@@ -1,0 +1,220 @@
+"""MiniMax-M3 model configuration: parse a checkpoint's `config.json` into `M3Config`.
+
+Accepts the top-level `minimax_m3_vl` config (with `text_config`, `vision_config` kept as a raw
+dict) or a bare text config, in either the checkpoint's legacy names (`sparse_attention_config`,
+`moe_layer_freq`) or transformers' flat names (`index_*`, `layer_types`, `mlp_layer_types`).
+Unsupported values raise `ValueError` naming the field and the value.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+SPARSE = "minimax_m3_sparse"
+FULL = "full_attention"
+
+# legacy sparse_attention_config key -> flat field
+_LEGACY_SPARSE = {
+    "sparse_num_index_heads": "index_n_heads",
+    "sparse_index_dim": "index_head_dim",
+    "sparse_block_size": "index_block_size",
+    "sparse_topk_blocks": "index_topk_blocks",
+    "sparse_local_block": "index_local_blocks",
+    "sparse_init_block": "index_init_blocks",
+}
+
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "vocab_size")
+
+
+@dataclass(frozen=True)
+class M3Config:
+    """The text backbone's hyper-parameters (names follow transformers' flat config)."""
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int            # routed expert width
+    dense_intermediate_size: int
+    shared_intermediate_size: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int                   # = head_dim * partial_rotary_factor
+    max_position_embeddings: int
+    swiglu_alpha: float
+    swiglu_limit: float
+    index_n_heads: int
+    index_head_dim: int
+    index_block_size: int
+    index_topk_blocks: int
+    index_local_blocks: int
+    index_init_blocks: int
+    layer_types: tuple[str, ...]      # FULL | SPARSE per layer
+    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse" per layer
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    torch_dtype: str = "bfloat16"
+    vision_config: dict | None = field(default=None, compare=False)
+
+    @property
+    def sparse_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == SPARSE]
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return self.layer_types[layer_id] == SPARSE
+
+    def is_moe(self, layer_id: int) -> bool:
+        return self.mlp_layer_types[layer_id] == "sparse"
+
+    def to_hf_text_dict(self) -> dict:
+        """transformers' flat text-config dict for this config (used to build reference models)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("rope_theta", "rotary_dim", "index_init_blocks", "torch_dtype",
+                               "vision_config", "layer_types", "mlp_layer_types")}
+        d["layer_types"] = list(self.layer_types)
+        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.rotary_dim / self.head_dim}
+        return d
+
+
+def _bad(name: str, value, why: str) -> ValueError:
+    return ValueError(f"config field {name!r}: {why} (got {value!r})")
+
+
+def parse_config(raw: dict) -> M3Config:
+    """Build an `M3Config` from a config.json dict (VL wrapper or bare text config)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"config must be a JSON object, got {type(raw).__name__}")
+    vision = None
+    text = raw
+    if "text_config" in raw:
+        text = raw["text_config"]
+        vision = raw.get("vision_config")
+        if not isinstance(text, dict):
+            raise _bad("text_config", text, "must be an object")
+    for name in _REQUIRED:
+        if name not in text:
+            raise ValueError(f"config field {name!r} is missing")
+    n_layers = text["num_hidden_layers"]
+    if not isinstance(n_layers, int) or n_layers <= 0:
+        raise _bad("num_hidden_layers", n_layers, "must be a positive integer")
+    n_heads, n_kv = text["num_attention_heads"], text["num_key_value_heads"]
+    if n_kv <= 0 or n_heads % n_kv:
+        raise _bad("num_key_value_heads", n_kv, f"must divide num_attention_heads={n_heads}")
+    head_dim = text.get("head_dim") or text["hidden_size"] // n_heads
+
+    act = text.get("hidden_act", "swigluoai")
+    # transformers rewrites swigluoai to "silu" when it saves; both mean the same gate here.
+    if act not in ("swigluoai", "silu"):
+        raise _bad("hidden_act", act, "only 'swigluoai' is supported")
+    if text.get("scoring_func", "sigmoid") != "sigmoid":
+        raise _bad("scoring_func", text["scoring_func"], "only 'sigmoid' is supported")
+    if text.get("attention_output_gate", False):
+        raise _bad("attention_output_gate", True, "output gates are not supported")
+
+    flat = {k: text[k] for k in ("index_n_heads", "index_head_dim", "index_block_size",
+                                 "index_topk_blocks", "index_local_blocks") if k in text}
+    flat.setdefault("index_init_blocks", 0)
+    sparse_cfg = text.get("sparse_attention_config") or {}
+    for legacy, name in _LEGACY_SPARSE.items():
+        if legacy in sparse_cfg:
+            flat[name] = sparse_cfg[legacy]
+    score = sparse_cfg.get("sparse_score_type", "max")
+    if score != "max":
+        raise _bad("sparse_attention_config.sparse_score_type", score, "only 'max' is supported")
+
+    layer_types = given = text.get("layer_types")
+    src = "layer_types"
+    if layer_types is None and "sparse_attention_freq" in sparse_cfg:
+        given = sparse_cfg["sparse_attention_freq"]
+        layer_types = [SPARSE if f else FULL for f in given]
+        src = "sparse_attention_config.sparse_attention_freq"
+    if layer_types is None:
+        layer_types = [FULL] * n_layers
+    if len(layer_types) != n_layers:
+        raise _bad(src, given, f"needs {n_layers} entries (num_hidden_layers)")
+    for t in layer_types:
+        if t not in (FULL, SPARSE):
+            raise _bad(src, t, f"entries must be {FULL!r} or {SPARSE!r}")
+
+    mlp_types = given = text.get("mlp_layer_types")
+    src = "mlp_layer_types"
+    if mlp_types is None and "moe_layer_freq" in text:
+        given = text["moe_layer_freq"]
+        mlp_types = ["sparse" if f else "dense" for f in given]
+        src = "moe_layer_freq"
+    if mlp_types is None:
+        mlp_types = ["sparse"] * n_layers
+    if len(mlp_types) != n_layers:
+        raise _bad(src, given, f"needs {n_layers} entries (num_hidden_layers)")
+    for t in mlp_types:
+        if t not in ("dense", "sparse"):
+            raise _bad(src, t, "entries must be 'dense' or 'sparse'")
+
+    block = flat.get("index_block_size", 128)
+    if not isinstance(block, int) or block <= 0 or block % 16:
+        raise _bad("index_block_size (sparse_block_size)", block, "must be a positive multiple of 16")
+    n_index = flat.get("index_n_heads", 4)
+    if any(t == SPARSE for t in layer_types) and n_index != n_kv:
+        raise _bad("index_n_heads (sparse_num_index_heads)", n_index,
+                   f"must equal num_key_value_heads={n_kv}")
+
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise _bad("rope_parameters.rope_type", rope.get("rope_type"), "only default RoPE is supported")
+    theta = rope.get("rope_theta", text.get("rope_theta", 5_000_000.0))
+    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
+    rotary_dim = int(head_dim * factor) if factor is not None else text.get("rotary_dim", head_dim // 2)
+    if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
+        raise _bad("partial_rotary_factor/rotary_dim", rotary_dim, f"must be even and <= head_dim={head_dim}")
+
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    n_experts = text.get("num_local_experts", text.get("num_experts", 128))
+    top_k = text.get("num_experts_per_tok", 4)
+    if not 0 < top_k <= n_experts:
+        raise _bad("num_experts_per_tok", top_k, f"must be in [1, num_local_experts={n_experts}]")
+    return M3Config(
+        vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_hidden_layers=n_layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
+        intermediate_size=text.get("intermediate_size", 3072),
+        dense_intermediate_size=text.get("dense_intermediate_size", 12288),
+        shared_intermediate_size=text.get("shared_intermediate_size",
+                                          text.get("intermediate_size", 3072) * text.get("n_shared_experts", 1)),
+        num_local_experts=n_experts, num_experts_per_tok=top_k,
+        routed_scaling_factor=float(text.get("routed_scaling_factor", 2.0)),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        rotary_dim=rotary_dim,
+        max_position_embeddings=int(text.get("max_position_embeddings", 524288)),
+        swiglu_alpha=float(text.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(text.get("swiglu_limit", 7.0)),
+        index_n_heads=n_index, index_head_dim=flat.get("index_head_dim", 128),
+        index_block_size=block, index_topk_blocks=flat.get("index_topk_blocks", 16),
+        index_local_blocks=flat.get("index_local_blocks", 1),
+        index_init_blocks=flat.get("index_init_blocks", 0),
+        layer_types=tuple(layer_types), mlp_layer_types=tuple(mlp_types),
+        bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")), eos_token_id=eos,
+        torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype")
+                        or raw.get("dtype") or "bfloat16"),
+        vision_config=vision,
+    )
+
+
+def load_config(model_dir: str | Path) -> M3Config:
+    """Read `<model_dir>/config.json`; a missing or malformed file is a ValueError naming it."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json in {model_dir}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    return parse_config(raw)

@@ -1,0 +1,113 @@
+"""The embedded tiny MiniMax-M3: a small random checkpoint in the real format, written
+deterministically (config.json in the checkpoint's VL layout with legacy sparse names,
+model.safetensors in the original tensor naming, a real byte-level BPE tokenizer and chat template).
+
+Block size 16 with top-4 blocks, so prompts of a few hundred tokens exercise block selection.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from m3serve.model.config import parse_config
+from m3serve.model.loader import canonical_shapes
+
+TINY_VOCAB = 2048
+
+
+def tiny_config_dict(vocab_size: int = TINY_VOCAB, bos_token_id: int | None = None,
+                     eos_token_id: int | None = None) -> dict:
+    """config.json of the tiny model: 5 layers mixing dense/MSA attention and dense/MoE MLPs."""
+    text = {
+        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "model_type": "minimax_m3_vl_text",
+        "hidden_size": 64, "intermediate_size": 32, "dense_intermediate_size": 96,
+        "shared_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": vocab_size,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "use_gemma_norm": True,
+        "attention_output_gate": False, "use_qk_norm": True, "qk_norm_type": "per_head",
+        "rope_theta": 5000000, "rotary_dim": 16, "partial_rotary_factor": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        "hidden_act": "swigluoai", "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "scoring_func": "sigmoid", "use_routing_bias": True, "routed_scaling_factor": 2.0,
+        "moe_layer_freq": [0, 0, 1, 1, 1],
+        "sparse_attention_config": {
+            "use_sparse_attention": True, "sparse_num_index_heads": 2, "sparse_index_dim": 32,
+            "sparse_block_size": 16, "sparse_topk_blocks": 4, "sparse_local_block": 1,
+            "sparse_init_block": 0, "sparse_score_type": "max",
+            "sparse_attention_freq": [0, 1, 1, 1, 0], "sparse_disable_index_value": [0, 1, 1, 1, 0]},
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+    }
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "patch_size": 14,
+              "image_size": 56}
+    return {"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
+            "torch_dtype": "bfloat16", "text_config": text, "vision_config": vision,
+            "image_token_index": 200025, "video_token_index": 200026,
+            "projector_hidden_size": 64, "tie_word_embeddings": False}
+
+
+def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights in canonical names, scaled so activations stay O(1) and logits are peaky
+    (an initialiser's std 0.02 would make every next-token distribution near-uniform)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in canonical_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            t = torch.randn(shape, generator=gen) * 0.1          # offsets from 1 (Gemma norm)
+        elif name.endswith("e_score_correction_bias"):
+            t = torch.randn(shape, generator=gen) * 0.05
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(shape, generator=gen)
+        else:
+            scale = 3.0 if name == "lm_head.weight" else 1.0
+            t = torch.randn(shape, generator=gen) * scale / shape[-1] ** 0.5
+        is_router = name.endswith(("gate.weight", "e_score_correction_bias")) and "block_sparse_moe" in name
+        out[name] = t.to(torch.float32 if is_router else torch.bfloat16).contiguous()
+    return out
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny checkpoint into `out_dir` (created if needed). Same seed -> same bytes."""
+    from m3serve.model.tokenizer_build import build_tokenizer, special_token_ids
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, vocab_size=TINY_VOCAB)
+    ids = special_token_ids(out)
+    raw = tiny_config_dict(TINY_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"])
+    cfg = parse_config(raw)
+    weights = {("language_model." + k if k.startswith("model.") else "language_model." + k): v
+               for k, v in random_weights(cfg, seed).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": raw["text_config"]["bos_token_id"],
+         "eos_token_id": raw["text_config"]["eos_token_id"]}, indent=2) + "\n")
+    return out
+
+
+def default_model_dir(seed: int = 0) -> Path:
+    """The embedded tiny model, built on first use into a cache folder keyed by the package
+    sources (the tokenizer is trained on them) and the seed."""
+    root = Path(os.environ.get("M3SERVE_CACHE", Path.home() / ".cache" / "m3serve"))
+    pkg = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for f in sorted(pkg.rglob("*.py")):
+        digest.update(f.read_bytes())
+    path = root / f"tiny-{seed}-{digest.hexdigest()[:12]}"
+    if not (path / "model.safetensors").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny(tmp, seed)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    return path
