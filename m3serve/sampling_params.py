@@ -1,0 +1,153 @@
+"""Per-request sampling parameters with OpenAI / vLLM names, defaults and meaning.
+
+`SamplingParams` is the one place user sampling knobs are normalised and validated; every bad
+value raises ValueError naming the field and the value, so the API layer can answer HTTP 400
+and the engine never sees an invalid request.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+GREEDY_EPS = 1e-5          # temperatures below this are greedy (argmax), as in vLLM
+MAX_LOGPROBS = 20          # OpenAI's cap on top_logprobs; larger values are rejected
+_SEED_MIN = -(1 << 63)     # torch.Generator.manual_seed accepts [-2**63, 2**64)
+_SEED_MAX = (1 << 64) - 1
+
+
+def _is_int(value) -> bool:
+    # bool is an int subclass in Python; `n=True` is a client bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output tokens (vLLM-compatible fields and defaults).
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
+    theirs. Penalties follow OpenAI (presence/frequency, over output tokens) and vLLM
+    (repetition, over prompt and output tokens). max_tokens None means "until max_model_len".
+    logprobs / prompt_logprobs = k returns the top-k alternatives plus the chosen token
+    (0 = the chosen token only).
+    """
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Set by the engine from the model's generation config, not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self):
+        self._normalise()
+        self._validate()
+
+    def _normalise(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed == -1:  # vLLM and some clients send -1 for "no seed"
+            self.seed = None
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, 1)
+        # `not (a <= x <= b)` style checks also reject nan.
+        if not (0.0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1)
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_int(name, value, 0)
+            if value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            if not (_SEED_MIN <= self.seed <= _SEED_MAX):
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids must hold integers >= 0, got {token_id!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature below GREEDY_EPS)."""
+        return self.temperature < GREEDY_EPS
+
+    def add_eos_token_ids(self, eos_token_ids) -> None:
+        """Called by the engine with the model's EOS ids: they stop generation (and are held
+        back while min_tokens is unmet) unless ignore_eos is set."""
+        if not self.ignore_eos:
+            self.all_stop_token_ids.update(eos_token_ids)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, so fanned-out requests never share mutable lists."""
+        return copy.deepcopy(self)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of the `index`-th of `n` parallel samples: n=1 and, when seeded,
+        seed + index so the children differ yet stay reproducible (as vLLM does)."""
+        child = self.clone()
+        child.n = 1
+        if child.seed is not None:
+            child.seed = (child.seed + index) % (_SEED_MAX + 1)
+        return child
