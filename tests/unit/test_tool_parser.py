@@ -1,0 +1,321 @@
+"""minimax_m3 tool-call parser: spec §7 markup -> OpenAI tool_calls, streamed at every boundary.
+
+Expected arguments are written by hand from the spec's typing rules; every case is also
+streamed split at each single boundary and char by char, and must assemble to the same result.
+"""
+import json
+import random
+
+import pytest
+
+from m3serve.serving.tool_parser import NAMESPACE as NS
+from m3serve.serving.tool_parser import MiniMaxM3ToolParser, get_tool_parser
+
+
+def tool(name, properties, **extra):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties, **extra}}}
+
+
+TOOLS = [
+    tool("get_weather", {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "metric": {"type": "boolean"},
+        "nothing": {"type": "null"},
+        "opts": {"type": "object", "properties": {"unit": {"type": "string"}, "level": {"type": "integer"}}},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "label": {"type": ["integer", "string"]},
+        "maybe": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+    }),
+    tool("create_order", {
+        "user_id": {"type": "integer"},
+        "shipping": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}}},
+        "items": {"type": "array", "items": {"type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}}}},
+        "matrix": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+        "meta": {"type": "object"},
+        "note": {"type": "string"},
+    }),
+    tool("ping", {}),
+]
+
+
+def el(name, inner=""):
+    return f"{NS}<{name}>{inner}{NS}</{name}>"
+
+
+def invoke(name, *params, quote='"'):
+    return f"{NS}<invoke name={quote}{name}{quote}>\n" + "".join(p + "\n" for p in params) + f"{NS}</invoke>\n"
+
+
+def block(*invokes):
+    return f"{NS}<tool_call>\n" + "".join(invokes) + f"{NS}</tool_call>"
+
+
+def chunkings(text, seed=0):
+    """Whole text, every two-chunk split, char by char, and a few random multi-chunk splits."""
+    yield [text]
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    yield list(text)
+    rng = random.Random(seed)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1))) if len(text) > 1 else []
+        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+def run_stream(chunks, tools=TOOLS, tool_choice="auto"):
+    """Streams chunks; checks the OpenAI delta shape and assembles content and calls."""
+    parser = MiniMaxM3ToolParser(tools, tool_choice)
+    content, calls = "", []
+    for chunk in chunks + [None]:
+        delta = parser.finish() if chunk is None else parser.stream(chunk)
+        assert delta.content != ""
+        content += delta.content or ""
+        for d in delta.tool_call_deltas:
+            if "id" in d:  # first delta of a call
+                assert d["index"] == len(calls) and d["type"] == "function" and d["id"].startswith("call_")
+                assert d["function"]["arguments"] == ""
+                calls.append({"id": d["id"], "type": "function", "function": dict(d["function"])})
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return content or None, calls
+
+
+def named(calls):
+    """(name, arguments string) per call: everything but the random ids."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def check(text, want_content, want_calls, tools=TOOLS, tool_choice="auto"):
+    """extract() gives the expected result, and so does streaming at every chunking."""
+    result = MiniMaxM3ToolParser(tools, tool_choice).extract(text)
+    assert result.content == want_content
+    assert [(n, json.loads(a)) for n, a in named(result.tool_calls)] == want_calls
+    for call in result.tool_calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+    assert len({c["id"] for c in result.tool_calls}) == len(result.tool_calls)
+    for chunks in chunkings(text):
+        content, calls = run_stream(chunks, tools, tool_choice)
+        assert content == want_content, chunks
+        assert named(calls) == named(result.tool_calls), chunks
+        if want_calls:
+            assert NS not in (content or "") and "invoke" not in (content or "")
+
+
+def test_single_call_typed_by_schema_with_content_before():
+    text = "Let me check.\n\n" + block(invoke(
+        "get_weather",
+        el("city", "Paris"),
+        el("days", "3"),
+        el("ratio", "0.25"),
+        el("metric", "true"),
+        el("nothing", "null"),
+        el("opts", el("unit", "C") + el("level", "2")),
+        el("tags", el("item", "a") + el("item", "b")),
+    ))
+    check(text, "Let me check.", [("get_weather", {
+        "city": "Paris", "days": 3, "ratio": 0.25, "metric": True, "nothing": None,
+        "opts": {"unit": "C", "level": 2}, "tags": ["a", "b"],
+    })])
+
+
+def test_values_that_do_not_parse_as_their_type_stay_strings():
+    text = block(invoke(
+        "get_weather",
+        el("days", "three"),
+        el("ratio", "1e999"),  # overflows a float
+        el("metric", "yes"),
+        el("opts", "not json"),
+        el("city", " null "),  # a string schema keeps "null" literally, spaces included
+        el("label", "7"),
+        el("maybe", "null"),
+    ))
+    check(text, None, [("get_weather", {
+        "days": "three", "ratio": "1e999", "metric": "yes", "opts": "not json", "city": " null ",
+        "label": 7, "maybe": None,
+    })])
+
+
+def test_nested_objects_arrays_of_objects_and_arrays_of_arrays():
+    text = block(invoke(
+        "create_order",
+        el("user_id", "42"),
+        el("shipping", "\n" + el("city", "Singapore") + "\n" + el("zip", "018956") + "\n"),
+        el("items", el("item", el("sku", "book-001") + el("qty", "2")) + el("item", el("sku", "pen") + el("qty", "10"))),
+        el("matrix", el("item", el("item", "1") + el("item", "2.5")) + el("item", el("item", "-3"))),
+        el("meta", ""),
+        el("note", ""),
+    ))
+    check(text, None, [("create_order", {
+        "user_id": 42,
+        "shipping": {"city": "Singapore", "zip": "018956"},
+        "items": [{"sku": "book-001", "qty": 2}, {"sku": "pen", "qty": 10}],
+        "matrix": [[1, 2.5], [-3]],
+        "meta": {},
+        "note": "",
+    })])
+
+
+def test_parameters_without_schema_try_json_then_string():
+    text = block(
+        invoke("get_weather", el("extra", "42"), el("flag", "false"), el("word", "hello"), el("list", '["x", 1]')),
+        invoke("unknown_tool", el("n", "1.5"), el("obj", el("k", "v") + el("k", "w")), el("s", "{bad")),
+    )
+    check(text, None, [
+        ("get_weather", {"extra": 42, "flag": False, "word": "hello", "list": ["x", 1]}),
+        ("unknown_tool", {"n": 1.5, "obj": {"k": ["v", "w"]}, "s": "{bad"}),
+    ])
+
+
+def test_repeated_elements_mixed_text_and_no_tools_at_all():
+    text = block(invoke("anything", el("tag", "a"), el("tag", "b"), el("tag", "c"), el("box", "hi " + el("n", "1"))))
+    check(text, None, [("anything", {"tag": ["a", "b", "c"], "box": {"n": 1, "$text": "hi "}})], tools=None)
+
+
+def test_parallel_calls_in_one_block_and_in_a_second_block():
+    text = "Calling tools." + block(
+        invoke("get_weather", el("city", "Oslo")),
+        invoke("get_weather", el("city", "Rome"), quote="'"),
+        invoke("ping", quote=""),
+    ) + "\nbetween blocks is dropped\n" + block(invoke("create_order", el("user_id", "7")))
+    check(text, "Calling tools.", [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_weather", {"city": "Rome"}),
+        ("ping", {}),
+        ("create_order", {"user_id": 7}),
+    ])
+
+
+def test_text_after_tool_call_block_is_dropped():
+    text = block(invoke("ping")) + " and then I said more </tool_call> stuff"
+    check(text, None, [("ping", {})])
+
+
+def test_malformed_element_keeps_earlier_params_and_later_calls():
+    bad = f"{NS}<days>3{NS}</city>"  # closed with the wrong name
+    text = "ok" + block(
+        invoke("get_weather", el("city", "Paris"), bad, el("metric", "true")),
+        invoke("get_weather", el("city", "Lima"), el("days", "5")),
+    )
+    check(text, "ok", [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Lima", "days": 5}),
+    ])
+
+
+def test_stray_text_and_bad_headers_inside_the_block_do_not_break_the_stream():
+    text = block(
+        invoke("get_weather", el("city", "Paris"), "some words", el("days", "2")),
+        f"{NS}<invoke>{el('city', 'X')}{NS}</invoke>\n",  # no name: no call
+        "chatter between invokes\n",
+        invoke("ping"),
+    )
+    check(text, None, [("get_weather", {"city": "Paris"}), ("ping", {})])
+
+
+def test_missing_invoke_closer_ends_at_tool_call_closer():
+    text = block(f"{NS}<invoke name=\"get_weather\">{el('city', 'Paris')}") + block(invoke("ping"))
+    check(text, None, [("get_weather", {"city": "Paris"}), ("ping", {})])
+
+
+def test_truncated_output_keeps_completed_parameters():
+    text = "Sure." + f"{NS}<tool_call>\n{NS}<invoke name=\"get_weather\">\n{el('city', 'Paris')}\n{NS}<days>1"
+    check(text, "Sure.", [("get_weather", {"city": "Paris"})])
+
+
+def nested(depth):
+    """`depth` elements named n nested around the leaf text "x"."""
+    text = "x"
+    for _ in range(depth):
+        text = el("n", text)
+    return text
+
+
+def test_nesting_depth_128_parses_and_129_is_malformed():
+    args = json.loads(MiniMaxM3ToolParser(None).extract(block(invoke("f", nested(128)))).tool_calls[0]["function"]["arguments"])
+    depth = 0
+    while isinstance(args, dict):
+        args, depth = args["n"], depth + 1
+    assert (depth, args) == (128, "x")
+    text = block(invoke("f", el("a", "1"), nested(129), el("b", "2")), invoke("g", el("c", "3")))
+    result = MiniMaxM3ToolParser(None).extract(text)
+    assert named(result.tool_calls) == [("f", '{"a": 1}'), ("g", '{"c": 3}')]
+    content, calls = run_stream(list(text), tools=None)  # every boundary is too slow for 8k chars
+    assert content is None and named(calls) == named(result.tool_calls)
+
+
+def test_mutated_markup_streams_like_extract():
+    """Random insertions/deletions/truncations of valid markup: never raises, always valid JSON,
+    and streaming in random chunks gives exactly the extract() result."""
+    rng = random.Random(1234)
+    base = "Hi. " + block(
+        invoke("get_weather", el("city", "Paris"), el("opts", el("unit", "C")), el("tags", el("item", "a"))),
+        invoke("ping"),
+    ) + " tail" + block(invoke("create_order", el("user_id", "1")))
+    noise = [NS, "<", ">", "</", "invoke", "tool_call", "city", " ", "\n", "x", '"', NS + "</invoke>", NS + "<tool_call>"]
+    for _ in range(300):
+        text = base
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(text) + 1)
+            op = rng.random()
+            if op < 0.4:
+                text = text[:i] + rng.choice(noise) + text[i:]
+            elif op < 0.8:
+                text = text[:i] + text[i + rng.randint(1, 15):]
+            else:
+                text = text[:i]
+        result = MiniMaxM3ToolParser(TOOLS).extract(text)
+        for _, arguments in named(result.tool_calls):
+            assert isinstance(json.loads(arguments), dict)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 40)))) if len(text) > 1 else []
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        content, calls = run_stream(chunks)
+        assert (content, named(calls)) == (result.content, named(result.tool_calls)), chunks
+
+
+def test_plain_text_and_partial_markers_stay_content():
+    check("no tools here, just ]<]minimax[>[ talk ]<]mini", "no tools here, just ]<]minimax[>[ talk ]<]mini", [])
+    check("trailing space kept without a call  \n", "trailing space kept without a call  \n", [])
+
+
+def test_tool_choice_none_leaves_markup_as_content():
+    text = "hi" + block(invoke("ping"))
+    check(text, text, [], tool_choice="none")
+
+
+def test_required_and_named_tool_choice_parse_like_auto():
+    text = block(invoke("ping"))
+    check(text, None, [("ping", {})], tool_choice="required")
+    check(text, None, [("ping", {})], tool_choice={"type": "function", "function": {"name": "ping"}})
+
+
+def test_streamed_deltas_arrive_at_the_right_time():
+    parser = MiniMaxM3ToolParser(TOOLS)
+    assert parser.stream("Hi ").content == "Hi"  # trailing space waits: a call may follow
+    assert parser.stream(f"{NS}<tool_").content is None
+    delta = parser.stream(f"call>\n{NS}<invoke name=\"ping\">")
+    assert delta.content is None and [d["function"]["name"] for d in delta.tool_call_deltas] == ["ping"]
+    assert parser.stream(el("x", "1")).tool_call_deltas == []  # arguments only at </invoke>
+    delta = parser.stream(f"{NS}</invoke>")
+    assert delta.tool_call_deltas == [{"index": 0, "function": {"arguments": '{"x": 1}'}}]
+    assert parser.has_tool_calls
+
+
+def test_bad_tool_choice_and_unknown_parser_raise():
+    with pytest.raises(ValueError, match="tool_choice.*'sometimes'"):
+        MiniMaxM3ToolParser(TOOLS, "sometimes")
+    with pytest.raises(ValueError, match="tool_choice.*'nope'"):
+        MiniMaxM3ToolParser(TOOLS, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match=r"tools\[0\]"):
+        MiniMaxM3ToolParser([{"type": "function", "function": {}}])
+    assert get_tool_parser("minimax_m3") is MiniMaxM3ToolParser
+    with pytest.raises(ValueError, match="minimax_m3"):
+        get_tool_parser("hermes")
+
+
+def test_integer_past_pythons_digit_limit_stays_a_string():
+    digits = "9" * 5000
+    result = MiniMaxM3ToolParser(TOOLS).extract(block(invoke("get_weather", el("days", digits), el("extra", digits))))
+    assert json.loads(result.tool_calls[0]["function"]["arguments"]) == {"days": digits, "extra": digits}
