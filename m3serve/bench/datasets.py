@@ -1,0 +1,168 @@
+"""Benchmark datasets: the random-token workload of `m3serve bench serve`.
+
+Owns the per-request length sampling (both range-ratio conventions of BENCHMARKS.md), the
+tokenizer loading, and the prompt builder that turns random token ids into text that
+re-tokenizes to the requested length. Everything is seeded and deterministic.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+RANGE_RATIO_MODES = ("inferencex", "vllm")
+# Rounds of decode -> re-encode -> trim/pad before accepting an approximate length.
+_MAX_REFIT_ROUNDS = 10
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One benchmark request: the prompt text and the lengths it stands for.
+
+    `prompt_len` is the token count of `prompt` re-encoded by the benchmark tokenizer (what the
+    server will see, before any chat template); `expected_output_len` is sent as max_tokens.
+    """
+
+    prompt: str
+    prompt_len: int
+    expected_output_len: int
+
+
+def length_bounds(length: int, range_ratio: float, mode: str) -> tuple[int, int]:
+    """Inclusive [low, high] range of per-request lengths for nominal `length`.
+
+    mode "inferencex": [floor(r*L), L] (InferenceX; r = 0.8 for the workload of record).
+    mode "vllm":       [floor(L*(1-r)), ceil(L*(1+r))] (upstream `--random-range-ratio`).
+    The low end is clamped to 1 so that no request asks for an empty prompt or output.
+    """
+    if mode not in RANGE_RATIO_MODES:
+        raise ValueError(f"range_ratio_mode must be one of {RANGE_RATIO_MODES}, got {mode!r}")
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if mode == "inferencex":
+        if not 0.0 <= range_ratio <= 1.0:
+            raise ValueError(
+                f"range_ratio must be in [0, 1] for mode 'inferencex', got {range_ratio}")
+        low, high = math.floor(range_ratio * length), length
+    else:
+        if not 0.0 <= range_ratio < 1.0:
+            raise ValueError(f"range_ratio must be in [0, 1) for mode 'vllm', got {range_ratio}")
+        low = math.floor(length * (1.0 - range_ratio))
+        high = math.ceil(length * (1.0 + range_ratio))
+    return max(low, 1), max(high, 1)
+
+
+def sample_lengths(num_requests: int, input_len: int, output_len: int, range_ratio: float,
+                   mode: str = "inferencex",
+                   seed: int = 0) -> tuple[list[int], list[int]]:
+    """Per-request (input_lens, output_lens), each uniform over its `length_bounds` range."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    in_low, in_high = length_bounds(input_len, range_ratio, mode)
+    out_low, out_high = length_bounds(output_len, range_ratio, mode)
+    rng = np.random.default_rng(seed)
+    input_lens = rng.integers(in_low, in_high + 1, size=num_requests)
+    output_lens = rng.integers(out_low, out_high + 1, size=num_requests)
+    return [int(n) for n in input_lens], [int(n) for n in output_lens]
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load a `tokenizers.Tokenizer` from a directory holding tokenizer.json, or from the file.
+
+    Raises ValueError naming the path when it cannot be loaded.
+    """
+    from tokenizers import Tokenizer
+
+    path = os.fspath(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as exc:  # noqa: BLE001 -- any failure means "not a usable tokenizer"
+        raise ValueError(f"cannot load tokenizer from {path!r}: {exc}") from exc
+
+
+class TokenizerView:
+    """Uniform encode/decode/vocabulary over a `tokenizers.Tokenizer` or any object with
+    encode/decode (e.g. a transformers tokenizer). Encoding never adds special tokens."""
+
+    def __init__(self, tokenizer: Any):
+        if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+            raise ValueError(f"tokenizer must have encode and decode, got {type(tokenizer)!r}")
+        self._tok = tokenizer
+        self.vocab_size = self._vocab_size(tokenizer)
+        special = self._special_ids(tokenizer)
+        allowed = np.setdiff1d(np.arange(self.vocab_size), np.array(sorted(special), dtype=int))
+        if allowed.size == 0:
+            raise ValueError("tokenizer has no non-special tokens to build prompts from")
+        self.allowed_ids = allowed  # [num_allowed]
+
+    @staticmethod
+    def _vocab_size(tok: Any) -> int:
+        if hasattr(tok, "get_vocab_size"):
+            return int(tok.get_vocab_size(with_added_tokens=True))
+        if hasattr(tok, "__len__"):
+            return len(tok)
+        if getattr(tok, "vocab_size", None) is not None:
+            return int(tok.vocab_size)
+        raise ValueError(f"cannot tell the vocabulary size of tokenizer {type(tok)!r}")
+
+    @staticmethod
+    def _special_ids(tok: Any) -> set[int]:
+        # Special tokens in a random prompt would turn into control tokens (EOS, roles) on the
+        # server side, so prompts are drawn from the ordinary vocabulary only.
+        if hasattr(tok, "get_added_tokens_decoder"):
+            return {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        return set(getattr(tok, "all_special_ids", []) or [])
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            out = self._tok.encode(text, add_special_tokens=False)
+        except TypeError:
+            out = self._tok.encode(text)
+        return list(out.ids) if hasattr(out, "ids") else list(out)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def build_prompt(view: TokenizerView, length: int, rng: np.random.Generator) -> tuple[str, int]:
+    """Text that re-tokenizes to about `length` tokens, and its actual token count.
+
+    Random ids are decoded, re-encoded, then trimmed or topped up with fresh random ids until
+    the round trip is stable at `length` (usually one or two rounds).
+    """
+    ids = list(rng.choice(view.allowed_ids, size=length))
+    for _ in range(_MAX_REFIT_ROUNDS):
+        text = view.decode(ids)
+        actual = view.encode(text)
+        if len(actual) == length:
+            return text, length
+        if len(actual) > length:
+            ids = actual[:length]
+        else:
+            ids = actual + list(rng.choice(view.allowed_ids, size=length - len(actual)))
+    text = view.decode(ids)
+    return text, len(view.encode(text))
+
+
+def sample_random_requests(tokenizer: Any, num_requests: int, input_len: int, output_len: int,
+                           range_ratio: float, range_ratio_mode: str = "inferencex",
+                           seed: int = 0) -> list[SampleRequest]:
+    """The random dataset: `num_requests` prompts of random tokens with sampled lengths.
+
+    Input and output lengths follow `length_bounds(.., range_ratio, range_ratio_mode)`; the same
+    arguments always give the same requests.
+    """
+    view = tokenizer if isinstance(tokenizer, TokenizerView) else TokenizerView(tokenizer)
+    input_lens, output_lens = sample_lengths(num_requests, input_len, output_len, range_ratio,
+                                             range_ratio_mode, seed)
+    # A separate stream for token ids keeps the lengths independent of prompt construction.
+    rng = np.random.default_rng([seed, 1])
+    requests = []
+    for n_in, n_out in zip(input_lens, output_lens):
+        prompt, prompt_len = build_prompt(view, n_in, rng)
+        requests.append(SampleRequest(prompt, prompt_len, n_out))
+    return requests
