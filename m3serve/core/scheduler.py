@@ -1,0 +1,319 @@
+"""The scheduler: decides each step which requests run and how many tokens each computes.
+
+One rule, no phases: every request's `num_computed_tokens` chases its token count (+ draft
+tokens) within the step's token budget. Running requests go first (decode, next prefill chunk),
+then waiting ones in arrival order (a long prompt is split across steps: chunked prefill). When
+the KV pool runs dry, the most recently admitted running request is preempted and recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from m3serve.config import SchedulerConfig
+from m3serve.core.kv_cache.manager import KVCacheManager, cdiv
+from m3serve.core.request import Request, RequestStatus
+from m3serve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                           NewRequestData, SchedulerOutput)
+
+
+class Scheduler:
+    """Plain CPU scheduler; its only product is a `SchedulerOutput` per step.
+
+    Call `update_from_output` with the worker's result of each `schedule()` before the next one.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
+                 max_model_len: int):
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.config = scheduler_config
+        self.kv_manager = kv_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the tail is preempted first
+        # Finished/aborted since the last schedule(); reported once so the worker drops them.
+        self.finished_req_ids: set[str] = set()
+        # req_id -> how many of the request's tokens the worker has been sent.
+        self._num_tokens_sent: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- admission and abort
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it is malformed or could never be served."""
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request_id {req_id!r} is already in the scheduler")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {req_id!r}: prompt_token_ids is empty")
+        if num_prompt + 1 > self.max_model_len:
+            raise ValueError(f"request {req_id!r}: prompt length {num_prompt} + 1 generated token "
+                             f"exceeds max_model_len {self.max_model_len}")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        max_total = self.max_model_len if max_tokens is None else num_prompt + max_tokens
+        # The last sampled token is never fed back, so KV is needed for one token less.
+        max_kv_tokens = min(max_total, self.max_model_len) - 1
+        num_blocks_needed = cdiv(max_kv_tokens, self.kv_manager.block_size)
+        if num_blocks_needed > self.kv_manager.num_usable_blocks:
+            raise ValueError(
+                f"request {req_id!r}: up to {max_kv_tokens} tokens of KV need {num_blocks_needed} "
+                f"blocks of {self.kv_manager.block_size} tokens, but the KV pool has only "
+                f"{self.kv_manager.num_usable_blocks} blocks")
+        request.status = RequestStatus.WAITING
+        self.requests[req_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids) -> None:
+        """Abort requests in any state and free their blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        to_abort = {rid for rid in request_ids if rid in self.requests}
+        if not to_abort:
+            return
+        self.running = [r for r in self.running if r.request_id not in to_abort]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in to_abort)
+        for rid in to_abort:
+            self._finish(self.requests[rid], RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        # The caller has already taken the request out of running/waiting.
+        request.status = status
+        self.kv_manager.free(request)
+        del self.requests[request.request_id]
+        self._num_tokens_sent.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        # The caller has already taken the request out of running.
+        self.kv_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """True while finished ids wait to be reported to the worker by the next schedule()."""
+        return bool(self.finished_req_ids)
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        """Spend the step's token budget: running requests first, then waiting ones.
+
+        May return an empty step (no tokens) that only reports finished_req_ids.
+        """
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData.make_empty()
+        preempted: set[str] = set()
+        scheduled: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_spec, self.max_model_len)
+            num_new = min(num_new - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_block_ids = self.kv_manager.allocate_slots(request, num_new)
+                if new_block_ids is not None:
+                    break
+                # Preempted requests always come from the tail, past index i: never one that
+                # is already scheduled in this step, except possibly `request` itself.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break
+            num_spec = request.num_computed_tokens + num_new - request.num_tokens
+            if num_spec > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            self._add_cached(cached, request, new_block_ids, resumed=False)
+            num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+            i += 1
+
+        # A step that had to preempt is short of blocks; admitting now would only thrash.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+                hit_blocks, num_hit = [], 0  # hits would skip the positions that need logprobs
+            else:
+                hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            new_block_ids = self.kv_manager.allocate_slots(request, num_new, num_hit, hit_blocks)
+            if new_block_ids is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if request.status == RequestStatus.PREEMPTED:
+                self._add_cached(cached, request, self.kv_manager.get_block_ids(request.request_id),
+                                 resumed=True)
+            else:
+                request.num_cached_tokens = num_hit
+                new_reqs.append(NewRequestData(
+                    req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit))
+                self._num_tokens_sent[request.request_id] = request.num_prompt_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            scheduled.append(request)
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        # Advance now: the KV of these tokens is being written by this step.
+        for request in scheduled:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            request.spec_token_ids = []
+        return output
+
+    def _add_cached(self, cached: CachedRequestData, request: Request, new_block_ids: list[int],
+                    resumed: bool) -> None:
+        num_sent = self._num_tokens_sent[request.request_id]
+        cached.req_ids.append(request.request_id)
+        cached.resumed_from_preemption.append(resumed)
+        cached.new_token_ids.append(request.all_token_ids[num_sent:])
+        cached.new_block_ids.append(new_block_ids)
+        cached.num_computed_tokens.append(request.num_computed_tokens)
+        self._num_tokens_sent[request.request_id] = request.num_tokens
+
+    # ---------------------------------------------------------------- results of one step
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, cache full blocks, free finished requests."""
+        index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        finished: set[str] = set()
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted (or preempted) after it was scheduled
+            if req_id not in index:
+                raise RuntimeError(f"model runner output lacks scheduled request {req_id!r}")
+            i = index[req_id]
+            new_token_ids: list[int] = []
+            # A partial prefill chunk has no next token yet: its sample is discarded.
+            if request.num_computed_tokens >= request.num_tokens:
+                sampled = model_runner_output.sampled_token_ids[i]
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+                if not 1 <= len(sampled) <= len(drafts) + 1:
+                    raise RuntimeError(f"request {req_id!r}: {len(sampled)} sampled tokens for "
+                                       f"{len(drafts)} drafts")
+                # Rejected drafts' KV is stale; recompute from the first rejected position.
+                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                for token_id in sampled:
+                    request.append_output_token_ids([token_id])
+                    new_token_ids.append(token_id)
+                    status = self._check_stop(request, token_id)
+                    if status is not None:
+                        request.status = status
+                        break
+            self.kv_manager.cache_blocks(request, request.num_computed_tokens)
+
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if new_token_ids or request.is_finished or prompt_logprobs is not None:
+                logprobs = None
+                if new_token_ids and model_runner_output.logprobs is not None:
+                    logprobs = model_runner_output.logprobs[i]
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=new_token_ids,
+                    finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                    new_logprobs=logprobs, new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=request.num_cached_tokens))
+            if request.is_finished:
+                finished.add(req_id)
+
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+            for req_id in finished:
+                request = self.requests[req_id]
+                self._finish(request, request.status)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Stop rules after appending `token_id`; sets stop_reason for a user stop token.
+
+        Extra EOS ids the engine put in `sampling_params.all_stop_token_ids` (if that attribute
+        exists) stop like the EOS token. max_tokens None means "until max_model_len".
+        """
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in getattr(params, "all_stop_token_ids", ()):
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---------------------------------------------------------------- checks
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if queues, statuses and KV block ownership disagree."""
+        problems = []
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        if len(set(running_ids + waiting_ids)) != len(running_ids) + len(waiting_ids):
+            problems.append(f"a request is queued twice: running={running_ids} waiting={waiting_ids}")
+        if set(running_ids + waiting_ids) != set(self.requests):
+            problems.append("running + waiting differ from the known requests")
+        if len(self.running) > self.config.max_num_seqs:
+            problems.append(f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}")
+        for r in self.running:
+            if r.status != RequestStatus.RUNNING:
+                problems.append(f"{r!r} is in running")
+        for r in self.waiting:
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                problems.append(f"{r!r} is in waiting")
+        holders = set(self.kv_manager.request_ids)
+        if not holders <= set(running_ids):
+            problems.append(f"non-running requests hold blocks: {sorted(holders - set(running_ids))}")
+        if problems:
+            raise RuntimeError("scheduler integrity check failed:\n  " + "\n  ".join(problems))
+        self.kv_manager.check_integrity()

@@ -1,0 +1,120 @@
+"""The data that crosses between the scheduler and the worker, and back out of the engine core.
+
+`SchedulerOutput` is the only thing the worker learns about a step; it is a diff against the
+worker's persistent per-request state. `ModelRunnerOutput` is what the worker returns, and
+`EngineCoreOutput` is what the core emits per request after applying it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has never seen (first admission)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    """The full prompt. The worker keeps it as the start of the request's token list."""
+    sampling_params: Any
+    """Passed through untouched; the worker's sampler interprets it."""
+    block_ids: list[int]
+    """The request's whole block list (shared by every cache group): block_ids[b] holds logical
+    positions [b*block_size, (b+1)*block_size). Includes prefix-hit blocks."""
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache before this step (prefix hit), a multiple of
+    block_size. This step computes positions [num_computed_tokens, + num_scheduled_tokens)."""
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already knows, as parallel lists indexed like `req_ids`."""
+
+    req_ids: list[str]
+    resumed_from_preemption: list[bool]
+    """True if the request was preempted earlier and is scheduled again. The worker kept its
+    token list but dropped its block table: `new_block_ids` then REPLACES the block list, and its
+    KV is recomputed from `num_computed_tokens` (a prefix-hit count, usually 0)."""
+    new_token_ids: list[list[int]]
+    """Tokens appended to the request since the worker last heard of it (the sampled tokens the
+    scheduler accepted). The worker appends them to its token list; together with the prompt this
+    is always the request's full token list as the scheduler sees it."""
+    new_block_ids: list[list[int] | None]
+    """Blocks to append to the request's block list this step (None or [] = none), or the full
+    replacement list when resumed_from_preemption is True."""
+    num_computed_tokens: list[int]
+    """Tokens with KV in the cache before this step; this step computes
+    [num_computed_tokens, + num_scheduled_tokens) of the token list (+ draft tokens)."""
+
+    @classmethod
+    def make_empty(cls) -> "CachedRequestData":
+        return cls([], [], [], [], [])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One engine step: which requests run, how many tokens each, and what changed."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    """Requests scheduled for the first time."""
+    scheduled_cached_reqs: CachedRequestData
+    """Requests the worker knows: continuing (decode or the next prefill chunk) or resumed."""
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> tokens computed this step (including draft tokens), for every scheduled request.
+    A request whose computed count stays below its token count after this step is a partial
+    prefill chunk: the worker still returns a sampled token for it, which the scheduler discards."""
+    total_num_scheduled_tokens: int
+    """Sum of num_scheduled_tokens; at most max_num_batched_tokens."""
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    """req_id -> draft tokens to verify this step (they are the last tokens scheduled for that
+    request); absent for requests without drafts."""
+    finished_req_ids: set[str]
+    """Requests that finished or were aborted since the previous step; the worker drops all state
+    of them. Their blocks are already free."""
+    preempted_req_ids: set[str]
+    """Requests preempted in this step; the worker removes them from its batch and forgets their
+    block ids, but keeps their tokens for a later resume."""
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker returns for one step, one entry per scheduled request."""
+
+    req_ids: list[str]
+    """The scheduled requests, in the worker's batch order."""
+    sampled_token_ids: list[list[int]]
+    """Per request: the sampled token (one), or with drafts the accepted drafts plus the bonus
+    token (1..num_drafts+1). Reported for partial prefill chunks too; the scheduler drops those."""
+    logprobs: list[object | None] | None = None
+    """Per request, opaque to the scheduler and passed through to the EngineCoreOutput."""
+    prompt_logprobs: dict[str, object] = field(default_factory=dict)
+    """req_id -> prompt logprobs of this step's chunk; opaque, passed through."""
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news after a step: tokens accepted and, if it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    """"stop" | "length" | "abort", or None while the request continues."""
+    stop_reason: int | str | None
+    """The stop token id that ended the request (None for EOS or length)."""
+    new_logprobs: object | None = None
+    new_prompt_logprobs: object | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at admission."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
