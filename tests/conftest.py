@@ -1,10 +1,16 @@
 """Shared test fixtures: the tiny checkpoint (written once per session), transformers reference
 fixtures built from it, and the gpu marker."""
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run under the interpreter on machines without a GPU; this must be set before
+# triton is first imported anywhere in the test process.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
 
