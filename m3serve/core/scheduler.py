@@ -36,6 +36,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # req_id -> how many of the request's tokens the worker has been sent.
         self._num_tokens_sent: dict[str, int] = {}
+        self.num_preemptions = 0  # over the scheduler's lifetime (metrics, tests)
 
     # ---------------------------------------------------------------- admission and abort
 
@@ -93,6 +94,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ---------------------------------------------------------------- queries

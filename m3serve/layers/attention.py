@@ -30,6 +30,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     Returns [T, H, D] in q's dtype; softmax in fp32.
     """
     T, H, D = q.shape
+    # fp64 on CPU: per-query results independent of how many queries share the call
+    acc = torch.float64 if q.device.type == "cpu" else torch.float32
     G = kv_cache.shape[3]
     group_of_head = torch.arange(H, device=q.device) // (H // G)
     k_flat = kv_cache[0].reshape(-1, G, D)
@@ -41,8 +43,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             continue
         L = meta.seq_lens_cpu[r]
         slots = context_slots(meta, r)
-        k = k_flat[slots].float()[:, group_of_head]                          # [L, H, D]
-        v = v_flat[slots].float()[:, group_of_head]
+        k = k_flat[slots].to(acc)[:, group_of_head]                          # [L, H, D]
+        v = v_flat[slots].to(acc)[:, group_of_head]
         q_pos = torch.arange(L - (qe - qs), L, device=q.device)              # [Tq]
         key_pos = torch.arange(L, device=q.device)
         allowed = (key_pos[None, :] <= q_pos[:, None])[:, None, :]           # [Tq, 1, L]
@@ -51,7 +53,7 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             sel = block_ids[qs:qe]                                           # [Tq, G, topk]
             in_sel = (key_block[None, None, :, None] == sel[:, :, None, :]).any(-1)  # [Tq, G, L]
             allowed = allowed & in_sel[:, group_of_head]                      # [Tq, H, L]
-        scores = torch.einsum("thd,lhd->thl", q[qs:qe].float(), k) * scale
+        scores = torch.einsum("thd,lhd->thl", q[qs:qe].to(acc), k) * scale
         scores = scores.masked_fill(~allowed, -math.inf)
         out[qs:qe] = torch.einsum("thl,lhd->thd", torch.softmax(scores, -1), v).to(q.dtype)
     return out

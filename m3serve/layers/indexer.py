@@ -20,18 +20,20 @@ def index_topk_ref(iq: torch.Tensor, index_cache: torch.Tensor, meta, topk: int,
     bs = meta.block_size
     out = torch.full((T, Hi, topk), -1, dtype=torch.long, device=iq.device)
     flat = index_cache.reshape(-1, index_cache.shape[-1])
+    # fp64 on CPU: per-query scores independent of how many queries share the call
+    acc = torch.float64 if iq.device.type == "cpu" else torch.float32
     for r in range(meta.num_reqs):
         qs, qe = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
         if qe == qs:
             continue
         L = meta.seq_lens_cpu[r]
         n_blocks = -(-L // bs)
-        keys = flat[context_slots(meta, r)].float()                          # [L, Di]
+        keys = flat[context_slots(meta, r)].to(acc)                          # [L, Di]
         q_pos = torch.arange(L - (qe - qs), L, device=iq.device)             # [Tq]
-        scores = torch.einsum("thd,ld->thl", iq[qs:qe].float(), keys)         # [Tq, Hi, L]
+        scores = torch.einsum("thd,ld->thl", iq[qs:qe].to(acc), keys)         # [Tq, Hi, L]
         future = torch.arange(L, device=iq.device)[None, None, :] > q_pos[:, None, None]
         scores = scores.masked_fill(future, -math.inf)
-        padded = torch.full((qe - qs, Hi, n_blocks * bs), -math.inf, device=iq.device)
+        padded = torch.full((qe - qs, Hi, n_blocks * bs), -math.inf, dtype=acc, device=iq.device)
         padded[..., :L] = scores
         block_scores = padded.view(qe - qs, Hi, n_blocks, bs).amax(-1)       # [Tq, Hi, nb]
         own = q_pos // bs

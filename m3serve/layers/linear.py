@@ -15,6 +15,19 @@ from torch import nn
 from m3serve.distributed import TPInfo
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T in x's dtype.
+
+    On CPU (the reference backend) it accumulates in fp64 and rounds once: BLAS picks different
+    kernels for different row counts, so an fp32 product of one row would depend on how many rows
+    share the batch. Rounded from fp64, a row's result is the same however the batch is cut, which
+    makes chunked prefill, prefix-cache hits and batching bit-identical to a one-shot run.
+    """
+    if x.device.type == "cpu":
+        return F.linear(x.double(), weight.double()).to(x.dtype)
+    return F.linear(x, weight)
+
+
 def attach_loader(param: nn.Parameter, loader, required_shards) -> nn.Parameter:
     param.weight_loader = loader
     param.required_shards = frozenset(required_shards)
@@ -55,7 +68,7 @@ class ReplicatedLinear(nn.Module):
                                     replicated_loader, [None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -80,7 +93,7 @@ class MergedColumnParallelLinear(nn.Module):
         param.data[start:start + n].copy_(full[self.tp.rank * n:(self.tp.rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class QKVParallelLinear(nn.Module):
@@ -122,7 +135,7 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: [T, hidden] -> one tensor per section, [T, local_heads * size] each."""
-        return list(F.linear(x, self.weight).split(self.output_sizes, dim=-1))
+        return list(linear(x, self.weight).split(self.output_sizes, dim=-1))
 
 
 class RowParallelLinear(nn.Module):
@@ -146,5 +159,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full[:, r * self.in_local:(r + 1) * self.in_local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         return self.tp.all_reduce(y) if self.reduce_results else y

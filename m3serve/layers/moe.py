@@ -12,13 +12,13 @@ from torch import nn
 from m3serve.distributed import TPInfo
 from m3serve.layers.activation import swiglu_oai
 from m3serve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, attach_loader,
-                                   check_shape, make_param, replicated_loader)
+                                   check_shape, linear, make_param, replicated_loader)
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H] -> (weights [T, K] fp32 incl. the routed scaling factor, expert ids [T, K])."""
-    scores = torch.sigmoid(x.float() @ gate_weight.float().t())            # [T, E]
+    scores = torch.sigmoid(linear(x.float(), gate_weight.float()))         # [T, E]
     ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices          # [T, K]
     w = scores.gather(1, ids)
     return w / w.sum(-1, keepdim=True) * scale, ids
@@ -37,7 +37,7 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         if not 0 <= e < w13.shape[0]:
             continue
         tok, slot = torch.nonzero(local == e, as_tuple=True)
-        h = swiglu_oai(x[tok] @ w13[e].t(), alpha, limit) @ w2[e].t()       # [n, H]
+        h = linear(swiglu_oai(linear(x[tok], w13[e]), alpha, limit), w2[e])  # [n, H]
         out.index_add_(0, tok, h.float() * weights[tok, slot, None])
     return out
 

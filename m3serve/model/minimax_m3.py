@@ -17,7 +17,7 @@ from torch import nn
 from m3serve.distributed import TPInfo
 from m3serve.layers.attention import Attention
 from m3serve.layers.attention_metadata import AttentionMetadata
-from m3serve.layers.linear import attach_loader, make_param, replicated_loader
+from m3serve.layers.linear import attach_loader, linear, make_param, replicated_loader
 from m3serve.layers.moe import MoE, DenseMLP
 from m3serve.layers.norm import RMSNorm
 from m3serve.layers.rotary import RotaryEmbedding
@@ -92,4 +92,4 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return m.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.lm_head.weight.t()).float()
+        return linear(hidden, self.lm_head.weight).float()

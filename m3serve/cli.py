@@ -1,0 +1,111 @@
+"""The `m3serve` command: generate | serve | bench serve | bench sweep | make-tiny.
+
+Engine flags are generated from the config dataclasses (`--max-num-seqs` <-> `max_num_seqs`),
+with vLLM's names, so the CLI, `LLM(**kwargs)` and the server accept the same options.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from m3serve.config import engine_fields
+
+_SHORT = {"tensor_parallel_size": ["-tp"]}
+
+
+def _flag_type(f: dataclasses.Field):
+    hint = f.type if not isinstance(f.type, str) else f.type
+    text = str(hint)
+    if "bool" in text:
+        return bool
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine")
+    for f in engine_fields():
+        if f.name in skip:
+            continue
+        names = ["--" + f.name.replace("_", "-")] + _SHORT.get(f.name, [])
+        kind = _flag_type(f)
+        if kind is bool:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            group.add_argument(*names, dest=f.name, type=kind, default=f.default,
+                               help=f"(default: {f.default})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
+
+
+def cmd_generate(args) -> int:
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed)
+    prompts = args.prompt or ["The quick brown fox"]
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        print(f"Prompt: {prompt!r}\nCompletion: {out.outputs[0].text!r}")
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from m3serve.model.tiny import make_tiny
+
+    path = make_tiny(args.dir, seed=args.seed)
+    print(f"wrote the tiny MiniMax-M3 checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="m3serve", description="Serve MiniMax-M3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions with the offline API and print them")
+    gen.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from m3serve.bench import serve as bench_serve, sweep as bench_sweep
+    bs = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    bench_serve.add_cli_args(bs)
+    bs.set_defaults(func=lambda a: (bench_serve.main(a), 0)[1])
+    bw = bench_sub.add_parser("sweep", help="concurrency sweep + tok/s/GPU vs tok/s/user chart")
+    bench_sweep.add_cli_args(bw)
+    bw.set_defaults(func=lambda a: (bench_sweep.main(a), 0)[1])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"m3serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The engine core: scheduler + KV cache manager + the executor (worker), stepped in a loop.
+
+`step()` schedules, runs the model once and returns per-request outputs. It holds no tokenizer
+and no text: detokenization and stop strings live in the API process / offline front end.
+"""
+from __future__ import annotations
+
+import logging
+
+from m3serve.config import EngineConfig
+from m3serve.core.kv_cache.manager import KVCacheManager
+from m3serve.core.request import Request
+from m3serve.core.scheduler import Scheduler
+from m3serve.core.scheduler_output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor):
+        self.config = config
+        self.executor = executor
+        cfg = executor.model_config
+        self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}")
+        self.kv_manager = KVCacheManager(executor.num_blocks, executor.block_size,
+                                         enable_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
