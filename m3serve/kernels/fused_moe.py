@@ -1,0 +1,525 @@
+"""Fused MoE for MiniMax-M3 in Triton: sigmoid top-k routing, token alignment by expert, and two
+grouped GEMMs (gate_up with SwiGLU-OAI in the epilogue; down with the routing weight and the sum
+over the chosen experts in the epilogue). bf16 weights, or FP8 e4m3 weights with per-output-channel
+scales and per-token dynamic activation scales (spec §8.3). The shared expert runs as one more,
+always-selected expert with weight 1.0.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+# Floor of a per-token activation scale, so an all-zero row quantises to zeros instead of NaN.
+FP8_MIN_SCALE = 1e-12
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+              routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with a selection-only correction bias (spec §3.7).
+
+    x: [T, H]; gate_weight: [E, H] fp32; bias: [E] fp32.
+    Returns (weights [T, K] fp32, renormalised over the chosen experts and multiplied by
+    routed_scaling_factor; ids [T, K] int32).
+    """
+    if top_k < 1 or top_k > gate_weight.shape[0]:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={gate_weight.shape[0]}]")
+    scores = torch.sigmoid(x.float() @ gate_weight.float().t())           # [T, E]
+    ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices         # [T, K]
+    weights = scores.gather(1, ids)                                         # [T, K]
+    weights = weights / weights.sum(-1, keepdim=True) * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+@triton.jit
+def _slot_of(ids_ptr, idx, num_pairs, num_choices, top_k, first_expert, num_experts,
+             HAS_SHARED: tl.constexpr, DROP: tl.constexpr):
+    """Expert slot of flat pair idx = t * num_choices + k: ids[t, k] - first_expert when this
+    rank owns it, num_experts for the shared choice k == top_k, DROP otherwise."""
+    in_range = idx < num_pairs
+    token = idx // num_choices
+    choice = idx % num_choices
+    routed = in_range & (choice < top_k)
+    local = tl.load(ids_ptr + token * top_k + choice, mask=routed, other=0) - first_expert
+    slot = tl.where(routed & (local >= 0) & (local < num_experts), local, DROP)
+    if HAS_SHARED:
+        slot = tl.where(in_range & (choice == top_k), num_experts, slot)
+    return slot
+
+
+@triton.jit
+def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
+                       num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
+                       num_blocks, block_m,
+                       HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                       BLOCK_B: tl.constexpr):
+    """Single program: per-slot counts, padded run offsets (-> cursor), block -> expert map,
+    padded length, and sorted_ids filled with the padding value."""
+    counts = tl.zeros((BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        slot = _slot_of(ids_ptr, start + tl.arange(0, BLOCK), num_pairs, num_choices, top_k,
+                        first_expert, num_experts, HAS_SHARED, BINS - 1)
+        counts += tl.histogram(slot, BINS)
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < num_slots, counts, 0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded)
+    total = tl.sum(padded, 0)
+    tl.store(num_post_ptr, total)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        first_row = blocks * block_m
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(first_row < total, expert, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+    for p0 in range(0, num_blocks * block_m, BLOCK):
+        pos = p0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ids_ptr + pos, tl.full((BLOCK,), 0, tl.int32) + num_pairs,
+                 mask=pos < num_blocks * block_m)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, num_choices, top_k,
+                          first_expert, num_experts, num_slots,
+                          HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """Each pair takes the next free position of its slot's run (order within a run is free)."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = _slot_of(ids_ptr, idx, num_pairs, num_choices, top_k, first_expert, num_experts,
+                    HAS_SHARED, BINS - 1)
+    keep = slot < num_slots
+    pos = tl.atomic_add(cursor_ptr + slot, 1, mask=keep, sem="relaxed")
+    tl.store(sorted_ids_ptr + pos, idx, mask=keep)
+
+
+def max_aligned_blocks(num_pairs: int, num_slots: int, block_m: int) -> int:
+    """Upper bound on the blocks `moe_align` can produce for num_pairs (token, choice) pairs.
+
+    Each non-empty slot wastes less than one block, and at most min(slots, pairs) are non-empty.
+    """
+    return triton.cdiv(num_pairs, block_m) + min(num_slots, num_pairs)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, first_expert: int = 0,
+              shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group (token, choice) pairs by expert and pad each expert's run to a multiple of block_m.
+
+    ids: [T, K] global expert ids; this rank owns [first_expert, first_expert + num_experts),
+    other ids are dropped. shared_expert adds a choice k = K per token on slot num_experts, so
+    pairs are indexed t * K' + k with K' = K + 1 (K' = K without it).
+    Returns
+      sorted_ids [B * block_m] int32: pair indices, slot by slot (any order within a slot);
+          padding holds T * K';
+      expert_ids_per_block [B] int32: the slot of each block, -1 past the padded end;
+      num_tokens_post_pad [1] int32: the padded length in use.
+    B = max_aligned_blocks(T * K', slots, block_m), fixed by shapes, so the call can sit in a
+    CUDA graph. Two launches: a one-program plan, then an atomic scatter.
+    """
+    if block_m < 1:
+        raise ValueError(f"block_m={block_m} must be >= 1")
+    num_tokens, top_k = ids.shape
+    num_choices = top_k + int(shared_expert)
+    num_slots = num_experts + int(shared_expert)
+    num_pairs = num_tokens * num_choices
+    num_blocks = max_aligned_blocks(num_pairs, num_slots, block_m)
+    device = ids.device
+    ids = ids.contiguous()
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_slots + 1)  # the last bin collects dropped pairs
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        num_post.zero_()
+        return sorted_ids, block_expert, num_post
+    args = (first_expert, num_experts, num_slots)
+    _align_plan_kernel[(1,)](ids, sorted_ids, block_expert, num_post, cursor, num_pairs,
+                             num_choices, top_k, *args, num_blocks, block_m,
+                             HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, BLOCK_B=32,
+                             num_warps=4)
+    _align_scatter_kernel[(triton.cdiv(num_pairs, 1024),)](
+        ids, sorted_ids, cursor, num_pairs, num_choices, top_k, *args,
+        HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, num_warps=4)
+    return sorted_ids, block_expert, num_post
+
+
+def _config(block_m, block_n, block_k, group_m, num_warps, num_stages) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m,
+            "num_warps": num_warps, "num_stages": num_stages}
+
+
+def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False) -> dict:
+    """Tile config for one grouped GEMM (no autotuning: a small table by regime).
+
+    M: average rows per routed expert (T * top_k / E); N: output columns the GEMM tiles (I for
+    gate_up, H for down); K: reduction size; dtype: weight dtype; gate_up: the tile holds a gate
+    and an up accumulator, so the wide prefill tiles halve BLOCK_N. BLOCK_M depends on M only,
+    because both GEMMs share one alignment. Decode (few rows per expert) is weight-bandwidth
+    bound: a 16-row tile, long K steps and deep pipelining; prefill is compute bound: 64/128-row
+    tiles in L2-friendly groups.
+    """
+    if _INTERPRET:
+        return _config(16, 32, 32, 1, 4, 1)
+    fp8 = dtype == torch.float8_e4m3fn
+    if M <= 16:
+        cfg = _config(16, 64, 256 if fp8 else 128, 1, 4, 4)
+    elif M <= 48:
+        cfg = _config(32, 64, 256 if fp8 else 128, 4, 4, 4)
+    elif M <= 192:
+        cfg = _config(64, 128, 128 if fp8 else 64, 8, 4, 4)
+    else:
+        cfg = _config(128, 128, 128 if fp8 else 64, 8, 8, 3)
+    if gate_up and cfg["BLOCK_M"] >= 64:
+        cfg["BLOCK_N"] //= 2
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(N)))
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(K)))
+    return cfg
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """Round fp32 to the nearest e4m3 value in fp32 arithmetic (then the cast is exact).
+
+    The interpreter's fp32 -> e4m3 cast drops the carry into the exponent (124.3 -> 64), so
+    under TRITON_INTERPRET the rounding is done here; GPUs use the hardware cast.
+    """
+    mag = tl.abs(v)
+    exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(mag, 1e-30))), -6.0)  # subnormals: 2^-9 step
+    step = tl.exp2(exponent - 3.0)
+    rounded = tl.floor(mag / step + 0.5) * step
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, min_scale,
+                       BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """One program per row: s = max(amax / 448, min_scale), q = e4m3(x / s)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, min_scale)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    if SOFT_ROUND:
+        q = _round_to_e4m3_grid(q)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quant_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic FP8 quantisation. x: [R, C] -> (e4m3 [R, C], scales [R] fp32)."""
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(cols)
+        _quant_rows_kernel[(rows,)](x, q, s, cols, x.stride(0), q.stride(0), FP8_MIN_SCALE,
+                                    BLOCK=block, SOFT_ROUND=_INTERPRET,
+                                    num_warps=8 if block >= 2048 else 4)
+    return q, s
+
+
+@triton.jit
+def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row blocks (mostly the same few experts) sweep the N tiles
+    together, so an expert's weight tile and the gathered activation rows are reused from L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, h_ptr,
+        sorted_ids_ptr, block_expert_ptr, num_post_ptr, num_pid_m, num_pid_n,
+        num_rows, num_choices, hidden, inter, inter_shared, num_experts,
+        stride_xt, stride_we, stride_wn, stride_wsn, stride_se, stride_h,
+        alpha, limit,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
+        UPCAST: tl.constexpr):
+    """h[p, n] = SwiGLU-OAI(x[t] . w13[e, n], x[t] . w13[e, I_e + n]) for one [BLOCK_M, BLOCK_N]
+    tile of expert e's aligned rows p, each holding pair t * K' + k (K' = num_choices)."""
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    if expert == num_experts:
+        w_base = ws_ptr
+        scale_base = ws_scale_ptr
+        stride_n = stride_wsn
+        n_inter = inter_shared
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        scale_base = w_scale_ptr + expert.to(tl.int64) * stride_se
+        stride_n = stride_wn
+        n_inter = inter
+    if pid_n * BLOCK_N >= n_inter:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rows < num_rows
+    tokens = (rows // num_choices).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_n + offs_k[:, None]
+    u_ptrs = g_ptrs + n_inter.to(tl.int64) * stride_n
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(hidden, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < hidden - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if USE_FP8:
+        sx = tl.load(x_scale_ptr + tokens, mask=row_ok, other=0.0)
+        sg = tl.load(scale_base + offs_n, mask=n_ok, other=0.0)
+        su = tl.load(scale_base + n_inter + offs_n, mask=n_ok, other=0.0)
+        acc_g = acc_g * sx[:, None] * sg[None, :]
+        acc_u = acc_u * sx[:, None] * su[None, :]
+    gate = tl.minimum(acc_g, limit)
+    up = tl.clamp(acc_u, -limit, limit)
+    h = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(
+        h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, out_ptr, weights_ptr,
+        sorted_ids_ptr, block_expert_ptr, num_post_ptr, num_pid_m, num_pid_n,
+        num_rows, num_choices, top_k, hidden, inter, inter_shared, num_experts,
+        stride_h, stride_we, stride_wn, stride_wsn, stride_se, stride_out,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
+        UPCAST: tl.constexpr, ATOMIC: tl.constexpr):
+    """y = routing_weight * (h[p] . w2[e, n]) for pair t * K' + k at aligned row p; ATOMIC adds
+    y into out[t, n] (fp32), otherwise stores it at out[t * K' + k, n] for a later sum over k.
+    The shared choice k == top_k has weight 1.0."""
+    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    if expert == num_experts:
+        w_base = ws_ptr
+        scale_base = ws_scale_ptr
+        stride_n = stride_wsn
+        k_inter = inter_shared
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        scale_base = w_scale_ptr + expert.to(tl.int64) * stride_se
+        stride_n = stride_wn
+        k_inter = inter
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rows < num_rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+    b_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_n + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(k_inter, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < k_inter - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if USE_FP8:
+        sh = tl.load(h_scale_ptr + offs_m)
+        sw = tl.load(scale_base + offs_n, mask=n_ok, other=0.0)
+        acc = acc * sh[:, None] * sw[None, :]
+    tokens = rows // num_choices
+    choice = rows % num_choices
+    routed = row_ok & (choice < top_k)
+    route_w = tl.load(weights_ptr + tokens * top_k + choice, mask=routed, other=1.0)
+    acc = acc * route_w[:, None]
+    mask = row_ok[:, None] & n_ok[None, :]
+    if ATOMIC:
+        tokens = tokens.to(tl.int64)
+        out_ptrs = out_ptr + tokens[:, None] * stride_out + offs_n[None, :]
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared):
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got x {tuple(x.shape)}, "
+                         f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape[1] != hidden or two_inter % 2 or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"inconsistent shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if weights.shape != ids.shape or weights.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
+                         f"[T={x.shape[0]}, K]")
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8 != (w2.dtype == torch.float8_e4m3fn) or fp8 != (w13_scale is not None) \
+            or fp8 != (w2_scale is not None):
+        raise ValueError(f"w13 {w13.dtype} / w2 {w2.dtype}: FP8 weights need both w13_scale and "
+                         f"w2_scale, bf16 weights neither")
+    if fp8 and (w13_scale.shape != (num_experts, two_inter)
+                or w2_scale.shape != (num_experts, hidden)):
+        raise ValueError(f"w13_scale {tuple(w13_scale.shape)} must be [E, 2I] and w2_scale "
+                         f"{tuple(w2_scale.shape)} [E, H]")
+    if shared is not None:
+        if len(shared) != (4 if fp8 else 2):
+            raise ValueError(f"shared must be (w13, w2) or, for FP8, (w13, w2, w13_scale, "
+                             f"w2_scale); got {len(shared)} tensors")
+        s13, s2 = shared[0], shared[1]
+        if s13.dim() != 2 or s13.shape[1] != hidden or s13.shape[0] % 2 \
+                or s2.shape != (hidden, s13.shape[0] // 2):
+            raise ValueError(f"shared w13 {tuple(s13.shape)} must be [2I_s, H={hidden}] and w2 "
+                             f"{tuple(s2.shape)} [H, I_s]")
+        if s13.dtype != w13.dtype or s2.dtype != w2.dtype:
+            raise ValueError(f"shared weights {s13.dtype}/{s2.dtype} must match the experts' "
+                             f"{w13.dtype}/{w2.dtype}")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
+              shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
+              first_expert: int = 0, reduce: str = "atomic",
+              config: dict | None = None) -> torch.Tensor:
+    """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]) (+ Shared(x[t])) for every token t.
+
+    x: [T, H] bf16 (fp16/fp32 also accepted); w13: [E, 2I, H], gate rows then up rows (not
+    interleaved); w2: [E, H, I]; weights: [T, K] fp32 (already scaled by the routing factor);
+    ids: [T, K] int, global expert ids; this call owns experts [first_expert, first_expert + E),
+    other ids are skipped (experts split across ranks).
+    FP8: w13/w2 float8_e4m3fn with w13_scale [E, 2I] and w2_scale [E, H] fp32 (one scale per
+    output row); activations are quantised per row on the fly.
+    shared: (w13_s [2I_s, H], w2_s [H, I_s]) (+ (w13_s_scale [2I_s], w2_s_scale [H]) for FP8),
+    run as an extra expert with weight 1.0.
+    out: optional [T, H] result tensor of any float dtype (an fp32 one receives the unrounded sum).
+    reduce: "atomic" (fp32 atomic adds into [T, H]) or "sum" (write [T, K(+1), H], then sum).
+    config: a `get_config`-style dict overriding the tile choice for both GEMMs (benchmarks).
+    Returns out, or a new [T, H] tensor in x's dtype.
+    """
+    _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared)
+    if reduce not in ("atomic", "sum"):
+        raise ValueError(f"reduce={reduce!r} must be 'atomic' or 'sum'")
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    elif out.shape != (num_tokens, hidden):
+        raise ValueError(f"out {tuple(out.shape)} must be [T={num_tokens}, H={hidden}]")
+    if num_tokens == 0:
+        return out
+    fp8 = w13.dtype == torch.float8_e4m3fn
+
+    route_w = weights.float().contiguous()                                  # [T, K]
+    top_k = ids.shape[1]
+    inter_shared = inter
+    if shared is not None:
+        ws13, ws2 = shared[0].contiguous(), shared[1].contiguous()
+        inter_shared = ws13.shape[0] // 2
+    else:
+        ws13, ws2 = w13, w2
+    num_choices = top_k + int(shared is not None)
+    num_rows = num_tokens * num_choices
+    inter_max = max(inter, inter_shared)
+
+    m_avg = triton.cdiv(num_tokens * top_k, num_experts)
+    cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, w13.dtype, True)
+    cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, w13.dtype)
+    block_m = cfg1["BLOCK_M"]
+    sorted_ids, block_expert, num_post = moe_align(ids, num_experts, block_m,
+                                                   first_expert=first_expert,
+                                                   shared_expert=shared is not None)
+    num_blocks = block_expert.shape[0]
+    num_padded = num_blocks * block_m
+
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    x = x.contiguous()
+    if fp8:
+        xq, x_scale = quant_rows_fp8(x)                                     # [T, H], [T]
+        s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+        ss13 = shared[2].float().contiguous() if shared is not None else s13
+        ss2 = shared[3].float().contiguous() if shared is not None else s2
+    else:
+        xq = x
+        x_scale = s13 = s2 = ss13 = ss2 = route_w  # placeholders: never read without FP8
+
+    h = torch.empty(num_padded, inter_max, dtype=x.dtype, device=x.device)  # [B*BM, I_max]
+    num_n1 = triton.cdiv(inter_max, cfg1["BLOCK_N"])
+    _gemm1_swiglu_kernel[(num_blocks * num_n1,)](
+        xq, x_scale, w13, s13, ws13, ss13, h, sorted_ids, block_expert, num_post,
+        num_blocks, num_n1, num_rows, num_choices, hidden, inter, inter_shared, num_experts,
+        xq.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), s13.stride(0), h.stride(0),
+        alpha, limit,
+        BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
+        GROUP_M=cfg1["GROUP_M"], EVEN_K=hidden % cfg1["BLOCK_K"] == 0, USE_FP8=fp8,
+        UPCAST=_INTERPRET, num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])
+
+    if fp8:
+        hq, h_scale = quant_rows_fp8(h)                                     # [B*BM, I_max], [B*BM]
+    else:
+        hq, h_scale = h, route_w
+    atomic = reduce == "atomic"
+    if atomic:
+        direct = out.dtype == torch.float32 and out.is_contiguous()
+        acc = out.zero_() if direct else torch.zeros(num_tokens, hidden, dtype=torch.float32,
+                                                      device=x.device)
+    else:
+        acc = torch.zeros(num_rows, hidden, dtype=torch.float32, device=x.device)  # [T*K', H]
+    num_n2 = triton.cdiv(hidden, cfg2["BLOCK_N"])
+    _gemm2_kernel[(num_blocks * num_n2,)](
+        hq, h_scale, w2, s2, ws2, ss2, acc, route_w, sorted_ids, block_expert, num_post,
+        num_blocks, num_n2, num_rows, num_choices, top_k, hidden, inter, inter_shared,
+        num_experts,
+        hq.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), s2.stride(0), acc.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=cfg2["BLOCK_K"],
+        GROUP_M=cfg2["GROUP_M"],
+        EVEN_K=inter % cfg2["BLOCK_K"] == 0 and inter_shared % cfg2["BLOCK_K"] == 0,
+        USE_FP8=fp8, UPCAST=_INTERPRET, ATOMIC=atomic, num_warps=cfg2["num_warps"],
+        num_stages=cfg2["num_stages"])
+    if not atomic:
+        out.copy_(acc.view(num_tokens, num_choices, hidden).sum(1))
+    elif acc is not out:
+        out.copy_(acc)
+    return out

@@ -1,0 +1,121 @@
+"""Triton Gemma RMSNorm (`x / rms(x) * (1 + w)`, fp32 inside) and the fused residual-add + norm
+used between decoder sub-layers. One program per row; the whole row lives in registers.
+
+Residual rounding (same as `ref/rmsnorm.py`): s = x + residual is formed in fp32 and stored
+rounded to the activation dtype; the norm reads the rounded sum.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROW = 65536  # one row must fit one program's registers
+
+
+def interpreting() -> bool:
+    """True when kernels run under Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 -> dtype, round to nearest even. The interpreter truncates fp32 -> bf16 and mis-rounds
+    fp32 -> e4m3 when the mantissa carries, so with EMULATE the value is first rounded to the
+    target precision in fp32 (the final cast is then exact). GPU code passes EMULATE=False."""
+    if EMULATE and dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    if EMULATE and dtype == tl.float8e4nv:
+        u = x.to(tl.uint32, bitcast=True)
+        normal = (u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000                 # 3 mantissa bits
+        a = tl.abs(x)
+        tiny = (a + 16384.0) - 16384.0                                        # multiple of 2^-9
+        x = tl.where(a < 0.015625, tl.where(x < 0, -tiny, tiny),
+                     normal.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     x_stride, res_stride, out_stride, res_out_stride, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+        s = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)  # like a bf16 add
+        tl.store(res_out_ptr + row * res_out_stride + cols, s, mask=mask)
+        x = s
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    rstd = tl.math.rsqrt(var + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xf * rstd * (1.0 + w)
+    tl.store(out_ptr + row * out_stride + cols, cast_rne(y, out_ptr.dtype.element_ty, EMULATE),
+             mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """View x as [rows, N] with a unit last stride (copies only when it must)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
+    N = x.shape[-1]
+    if weight.shape != (N,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({N},)")
+    if N > MAX_ROW:
+        raise ValueError(f"row width {N} > {MAX_ROW}")
+    return N
+
+
+def _launch(x2, r2, weight, out2, res_out2, eps, N):
+    BLOCK = triton.next_power_of_2(N)
+    num_warps = 4 if BLOCK <= 2048 else (8 if BLOCK <= 8192 else 16)
+    has_res = r2 is not None
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2 if has_res else x2, weight, out2, res_out2 if has_res else out2,
+        x2.stride(0), r2.stride(0) if has_res else 0, out2.stride(0),
+        res_out2.stride(0) if has_res else 0, N, eps,
+        HAS_RESIDUAL=has_res, BLOCK=BLOCK, EMULATE=interpreting(), num_warps=num_warps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim. x: [..., N] (unit last stride preferred); weight: [N]
+    (offset from 1). Returns a new contiguous [..., N] tensor in x's dtype."""
+    N = _check(x, weight)
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _launch(x2, None, weight, out.view(-1, N), None, eps, N)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual update + Gemma RMSNorm. x, residual: [..., N] same shape and dtype; weight: [N].
+
+    Returns (normed, new_residual), both new contiguous [..., N] tensors in x's dtype, with
+    new_residual = dtype(x + residual) and normed = rms_norm(new_residual).
+    """
+    N = _check(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    x2, r2 = _rows(x), _rows(residual)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _launch(x2, r2, weight, out.view(-1, N), new_res.view(-1, N), eps, N)
+    return out, new_res

@@ -1,0 +1,231 @@
+"""Fused MoE under the Triton interpreter (CPU, tiny shapes: H=64, I=32, E=8): routing, alignment,
+kernel == fused_moe_ref == the lead's layer ops, bf16-free dtypes (fp32/fp16) and FP8 weights."""
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests run only without a GPU", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from m3serve.kernels import fused_moe as fm
+from m3serve.kernels.fused_moe import fused_moe, moe_align, moe_route, quant_rows_fp8
+from m3serve.kernels.ref.fused_moe import (
+    fused_moe_ref,
+    moe_align_ref,
+    quant_rows_fp8_ref,
+    quant_weight_fp8,
+)
+from m3serve.layers.activation import swiglu_oai
+from m3serve.layers.moe import experts_ref, route
+
+H, I, E = 64, 32, 8
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _weights(seed, inter=I, inter_shared=I, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    # 0.3 keeps gate/up around +-3, so both clamps at 7 are exercised by the larger rows.
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.3).to(dtype)
+    shared = ((torch.randn(2 * inter_shared, H, generator=g) * 0.3).to(dtype),
+              (torch.randn(H, inter_shared, generator=g) * 0.3).to(dtype))
+    return w13, w2, shared
+
+
+def _routing(seed, num_tokens, top_k, experts=E, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(num_tokens, H, generator=g) * 1.5).to(dtype)
+    gate = torch.randn(experts, H, generator=g)
+    bias = torch.randn(experts, generator=g) * 0.1
+    weights, ids = moe_route(x, gate, bias, top_k, 2.0)
+    return x, weights, ids
+
+
+def _shared_mlp(x, shared):
+    """The lead's DenseMLP math: down(swiglu_oai(gate_up(x)))."""
+    return swiglu_oai(x @ shared[0].t(), ALPHA, LIMIT) @ shared[1].t()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17])
+def test_route_matches_layer_route(num_tokens):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16)
+    gate, bias = torch.randn(E, H, generator=g), torch.randn(E, generator=g)
+    weights, ids = moe_route(x, gate, bias, 4, 2.0)
+    ref_w, ref_ids = route(x, gate, bias, 4, 2.0)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+    torch.testing.assert_close(weights.sum(-1), torch.full((num_tokens,), 2.0))
+
+
+@pytest.mark.parametrize("num_tokens,top_k,block_m,first_expert,shared_expert", [
+    (1, 2, 16, 0, False), (3, 4, 4, 0, True), (17, 2, 16, 2, True), (64, 4, 8, 0, False),
+    (300, 4, 16, 0, True)])
+def test_align_layout(num_tokens, top_k, block_m, first_expert, shared_expert):
+    g = torch.Generator().manual_seed(num_tokens)
+    # Only a few experts and the out-of-range ids -1 and 9 appear: empty experts and drops.
+    choices = torch.tensor([0, 2, 3, 6, -1, 9])
+    ids = choices[torch.randint(0, len(choices), (num_tokens, top_k), generator=g)]
+    sorted_ids, block_expert, num_post = moe_align(ids.to(torch.int32), E, block_m,
+                                                   first_expert=first_expert,
+                                                   shared_expert=shared_expert)
+    ref_ids, ref_blocks, ref_post = moe_align_ref(ids, E, block_m, first_expert=first_expert,
+                                                  shared_expert=shared_expert)
+    assert torch.equal(block_expert, ref_blocks) and torch.equal(num_post, ref_post)
+    assert sorted_ids.shape == ref_ids.shape
+    num_choices = top_k + int(shared_expert)
+    slots = ids - first_expert
+    pos = 0
+    for e in range(E + int(shared_expert)):  # same members per run (order inside is free)
+        if e < E:
+            members = torch.nonzero(slots.reshape(-1) == e).flatten()
+            members = members // top_k * num_choices + members % top_k
+        else:
+            members = torch.arange(num_tokens) * num_choices + top_k
+        padded = -(-members.numel() // block_m) * block_m
+        run = sorted_ids[pos:pos + padded]
+        assert sorted(run[:members.numel()].tolist()) == members.tolist()
+        assert (run[members.numel():] == num_tokens * num_choices).all()
+        pos += padded
+    assert int(num_post) == pos and (sorted_ids[pos:] == num_tokens * num_choices).all()
+
+
+@pytest.mark.parametrize("num_tokens,top_k,dtype,use_shared,reduce", [
+    (1, 2, torch.float32, True, "atomic"),
+    (3, 4, torch.float32, False, "sum"),
+    (17, 2, torch.float16, True, "atomic"),
+    (64, 4, torch.float32, True, "sum"),
+    (64, 4, torch.float16, False, "atomic"),
+])
+def test_kernel_matches_ref(num_tokens, top_k, dtype, use_shared, reduce):
+    w13, w2, shared = _weights(2, dtype=dtype)
+    x, weights, ids = _routing(3, num_tokens, top_k, dtype=dtype)
+    shared = shared if use_shared else None
+    out = fused_moe(x, w13, w2, weights, ids, shared=shared, reduce=reduce)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, shared=shared)
+    assert out.dtype == dtype and out.shape == (num_tokens, H)
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_empty_experts_and_clamps():
+    """All tokens on experts 1 and 5 (six experts get no rows); big activations hit both clamps."""
+    w13, w2, shared = _weights(4)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(17, H, generator=g) * 4.0
+    ids = torch.tensor([[1, 5], [5, 1]] * 8 + [[1, 5]], dtype=torch.int32)
+    weights = torch.rand(17, 2, generator=g)
+    gate_up = x @ w13[1].t()
+    assert (gate_up[:, :I] > LIMIT).any() and (gate_up[:, I:] < -LIMIT).any()
+    out = fused_moe(x, w13, w2, weights, ids, shared=shared)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, shared=shared)
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_ref_matches_layer_ops(dtype, tol):
+    """fused_moe_ref == experts_ref + the shared DenseMLP math (bf16: the layer op rounds the
+    gate_up and expert outputs to bf16, the fused path keeps them fp32)."""
+    w13, w2, shared = _weights(6, dtype=dtype)
+    x, weights, ids = _routing(7, 33, 4, dtype=dtype)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, shared=shared)
+    layer = experts_ref(x, w13, w2, weights, ids.long(), 0, ALPHA, LIMIT)
+    layer = (layer + _shared_mlp(x, shared).float()).to(dtype)
+    assert _rel(ref, layer) < tol
+
+
+def test_kernel_matches_layer_ops_with_expert_slice():
+    """This rank owns experts 4..7 of 8; other ids are skipped, and none aliases the shared slot."""
+    w13, w2, shared = _weights(8)
+    x, weights, ids = _routing(9, 17, 4)
+    local13, local2 = w13[4:].contiguous(), w2[4:].contiguous()
+    out = fused_moe(x, local13, local2, weights, ids, shared=shared, first_expert=4)
+    layer = experts_ref(x, local13, local2, weights, ids.long(), 4, ALPHA, LIMIT)
+    assert _rel(out, layer + _shared_mlp(x, shared)) < 1e-5
+
+
+def test_shared_intermediate_differs():
+    """Shared expert sharded by TP (I_s = I / 2) while routed experts keep I."""
+    w13, w2, shared = _weights(10, inter_shared=I // 2)
+    x, weights, ids = _routing(11, 9, 2)
+    out = fused_moe(x, w13, w2, weights, ids, shared=shared)
+    ref = experts_ref(x, w13, w2, weights, ids.long(), 0, ALPHA, LIMIT) + _shared_mlp(x, shared)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_fp32_out_buffer_receives_sum():
+    w13, w2, shared = _weights(12, dtype=torch.float16)
+    x, weights, ids = _routing(13, 5, 2, dtype=torch.float16)
+    out = torch.full((5, H), float("nan"))
+    result = fused_moe(x, w13, w2, weights, ids, shared=shared, out=out)
+    assert result is out
+    assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids, shared=shared, out=out.clone())) < 1e-4
+
+
+def test_quant_rows_kernel_matches_ref():
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(6, 48, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    x[2] = 0.0
+    q, s = quant_rows_fp8(x)
+    ref_q, ref_s = quant_rows_fp8_ref(x)
+    assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)
+    assert (q[2].float() == 0).all() and torch.isfinite(s).all()
+    assert ((q.float() * s[:, None] - x).abs() <= x.abs().amax(1, keepdim=True) / 16).all()
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(3, 2), (17, 4)])
+def test_fp8_kernel_matches_ref(num_tokens, top_k):
+    w13, w2, shared = _weights(15)
+    x, weights, ids = _routing(16, num_tokens, top_k)
+    q13, s13 = quant_weight_fp8(w13)
+    q2, s2 = quant_weight_fp8(w2)
+    qs13, ss13 = quant_weight_fp8(shared[0])
+    qs2, ss2 = quant_weight_fp8(shared[1])
+    fp8_shared = (qs13, qs2, ss13, ss2)
+    out = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, shared=fp8_shared)
+    ref = fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, shared=fp8_shared)
+    assert _rel(out, ref) < 1e-5
+    # Quantisation error against the unquantised weights stays at the e4m3 level.
+    assert _rel(ref, fused_moe_ref(x, w13, w2, weights, ids, shared=shared)) < 0.1
+
+
+def test_bad_inputs_raise():
+    w13, w2, shared = _weights(17)
+    x, weights, ids = _routing(18, 3, 2)
+    with pytest.raises(ValueError, match="w13_scale"):
+        fused_moe(x, w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn), weights, ids)
+    with pytest.raises(ValueError, match="weights"):
+        fused_moe(x, w13, w2, weights[:, :1], ids)
+    with pytest.raises(ValueError, match="shared"):
+        fused_moe(x, w13, w2, weights, ids, shared=(shared[0], shared[0]))
+    with pytest.raises(ValueError, match="reduce"):
+        fused_moe(x, w13, w2, weights, ids, reduce="mean")
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(x, torch.randn(E, H), torch.zeros(E), E + 1, 2.0)
+
+
+def test_get_config_by_rows_per_expert(monkeypatch):
+    monkeypatch.setattr(fm, "_INTERPRET", False)
+    decode = fm.get_config(1, 3072, 6144, torch.bfloat16)
+    prefill = fm.get_config(8192 * 4 // 128, 6144, 3072, torch.bfloat16)
+    fp8 = fm.get_config(1, 3072, 6144, torch.float8_e4m3fn)
+    assert decode["BLOCK_M"] == 16 and decode["BLOCK_K"] >= 128
+    assert prefill["BLOCK_M"] >= 64
+    assert fp8["BLOCK_K"] >= decode["BLOCK_K"]
+    assert fm.get_config(1, 32, 64, torch.bfloat16)["BLOCK_N"] == 32  # clipped to the GEMM
+
+
+def test_config_override_with_ragged_k_tiles():
+    """A K tile wider than H and I takes the masked (uneven K) path in both GEMMs."""
+    w13, w2, shared = _weights(19)
+    x, weights, ids = _routing(20, 5, 2)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "GROUP_M": 2, "num_warps": 4,
+           "num_stages": 1}
+    out = fused_moe(x, w13, w2, weights, ids, shared=shared, config=cfg)
+    assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids, shared=shared)) < 1e-5

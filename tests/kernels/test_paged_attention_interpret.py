@@ -1,0 +1,144 @@
+"""CPU interpreter tests of the Triton paged attention kernel at tiny ragged shapes (dense and
+sparse, decode / split-K / prefill / mixed, fp32 / fp16 / FP8 cache), and of its PyTorch
+reference against the attention layer's own paged_attention_ref."""
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from m3serve.kernels import paged_attention as pa  # noqa: E402
+from m3serve.kernels.ref.paged_attention import paged_attention_ref  # noqa: E402
+from test_paged_attention import layer_ref, make_case  # noqa: E402
+
+TINY = dict(G=2, hpg=2, D=32, bs=16)
+FP32_TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def _run(kwargs):
+    got = pa.paged_attention(**kwargs)
+    ref = paged_attention_ref(**kwargs)
+    return got, ref
+
+
+@pytest.fixture
+def force_split(monkeypatch):
+    """Tiny contexts only split-K when a split may be one 16-key tile."""
+    monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT", 16)
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+def test_ref_matches_layer_op(topk):
+    # contexts shorter and longer than topk x block (64), chunked prefill, empty request
+    kwargs, meta, deq = make_case([1, 37, 200, 90, 12], [1, 5, 40, 0, 12], **TINY,
+                                  dtype=torch.float32, device="cpu", topk=topk, seed=1)
+    ref = paged_attention_ref(**kwargs)
+    torch.testing.assert_close(ref, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    if topk is not None:  # the selection really changes the result
+        dense = paged_attention_ref(**{**kwargs, "block_ids": None})
+        assert (dense - ref).abs().max() > 1e-2
+
+
+def test_dense_decode_split_k(force_split):
+    kwargs, meta, deq = make_case([1, 37, 70], [1, 1, 1], **TINY, dtype=torch.float32,
+                                  device="cpu", seed=2)
+    assert pa._num_splits(3 * 2, 5, 16, torch.device("cpu")) == 4  # the split + merge path runs
+    got, ref = _run(kwargs)
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+
+
+def test_dense_decode_single_split_fp16_out_buffer():
+    kwargs, meta, deq = make_case([20, 33], [1, 1], **TINY, dtype=torch.float16, device="cpu", seed=3)
+    out = torch.full_like(kwargs["q"], float("nan"))
+    got = pa.paged_attention(**kwargs, out=out)
+    assert got is out
+    torch.testing.assert_close(got, paged_attention_ref(**kwargs), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("block_m", [128, 16])
+def test_dense_mixed_prefill_batch(monkeypatch, block_m):
+    # decode, full prefill, chunked prefill over earlier context, empty request, in one call;
+    # block_m 16 = 8-token query tiles, so requests span several tiles
+    monkeypatch.setattr(pa, "_PREFILL_BLOCK_M", block_m)
+    kwargs, meta, deq = make_case([40, 20, 50, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
+                                  device="cpu", seed=4)
+    got, ref = _run(kwargs)
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+
+
+@pytest.mark.parametrize("q_lens,tiled,ids_dtype", [
+    ([1, 1, 1, 0], True, torch.int32),      # pure decode: per-token split-K kernel
+    ([1, 1, 4, 30], True, torch.int64),     # mixed: query tiles over the union of blocks
+    ([1, 1, 4, 30], False, torch.int32),    # mixed: per-token programs
+])
+def test_sparse_batches(force_split, monkeypatch, q_lens, tiled, ids_dtype):
+    # contexts longer (100, 90, 70) and shorter (30) than topk x block; own block sometimes
+    # unselected; 8-token query tiles so the 30-token request spans four tiles
+    monkeypatch.setattr(pa, "_SPARSE_PREFILL_TILED", tiled)
+    monkeypatch.setattr(pa, "_PREFILL_BLOCK_M", 16)
+    kwargs, meta, deq = make_case([100, 30, 90, 70], q_lens, **TINY, dtype=torch.float32,
+                                  device="cpu", topk=4, own_block_prob=0.7, ids_dtype=ids_dtype,
+                                  seed=5)
+    assert (kwargs["block_ids"] == -1).any()
+    got, ref = _run(kwargs)
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+def test_fp8_cache(topk):
+    kwargs, meta, deq = make_case([45, 70], [1, 3], **TINY, dtype=torch.float32, device="cpu",
+                                  cache_dtype=torch.float8_e4m3fn, topk=topk, seed=6)
+    got, ref = _run(kwargs)
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1], [1, 3]])
+def test_real_head_layout_g4_d128(q_lens):
+    # 16 heads per group as M, head_dim 128, page 128 split into two 64-key tiles
+    kwargs, meta, deq = make_case([200, 130], q_lens, G=4, hpg=16, D=128, bs=128,
+                                  dtype=torch.float32, device="cpu", seed=8)
+    got, ref = _run(kwargs)
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+
+
+def test_token_without_visible_keys_gets_zero():
+    kwargs, _, _ = make_case([40], [1], **TINY, dtype=torch.float32, device="cpu", topk=2, seed=9)
+    kwargs["block_ids"][0, 0] = torch.tensor([-1, 7])  # block 7 is past the token: nothing visible
+    got, ref = _run(kwargs)
+    assert torch.equal(got[0, :2], torch.zeros(2, 32)) and torch.equal(ref[0, :2], torch.zeros(2, 32))
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+    assert got[0, 2:].abs().sum() > 0
+
+
+def _tiny_kwargs():
+    return make_case([20], [1], **TINY, dtype=torch.float32, device="cpu", seed=10)[0]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("q", torch.zeros(1, 3, 32), "multiple of num_kv_heads"),
+    ("kv_cache", torch.zeros(2, 4, 12, 2, 32), "block_size"),
+    ("kv_cache", torch.zeros(2, 4, 16, 2, 32, dtype=torch.float16), "dtype"),
+    ("block_ids", torch.zeros(1, 3, 4, dtype=torch.int32), "block_ids"),
+    ("query_start_loc", torch.zeros(3, dtype=torch.int32), "query_start_loc"),
+    ("out", torch.zeros(1, 4, 16), "out"),
+])
+def test_bad_input_raises(field, value, match):
+    kwargs = _tiny_kwargs()
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=match):
+        pa.paged_attention(**kwargs)
+
+
+def test_fp8_without_scales_raises():
+    kwargs = _tiny_kwargs()
+    kwargs["kv_cache"] = kwargs["kv_cache"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale"):
+        pa.paged_attention(**kwargs)
