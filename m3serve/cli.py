@@ -57,6 +57,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from m3serve.serving.api_server import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree")
+        args.model = args.model_tag
+    run_server(args)
+    return 0
+
+
 def cmd_make_tiny(args) -> int:
     from m3serve.model.tiny import make_tiny
 
@@ -79,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server (no MODEL: the tiny model)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="checkpoint directory or hub id (default: the embedded tiny model)")
+    from m3serve.serving.server_args import add_server_args
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
     tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
@@ -93,7 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     bw = bench_sub.add_parser("sweep", help="concurrency sweep + tok/s/GPU vs tok/s/user chart")
     bench_sweep.add_cli_args(bw)
     bw.set_defaults(func=lambda a: (bench_sweep.main(a), 0)[1])
+    from m3serve.bench import offline as bench_offline
+    bo = bench_sub.add_parser("offline", help="prefill time and TPOT of the offline engine, with MBU")
+    bench_offline.add_cli_args(bo)
+    bo.set_defaults(func=lambda a: (bench_offline.main(a), 0)[1])
+    mr = bench_sub.add_parser("make-realshape", help="write a real-shape L-layer config dir (serve it with --load-format dummy)")
+    mr.add_argument("dir")
+    mr.add_argument("--layers", type=int, default=4)
+    mr.set_defaults(func=cmd_make_realshape)
     return parser
+
+
+def cmd_make_realshape(args) -> int:
+    from m3serve.bench.realshape import write_realshape_dir
+
+    print(f"wrote {write_realshape_dir(args.dir, args.layers)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

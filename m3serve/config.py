@@ -16,8 +16,11 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     device: str = "auto"              # auto | cpu | cuda
+    load_format: str = "auto"         # auto (read the checkpoint) | dummy (random weights, real shapes)
 
     def __post_init__(self):
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format: unsupported value {self.load_format!r} (auto, dummy)")
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32", "float16", "half"):
             raise ValueError(f"dtype: unsupported value {self.dtype!r} (auto, bfloat16, float32)")
         if self.max_model_len is not None and self.max_model_len <= 0:

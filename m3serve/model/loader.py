@@ -257,8 +257,11 @@ def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progres
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "auto", tp: TPInfo = TPInfo(),
-               device: str | torch.device = "cpu", progress: bool = True):
-    """Build this rank's `MiniMaxM3ForCausalLM` and load its weights. Returns (model, cfg, dir)."""
+               device: str | torch.device = "cpu", progress: bool = True, load_format: str = "auto",
+               seed: int = 0):
+    """Build this rank's `MiniMaxM3ForCausalLM` and load its weights. Returns (model, cfg, dir).
+
+    load_format "dummy" reads only config.json and fills random weights on the device."""
     from m3serve.model.minimax_m3 import MiniMaxM3ForCausalLM
 
     model_dir = resolve_model_dir(model)
@@ -266,5 +269,9 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", tp: TPInfo 
     torch_dtype = resolve_dtype(dtype, cfg)
     with torch.device(device):
         net = MiniMaxM3ForCausalLM(cfg, tp, torch_dtype)
-    load_weights(net, cfg, model_dir, progress=progress)
+    if load_format == "dummy":
+        from m3serve.model.dummy import init_dummy_weights
+        init_dummy_weights(net, seed)
+    else:
+        load_weights(net, cfg, model_dir, progress=progress)
     return net.eval(), cfg, model_dir

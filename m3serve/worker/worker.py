@@ -33,7 +33,8 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.model, self.model_config, _ = load_model(
-            model_dir, dtype=config.model.dtype, tp=tp, device=self.device, progress=progress)
+            model_dir, dtype=config.model.dtype, tp=tp, device=self.device, progress=progress,
+            load_format=config.model.load_format, seed=config.model.seed)
         cfg = self.model_config
         self.block_size = config.cache.block_size or cfg.index_block_size
         if self.block_size != cfg.index_block_size:

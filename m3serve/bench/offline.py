@@ -1,0 +1,68 @@
+"""`m3serve bench offline`: prefill time and TPOT of the offline engine at given (ISL, batch)
+points, measured like the vLLM peer script (max_tokens=1 run for prefill; a run of OSL + 1
+tokens minus the prefill for decode), with MBU against the decode roofline using the measured
+number of distinct experts per MoE layer. Prints one JSON line per point.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from m3serve.cli import add_engine_args
+    parser.add_argument("--isl", type=int, action="append", help="input length (repeatable)")
+    parser.add_argument("--batch", type=str, default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--osl", type=int, default=64)
+    parser.add_argument("--check-reference", action="store_true",
+                        help="also compare a greedy decode against the reference ops")
+    add_engine_args(parser)
+
+
+def _distinct_experts(llm) -> list[float]:
+    layers = [layer.mlp for layer in llm.engine.worker.model.model.layers if hasattr(layer.mlp, "gate")]
+    return [float(torch.unique(m.last_expert_ids).numel()) if m.last_expert_ids is not None else 0.0
+            for m in layers]
+
+
+def main(args) -> list[dict]:
+    from m3serve.bench.roofline import decode_floor_ms, decode_step_bytes
+    from m3serve.cli import engine_kwargs
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+
+    t0 = time.time()
+    llm = LLM(**engine_kwargs(args))
+    cfg = llm.engine.model_config
+    print(json.dumps({"startup_s": round(time.time() - t0, 1), "layers": cfg.num_hidden_layers,
+                      "device": str(llm.engine.worker.device)}), flush=True)
+    rng = random.Random(0)
+    results = []
+    for isl in args.isl or [1024]:
+        for bs in [int(b) for b in args.batch.split(",")]:
+            def prompts():
+                return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
+            one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+            many = SamplingParams(max_tokens=args.osl + 1, ignore_eos=True, temperature=0.0)
+            llm.generate(prompts(), one, use_tqdm=False)
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            sync(); a = time.time()
+            llm.generate(prompts(), one, use_tqdm=False)
+            sync(); b = time.time()
+            llm.generate(prompts(), many, use_tqdm=False)
+            sync(); c = time.time()
+            prefill = b - a
+            tpot = (c - b - prefill) / args.osl
+            experts = _distinct_experts(llm)
+            floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts))
+            row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3), "tpot_ms": round(tpot * 1e3, 3),
+                   "decode_tok_s": round(bs / tpot, 1), "roofline_ms": round(floor, 3),
+                   "mbu": round(floor / (tpot * 1e3), 3),
+                   "distinct_experts": [round(e, 1) for e in experts]}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
