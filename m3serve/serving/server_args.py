@@ -1,0 +1,91 @@
+"""Flags of `m3serve serve` that belong to the API server rather than the engine (vLLM names):
+host/port, API key, served model name, chat template and its default kwargs, parsers, limits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+
+from m3serve.serving.chat_template import THINKING_MODES
+from m3serve.serving.reasoning import get_reasoning_parser
+from m3serve.serving.tool_parser import get_tool_parser
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a file path; None = the checkpoint's template
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    retry_after_s: int = 1  # Retry-After of a 503 when the waiting queue is full
+    uvicorn_log_level: str = "info"
+    engine_ready_timeout_s: float = 900.0
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError(f"default_chat_template_kwargs must be a JSON object, got "
+                             f"{self.default_chat_template_kwargs!r}")
+        mode = self.default_chat_template_kwargs.get("thinking_mode")
+        if mode is not None and mode not in THINKING_MODES:
+            raise ValueError(f"default_chat_template_kwargs.thinking_mode must be one of "
+                             f"{list(THINKING_MODES)}, got {mode!r}")
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=ServerConfig.host)
+    group.add_argument("--port", type=int, default=ServerConfig.port)
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model id clients use (default: MODEL, or minimax-m3-tiny)")
+    group.add_argument("--chat-template", default=None, help="path of a jinja chat template file")
+    group.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
+                       help='JSON object merged under each request\'s chat_template_kwargs, '
+                            'e.g. \'{"thinking_mode": "disabled"}\'')
+    group.add_argument("--reasoning-parser", default=None, help="minimax_m3")
+    group.add_argument("--tool-call-parser", default=None, help="minimax_m3")
+    group.add_argument("--enable-auto-tool-choice", action="store_true")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"))
+    group.add_argument("--engine-ready-timeout", dest="engine_ready_timeout_s", type=float, default=900.0,
+                       help="seconds to wait for the engine to load the model")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+        chat_template=args.chat_template, default_chat_template_kwargs=args.default_chat_template_kwargs,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        max_request_body_bytes=args.max_request_body_bytes, uvicorn_log_level=args.uvicorn_log_level,
+        engine_ready_timeout_s=args.engine_ready_timeout_s)
