@@ -1,0 +1,135 @@
+"""Messages between the API process and the engine-core process (msgspec, msgpack on ZMQ).
+
+The API process sends `AddRequests`, `AbortRequests`, `StatsQuery` and `Shutdown`; the engine
+process answers with one `EngineReady` (or `EngineDead`) at start-up, then `CoreOutputs` batches.
+Only plain data crosses: token ids, sampling parameters, counters. Never pickled engine objects.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from m3serve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct):
+    """One sequence for the scheduler (n > 1 is fanned out into children by the API process)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class AddRequests(msgspec.Struct, tag="add"):
+    """The children of one user request, admitted together or not at all.
+
+    The engine answers with an `AddResult` keyed by `parent_id` before any of their outputs.
+    """
+
+    parent_id: str
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class StatsQuery(msgspec.Struct, tag="stats"):
+    query_id: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = AddRequests | AbortRequests | StatsQuery | Shutdown
+
+
+class CoreOutput(msgspec.Struct):
+    """One sequence's news after an engine step (duck-types `EngineCoreOutput`)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    # per position: [token id, logprob, rank, top ids, top logprobs]
+    new_logprobs: list[Any] | None = None
+    new_prompt_logprobs: list[Any] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error": the engine failed this request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class AddResult(msgspec.Struct):
+    """Admission verdict for one `AddRequests`. `kind`: "ok" | "invalid" (a 400) | "overloaded"
+    (the waiting queue is at its bound: a 503) | "error" (an engine bug: a 500)."""
+
+    parent_id: str
+    kind: str
+    message: str | None = None
+
+
+class EngineStats(msgspec.Struct):
+    """Engine-side gauges and counters, sampled after a step (or on a `StatsQuery`)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_usable_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up since start
+    prefix_cache_hits: int = 0     # tokens found since start
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_step_errors: int = 0
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    """Everything the engine has to say since its last message."""
+
+    outputs: list[CoreOutput] = []
+    add_results: list[AddResult] = []
+    stats: EngineStats | None = None
+    query_id: int | None = None  # set when this message answers a StatsQuery
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """Sent once the model is loaded and the engine loop runs."""
+
+    max_model_len: int
+    block_size: int
+    num_usable_blocks: int
+    vocab_size: int
+    eos_token_id: int | None
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    """Sent when the engine process cannot start or stops on a fatal error."""
+
+    message: str
+
+
+EngineOutput = CoreOutputs | EngineReady | EngineDead
+
+_encoder = msgspec.msgpack.Encoder()
+_input_decoder = msgspec.msgpack.Decoder(EngineInput)
+_output_decoder = msgspec.msgpack.Decoder(EngineOutput)
+
+
+def encode(message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_input(data: bytes):
+    return _input_decoder.decode(data)
+
+
+def decode_output(data: bytes):
+    return _output_decoder.decode(data)

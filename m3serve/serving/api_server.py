@@ -1,0 +1,221 @@
+"""The OpenAI-compatible HTTP server: app factory (`build_app`) and `run_server(args)`.
+
+Owns routing, request-body reading (size limit, JSON, pydantic validation), the mapping of
+errors to OpenAI error bodies (400 / 401 / 404 / 413 / 500 / 503 with Retry-After), bearer-token
+auth, health/readiness, metrics, and the engine client's life cycle (started in the lifespan).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer
+
+from m3serve.core.core_client import EngineError, EngineOverloaded
+from m3serve.serving.chat_template import load_chat_template
+from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
+from m3serve.serving.openai import chat, completions
+from m3serve.serving.openai import tokenize as tokenize_api
+from m3serve.serving.openai.common import ClientDisconnected, ServerContext
+from m3serve.serving.openai.engine import ServingEngine
+from m3serve.serving.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                             DetokenizeRequest, TokenizeRequest, error_body, param_of,
+                                             validation_message)
+from m3serve.serving.server_args import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+TINY_MODEL_NAME = "minimax-m3-tiny"
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
+def _error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+class _BearerAuth:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): the OpenAI routes
+    need `Authorization: Bearer <api key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        parsed = model.model_validate(data)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise APIError(400, message, param) from None
+    if parsed.model_extra:
+        logger.info("ignoring unknown request fields: %s", sorted(parsed.model_extra))
+    return parsed
+
+
+def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,
+              model_name: str) -> FastAPI:
+    """The FastAPI app. `client` is an `EngineCoreClient` (or a stand-in with its methods); it
+    is started when the app starts and shut down when it stops."""
+    metrics = ServerMetrics(model_name)
+    template = (Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template
+                else load_chat_template(model_dir))
+    holder: dict[str, ServerContext] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await client.start()
+        holder["ctx"] = ServerContext(
+            engine=ServingEngine(client, tokenizer, metrics), model_name=model_name,
+            model_root=str(model_dir), chat_template=template,
+            default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
+            reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
+            enable_auto_tool_choice=config.enable_auto_tool_choice)
+        logger.info("serving %s (%s)", model_name, model_dir)
+        try:
+            yield
+        finally:
+            client.shutdown()
+
+    app = FastAPI(title="m3serve", lifespan=lifespan)
+    if config.api_key:
+        app.add_middleware(_BearerAuth, api_key=config.api_key)
+    fields = {f for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+              for f in m.model_fields}
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return _error(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(_, e: ValueError):
+        return _error(400, str(e), param_of(str(e), fields))
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_, e: EngineOverloaded):
+        return _error(503, f"server overloaded: {e}", headers={"Retry-After": str(config.retry_after_s)})
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_, e: EngineError):
+        return _error(500, str(e))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_, e: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_, e: Exception):
+        logger.exception("request failed")
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
+    def ctx() -> ServerContext:
+        if "ctx" not in holder:
+            raise APIError(503, "the engine is not ready yet")
+        return holder["ctx"]
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready():
+        if "ctx" not in holder or not client.is_healthy():
+            return _error(503, "the engine is not ready")
+        try:
+            await client.get_stats(timeout_s=5.0)
+        except Exception as e:
+            return _error(503, f"the engine is not stepping: {e}")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        if "ctx" in holder and client.is_healthy():
+            try:
+                metrics.engine_stats = await client.get_stats(timeout_s=2.0)
+            except Exception:
+                metrics.engine_stats = client.stats  # the engine's last report
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return tokenize_api.list_models(ctx())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request):
+        arrival = time.perf_counter()
+        body = await _read_body(request, CompletionRequest, config.max_request_body_bytes)
+        return await completions.create_completion(ctx(), body, arrival, request.is_disconnected)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request):
+        arrival = time.perf_counter()
+        body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
+        return await chat.create_chat_completion(ctx(), body, arrival, request.is_disconnected)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _read_body(request, TokenizeRequest, config.max_request_body_bytes)
+        return tokenize_api.tokenize(ctx(), body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _read_body(request, DetokenizeRequest, config.max_request_body_bytes)
+        return tokenize_api.detokenize(ctx(), body)
+
+    return app
+
+
+def run_server(args) -> None:
+    """`m3serve serve`: resolve the model, then run uvicorn; the engine process is spawned when
+    the app starts and stopped with it."""
+    import uvicorn
+
+    from m3serve.cli import engine_kwargs
+    from m3serve.config import EngineConfig
+    from m3serve.core.core_client import EngineCoreClient, engine_config_for_process
+    from m3serve.llm import load_tokenizer, model_directory
+    from m3serve.serving.server_args import server_config
+
+    server = server_config(args)
+    engine = EngineConfig.from_kwargs(**engine_kwargs(args))
+    model_dir = model_directory(engine.model.model)
+    name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
+    client = EngineCoreClient(engine_config_for_process(engine, model_dir), server.engine_ready_timeout_s)
+    app = build_app(client, load_tokenizer(model_dir), model_dir, server, name)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,85 @@
+"""Prometheus metrics of the API server, named as vLLM's with an `m3serve:` prefix.
+
+Latency histograms and token/request counters are recorded in the API process as outputs
+stream; engine-side gauges and counters (running/waiting requests, KV usage, prefix cache,
+preemptions) are read from the engine's latest `EngineStats` at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from m3serve.protocol import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Exposes the engine's last reported stats as gauges and counters."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s, labels, name = self.metrics.engine_stats, ["model_name"], [self.metrics.model_name]
+        rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        for metric, doc, value in (
+            ("num_requests_running", "Sequences in the engine's running batch.", s.num_running),
+            ("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_cache_usage),
+            ("num_free_kv_blocks", "KV-cache blocks not held by any request.", s.num_free_blocks),
+            ("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, since start.", rate),
+        ):
+            gauge = GaugeMetricFamily(f"m3serve:{metric}", doc, labels=labels)
+            gauge.add_metric(name, value)
+            yield gauge
+        for metric, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("num_preemptions", "Preemptions of running sequences.", s.num_preemptions),
+        ):
+            counter = CounterMetricFamily(f"m3serve:{metric}", doc, labels=labels)
+            counter.add_metric(name, value)
+            yield counter
+
+
+class ServerMetrics:
+    """The server's metrics, in their own registry (several servers may live in one process)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.engine_stats = EngineStats()
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.request_success = Counter(
+            "m3serve:request_success", "Finished sequences, by finish reason.",
+            labels + ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "m3serve:prompt_tokens", "Prompt tokens of admitted requests.", labels,
+            registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter(
+            "m3serve:generation_tokens", "Generated tokens.", labels,
+            registry=self.registry).labels(model_name)
+        self.ttft = Histogram(
+            "m3serve:time_to_first_token_seconds", "Arrival to first generated token.", labels,
+            buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(
+            "m3serve:inter_token_latency_seconds", "Gap between successive outputs of a sequence.",
+            labels, buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(
+            "m3serve:e2e_request_latency_seconds", "Arrival to the last output of a request.",
+            labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.registry.register(_EngineCollector(self))
+
+    def finished(self, finish_reason: str) -> None:
+        self.request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

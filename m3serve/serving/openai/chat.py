@@ -1,0 +1,168 @@
+"""`POST /v1/chat/completions`: chat template, n choices, and per choice the reasoning parser
+followed by the tool-call parser (reasoning first; its content feeds the tool parser), streamed
+as SSE deltas or returned as one message, with `reasoning_content` (and `reasoning`) fields.
+"""
+from __future__ import annotations
+
+import uuid
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from m3serve.core.core_client import EngineError
+from m3serve.serving.chat_template import render_chat
+from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, merge, sse, sse_error,
+                                           usage_block)
+from m3serve.serving.openai.engine import clamp_logprob, top_entries
+from m3serve.serving.openai.protocol import ChatCompletionRequest
+from m3serve.serving.output_processor import SequenceState
+from m3serve.serving.reasoning import get_reasoning_parser
+from m3serve.serving.tool_parser import get_tool_parser
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _logprobs(seq: SequenceState, start: int, end: int, k: int) -> dict:
+    """Chat-style logprobs ({"content": [...]}) of output positions [start, end)."""
+    content = []
+    for position, token_id in zip(seq.logprobs[start:end], seq.token_ids[start:end]):
+        chosen = position[token_id]
+        text = chosen.decoded_token or ""
+        content.append({
+            "token": text, "logprob": clamp_logprob(chosen.logprob), "bytes": _token_bytes(text),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": _token_bytes(t)}
+                             for _, lp, t in top_entries(position, k)]})
+    return {"content": content}
+
+
+class _Choice:
+    """One choice's parsers: reasoning split first, then tool calls out of the content."""
+
+    def __init__(self, ctx: ServerContext, thinking_mode, tools, tool_choice, use_tools: bool):
+        self.reasoning = (get_reasoning_parser(ctx.reasoning_parser)(thinking_mode)
+                          if ctx.reasoning_parser else None)
+        self.tools = get_tool_parser(ctx.tool_call_parser)(tools, tool_choice) if use_tools else None
+        self.made_calls = False
+
+    def whole(self, text: str) -> dict:
+        reasoning, content = self.reasoning.extract(text) if self.reasoning else (None, text)
+        message = {"role": "assistant", "content": content, "reasoning_content": reasoning,
+                   "reasoning": reasoning, "tool_calls": []}
+        if self.tools is not None:
+            result = self.tools.extract(content or "")
+            message["content"], message["tool_calls"] = result.content, result.tool_calls
+            self.made_calls = bool(result.tool_calls)
+        return message
+
+    def delta(self, text: str, finished: bool) -> dict:
+        reasoning, content = self.reasoning.stream(text) if self.reasoning else (None, text)
+        if finished and self.reasoning:
+            tail_reasoning, tail_content = self.reasoning.finish()
+            reasoning = ((reasoning or "") + (tail_reasoning or "")) or None
+            content = ((content or "") + (tail_content or "")) or None
+        delta: dict = {}
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
+        calls = []
+        if self.tools is not None:
+            parsed = self.tools.stream(content or "")
+            content, calls = parsed.content, parsed.tool_call_deltas
+            if finished:
+                tail = self.tools.finish()
+                content = ((content or "") + (tail.content or "")) or None
+                calls = calls + tail.tool_call_deltas
+            self.made_calls = self.made_calls or self.tools.has_tool_calls
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+
+def _tool_setup(ctx: ServerContext, request: ChatCompletionRequest):
+    """(tools as dicts or None, tool_choice, whether to run the tool parser)."""
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    tool_choice = request.tool_choice if request.tool_choice is not None else ("auto" if tools else "none")
+    if not tools or tool_choice == "none":
+        if tool_choice not in ("none", "auto"):
+            raise ValueError(f"tool_choice {tool_choice!r} needs a non-empty tools list")
+        return tools, "none", False
+    if ctx.tool_call_parser is None or (tool_choice == "auto" and not ctx.enable_auto_tool_choice):
+        raise ValueError('tool_choice "auto" requires the server flags --enable-auto-tool-choice and '
+                         '--tool-call-parser' if tool_choice == "auto" else
+                         f"tool_choice {tool_choice!r} requires the server flag --tool-call-parser")
+    get_tool_parser(ctx.tool_call_parser)(tools, tool_choice)  # validates tool_choice and schemas
+    return tools, tool_choice, True
+
+
+async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, arrival_time: float,
+                                 is_disconnected):
+    ctx.check_model(request.model)
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise ValueError(f"response_format {request.response_format.get('type')!r} is not supported")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ValueError("top_logprobs requires logprobs to be true")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+        raise ValueError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}")
+    tools, tool_choice, use_tools = _tool_setup(ctx, request)
+    kwargs = {**ctx.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+    prompt = render_chat(ctx.chat_template, request.messages, tools=tools,
+                         add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs)
+    ids = ctx.engine.encode(prompt)
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    max_tokens = ctx.engine.resolve_max_tokens(len(ids), max_tokens)
+    k = (request.top_logprobs or 0) if request.logprobs else None
+    params = request.sampling_params(max_tokens, k)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    [stream] = await admit([ctx.engine.generate(request_id, prompt, ids, params, arrival_time,
+                                                request.cache_salt)])
+    choices = [_Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
+               for _ in range(request.n)]
+    header = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
+    if request.stream:
+        return StreamingResponse(_stream({**header, "object": "chat.completion.chunk"}, request, stream, choices),
+                                 media_type="text/event-stream")
+    [state] = await collect([stream], is_disconnected)
+    out = []
+    for seq, choice in zip(state.sequences, choices):
+        message = choice.whole(seq.text)
+        out.append({"index": seq.index, "message": message,
+                    "logprobs": _logprobs(seq, 0, len(seq.token_ids), k) if k is not None else None,
+                    "finish_reason": "tool_calls" if choice.made_calls else seq.finish_reason,
+                    "stop_reason": seq.stop_reason})
+    return JSONResponse({**header, "choices": out, "usage": usage_block([state])})
+
+
+async def _stream(header: dict, request: ChatCompletionRequest, stream, choices: list[_Choice]):
+    k = (request.top_logprobs or 0) if request.logprobs else None
+    for i in range(request.n):
+        yield sse({**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]})
+    sent_tokens = [0] * request.n
+    done = [False] * request.n
+    state = None
+    try:
+        async for _, state in merge([stream]):
+            for seq, choice in zip(state.sequences, choices):
+                if done[seq.index]:
+                    continue
+                delta = choice.delta(seq.text_delta(), seq.finished)
+                start, end = sent_tokens[seq.index], len(seq.token_ids)
+                if not delta and start == end and not seq.finished:
+                    continue
+                sent_tokens[seq.index] = end
+                finish_reason = None
+                if seq.finished:
+                    done[seq.index] = True
+                    finish_reason = "tool_calls" if choice.made_calls else seq.finish_reason
+                yield sse({**header, "choices": [{
+                    "index": seq.index, "delta": delta,
+                    "logprobs": _logprobs(seq, start, end, k) if k is not None else None,
+                    "finish_reason": finish_reason,
+                    **({"stop_reason": seq.stop_reason} if seq.finished else {})}]})
+        if request.include_usage and state is not None:
+            yield sse({**header, "choices": [], "usage": usage_block([state])})
+    except EngineError as e:
+        yield sse_error(500, str(e))
+    yield SSE_DONE

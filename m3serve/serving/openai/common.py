@@ -1,0 +1,139 @@
+"""What the endpoint modules share: the server context (engine, template, parsers, names),
+the model-name check, SSE framing, usage blocks, and the merge of several prompts' streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from m3serve.serving.openai.engine import ServingEngine
+from m3serve.serving.openai.protocol import APIError, error_body
+from m3serve.serving.output_processor import RequestState
+
+
+@dataclass
+class ServerContext:
+    """Everything a handler needs, built once the engine is ready."""
+
+    engine: ServingEngine
+    model_name: str
+    model_root: str
+    chat_template: str
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        """A request naming another model is a 404, as in vLLM and OpenAI."""
+        if model is not None and model != self.model_name and model != self.model_root:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+_DISCONNECT_POLL_S = 0.5
+
+
+def sse_error(status: int, message: str) -> str:
+    return sse(error_body(status, message))
+
+
+def usage_block(states: list[RequestState]) -> dict:
+    """OpenAI usage over all prompts and choices; a prompt counts once however large n is."""
+    prompt = sum(len(s.prompt_token_ids) for s in states)
+    completion = sum(len(seq.token_ids) for s in states for seq in s.sequences)
+    cached = sum(s.sequences[0].num_cached_tokens for s in states)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def admit(streams: list[AsyncIterator[RequestState]]) -> list[AsyncIterator[RequestState]]:
+    """Advance each stream to its admission point (ServingEngine.generate's first yield), so an
+    engine refusal raises here, before any response is sent. On a refusal the streams already
+    admitted are closed (their requests aborted)."""
+    admitted = []
+    try:
+        for stream in streams:
+            await stream.__anext__()
+            admitted.append(stream)
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return admitted
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its non-streaming response was ready."""
+
+
+async def collect(streams: list[AsyncIterator[RequestState]], is_disconnected) -> list[RequestState]:
+    """Run admitted streams to the end (non-streaming responses), one final state per stream.
+    `is_disconnected` (an async callable) is polled; when the client has gone, the streams are
+    closed, which aborts their requests, and ClientDisconnected is raised."""
+    final: dict[int, RequestState] = {}
+
+    async def run() -> None:
+        async for index, state in merge(streams):
+            final[index] = state
+
+    task = asyncio.create_task(run())
+    try:
+        while True:
+            finished, _ = await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
+            if finished:
+                task.result()
+                return [final[i] for i in sorted(final)]
+            if await is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def merge(streams: list[AsyncIterator[RequestState]]) -> AsyncIterator[tuple[int, RequestState]]:
+    """Interleave several admitted streams as (prompt index, state); closing the merge closes
+    (aborts) every stream still running."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for state in only:
+                yield 0, state
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(index: int, stream: AsyncIterator[RequestState]) -> None:
+        try:
+            async with aclosing(stream):
+                async for state in stream:
+                    queue.put_nowait((index, state))
+        except Exception as e:  # handed to the consumer, which re-raises it
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,117 @@
+"""`POST /v1/completions`: one or several prompts (text or token ids), n choices each,
+streamed as SSE chunks or returned whole, with OpenAI-shaped logprobs and usage.
+"""
+from __future__ import annotations
+
+import uuid
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from m3serve.core.core_client import EngineError
+from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, merge, sse,
+                                           sse_error, usage_block)
+from m3serve.serving.openai.engine import clamp_logprob, top_entries
+from m3serve.serving.openai.protocol import CompletionRequest
+from m3serve.serving.output_processor import RequestState, SequenceState
+
+
+def _prompts(ctx: ServerContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) per prompt."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append((p, ctx.engine.encode(p, request.add_special_tokens)))
+        else:
+            ctx.engine.check_token_ids(p)
+            out.append((None, list(p)))
+    return out
+
+
+def _logprobs(seq: SequenceState, start: int, end: int, text_offset: int, k: int) -> dict:
+    """Completions-style logprobs of output positions [start, end)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for position, token_id in zip(seq.logprobs[start:end], seq.token_ids[start:end]):
+        chosen = position[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(clamp_logprob(chosen.logprob))
+        entries = {text: clamp_logprob(chosen.logprob)}
+        entries.update({t: lp for _, lp, t in top_entries(position, k)})
+        top.append(entries)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+async def create_completion(ctx: ServerContext, request: CompletionRequest, arrival_time: float,
+                            is_disconnected):
+    ctx.check_model(request.model)
+    if request.echo:
+        raise ValueError("echo is not supported")
+    if request.suffix:
+        raise ValueError("suffix is not supported")
+    if request.best_of is not None and request.best_of != request.n:
+        raise ValueError(f"best_of must equal n ({request.n}) when set, got {request.best_of}")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = []
+    for i, (text, ids) in enumerate(_prompts(ctx, request)):
+        max_tokens = ctx.engine.resolve_max_tokens(len(ids), request.max_tokens)
+        params = request.sampling_params(max_tokens, request.logprobs)
+        streams.append(ctx.engine.generate(f"{request_id}-{i}", text, ids, params, arrival_time,
+                                           request.cache_salt))
+    streams = await admit(streams)
+    header = {"id": request_id, "object": "text_completion", "created": ctx.created,
+              "model": ctx.model_name}
+    if request.stream:
+        return StreamingResponse(_stream(header, request, streams), media_type="text/event-stream")
+    ordered = await collect(streams, is_disconnected)
+    choices = []
+    for i, state in enumerate(ordered):
+        for seq in state.sequences:
+            choices.append({
+                "index": i * request.n + seq.index, "text": seq.text,
+                "logprobs": (_logprobs(seq, 0, len(seq.token_ids), 0, request.logprobs)
+                             if request.logprobs is not None else None),
+                "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
+    return JSONResponse({**header, "choices": choices, "usage": usage_block(ordered)})
+
+
+async def _stream(header: dict, request: CompletionRequest, streams):
+    states: dict[int, RequestState] = {}
+    sent_tokens: dict[tuple[int, int], int] = {}
+    sent_chars: dict[tuple[int, int], int] = {}
+    done: set[tuple[int, int]] = set()
+    try:
+        async for index, state in merge(streams):
+            states[index] = state
+            for seq in state.sequences:
+                key = (index, seq.index)
+                if key in done:
+                    continue
+                delta = seq.text_delta()
+                start, end = sent_tokens.get(key, 0), len(seq.token_ids)
+                if not delta and start == end and not seq.finished:
+                    continue
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = _logprobs(seq, start, end, sent_chars.get(key, 0), request.logprobs)
+                sent_tokens[key] = end
+                sent_chars[key] = sent_chars.get(key, 0) + len(delta)
+                choice = {"index": index * request.n + seq.index, "text": delta, "logprobs": logprobs,
+                          "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
+                if seq.finished:
+                    done.add(key)
+                yield sse({**header, "choices": [choice]})
+        if request.include_usage:
+            yield sse({**header, "choices": [], "usage": usage_block([states[i] for i in sorted(states)])})
+    except EngineError as e:
+        yield sse_error(500, str(e))
+    yield SSE_DONE

@@ -1,0 +1,137 @@
+"""The API process's generation front: tokens in, `RequestState` updates out.
+
+`ServingEngine` owns the tokenizer, prompt-length limits, the fan-out of n > 1 into engine
+requests, incremental detokenization and stop strings (through `RequestState`), the abort of a
+request whose consumer went away, and the latency/token metrics. Endpoint modules build on it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator
+
+from tokenizers import Tokenizer
+
+from m3serve.core.core_client import EngineError
+from m3serve.outputs import PositionLogprobs
+from m3serve.protocol import EngineCoreRequest
+from m3serve.sampling_params import SamplingParams
+from m3serve.serving.metrics import ServerMetrics
+from m3serve.serving.output_processor import RequestState
+
+# JSON has no -inf; vLLM reports impossible tokens with this value too.
+_MIN_LOGPROB = -9999.0
+
+
+def clamp_logprob(value: float) -> float:
+    return _MIN_LOGPROB if math.isnan(value) else max(value, _MIN_LOGPROB)
+
+
+class ServingEngine:
+    """Shared by the endpoints: validates prompts against the engine's limits and streams
+    `RequestState`s of submitted requests (the same object, updated in place)."""
+
+    def __init__(self, client, tokenizer: Tokenizer, metrics: ServerMetrics):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        info = client.info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_id = info.eos_token_id
+        # The scheduler needs KV for every token but the last: total tokens <= capacity + 1.
+        self.max_total_tokens = min(info.max_model_len, info.num_usable_blocks * info.block_size + 1)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int | None:
+        """The request's max_tokens within the context (None -> fill the context); ValueError
+        when the prompt, or the prompt plus max_tokens, does not fit."""
+        limit = self.max_total_tokens
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        if num_prompt_tokens + 1 > limit:
+            raise ValueError(
+                f"prompt is too long: {num_prompt_tokens} tokens, but this model's maximum context "
+                f"length is {limit} tokens (max_model_len {self.max_model_len}) and at least one "
+                f"token must be generated")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:
+            raise ValueError(
+                f"max_tokens is too large: {max_tokens} + {num_prompt_tokens} prompt tokens exceed "
+                f"this model's maximum context length of {limit} tokens")
+        return max_tokens
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, arrival_time: float,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestState]:
+        """Submit one request (n children); yield its state once admitted (no tokens yet),
+        then after every batch of engine outputs until all children finish. Raises ValueError /
+        EngineOverloaded / EngineError before the first yield when the engine refuses it.
+        Closing the generator early (a client disconnect, a cancelled task) aborts the
+        unfinished children in the engine, which frees their blocks."""
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        requests = []
+        for seq in state.sequences:
+            if self.eos_token_id is not None:
+                seq.params.add_eos_token_ids([self.eos_token_id])
+            requests.append(EngineCoreRequest(seq.request_id, prompt_token_ids, seq.params,
+                                              self.eos_token_id, time.time(), cache_salt))
+        queue = await self.client.add_requests(request_id, requests)
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        by_id = {seq.request_id: seq for seq in state.sequences}
+        last_output: dict[str, float] = {}
+        try:
+            yield state
+            while not state.finished:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                now = time.perf_counter()
+                for out in batch:
+                    if isinstance(out, Exception):
+                        raise out
+                    if out.error is not None:
+                        raise EngineError(out.error)
+                    seq = by_id[out.request_id]
+                    if seq.finished:
+                        continue
+                    if out.new_token_ids:
+                        self._record_tokens(out.request_id, len(out.new_token_ids), now,
+                                            arrival_time, last_output)
+                    if seq.update(out):
+                        self.client.abort([seq.request_id])  # a stop string ended it
+                    if seq.finished:
+                        self.metrics.finished(seq.finish_reason)
+                yield state
+            self.metrics.e2e.observe(time.perf_counter() - arrival_time)
+        finally:
+            unfinished = [s for s in state.sequences if not s.finished]
+            if unfinished:
+                self.client.abort([s.request_id for s in unfinished])
+                for _ in unfinished:
+                    self.metrics.finished("abort")
+
+    def _record_tokens(self, seq_id: str, num_tokens: int, now: float, arrival_time: float,
+                       last_output: dict[str, float]) -> None:
+        self.metrics.generation_tokens.inc(num_tokens)
+        previous = last_output.get(seq_id)
+        if previous is None:
+            if not last_output:
+                self.metrics.ttft.observe(now - arrival_time)
+        else:
+            self.metrics.itl.observe(now - previous)
+        last_output[seq_id] = now
+
+
+def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, float, str]]:
+    """The k best alternatives at one position, best first: (token id, logprob, text)."""
+    ranked = sorted(position.items(), key=lambda kv: (kv[1].rank or 0))
+    return [(t, clamp_logprob(lp.logprob), lp.decoded_token or "") for t, lp in ranked[:k]]

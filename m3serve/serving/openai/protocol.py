@@ -1,0 +1,175 @@
+"""Pydantic models of the OpenAI-compatible request bodies, the OpenAI error body, and the
+mapping from a request's sampling fields to `SamplingParams`.
+
+Types are checked here (a wrong type is a 400 naming the field); value ranges are checked by
+`SamplingParams`, whose ValueError names the field. Unknown fields are accepted and logged.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from m3serve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128  # parallel samples per request; more is a client bug, not a workload
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, turned into the OpenAI error body by the server."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"),
+                      "param": param, "code": status}}
+
+
+def validation_message(error: ValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first problem pydantic found, naming the field path."""
+    first = error.errors()[0]
+    path = []
+    for part in first.get("loc", ()):
+        if isinstance(part, str) and _TYPE_TAG.match(part):
+            break  # pydantic names the union member it tried; the field path ends before it
+        path.append(str(part))
+    loc = ".".join(path)
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        return f"{loc} is required", loc or None
+    value = first.get("input")
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{loc}: {message} (got {shown})", loc or None
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
+_LEADING_NAME = re.compile(r"^([a-z_]+)")
+
+
+def param_of(message: str, fields) -> str | None:
+    """The request field a ValueError message starts with ("temperature must be ..."), if any."""
+    match = _LEADING_NAME.match(message)
+    return match.group(1) if match and match.group(1) in fields else None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI names plus vLLM extras)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """ValueError names the offending field."""
+        if not isinstance(self.n, int) or self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
+        optional = {k: v for k, v in (
+            ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
+            ("min_p", self.min_p), ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+            ("repetition_penalty", self.repetition_penalty)) if v is not None}
+        return SamplingParams(
+            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, **optional)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """`/tokenize`: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]

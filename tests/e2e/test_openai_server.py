@@ -1,0 +1,232 @@
+"""The live server on the tiny model through the official `openai` client (sync and async,
+streaming and not): greedy outputs equal the offline `LLM`'s, usage, logprobs, stop strings,
+n > 1, tokenize/detokenize, disconnect frees blocks, and `m3serve bench serve` against it."""
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from serverutil import MODEL_NAME, REPO_ROOT
+
+from m3serve.sampling_params import SamplingParams
+from m3serve.serving.reasoning import MiniMaxM3ReasoningParser
+
+PROMPT = "The quick brown fox"
+CHAT = [{"role": "user", "content": "Say something about foxes."}]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    from m3serve.llm import LLM
+    return LLM(model=str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _offline_text(offline, prompt, **params) -> tuple[str, str]:
+    out = offline.generate([prompt], SamplingParams(temperature=0.0, **params), use_tqdm=False)[0].outputs[0]
+    return out.text, out.finish_reason
+
+
+def test_models_lists_the_served_name(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert models[0].model_extra["max_model_len"] == 4096
+
+
+def test_greedy_completion_equals_offline_llm(client, offline):
+    expected, reason = _offline_text(offline, PROMPT, max_tokens=12, ignore_eos=True)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == reason == "length"
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == len(offline.get_tokenizer().encode(PROMPT).ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+
+def test_streamed_completion_concatenates_to_the_same_text(client, offline):
+    expected, _ = _offline_text(offline, PROMPT, max_tokens=10, ignore_eos=True)
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_greedy_chat_equals_offline_chat(client, offline):
+    expected = offline.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=10,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    message = out.choices[0].message
+    # the server runs the reasoning parser; the same split of the offline text must come out
+    reasoning, content = MiniMaxM3ReasoningParser(None).extract(expected)
+    assert message.content == content
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == reasoning
+    assert out.usage.completion_tokens == 10
+
+
+def test_async_streamed_chat_n2_with_usage(server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0.8, seed=7, n=2, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        texts, finish, usage = {0: "", 1: ""}, {}, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                texts[c.index] += (c.delta.content or "") + (c.delta.model_extra.get("reasoning_content") or "")
+                if c.finish_reason:
+                    finish[c.index] = c.finish_reason
+        full = await client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0.8, seed=7, n=2,
+            extra_body={"ignore_eos": True})
+        await client.close()
+        return texts, finish, usage, full
+
+    texts, finish, usage, full = asyncio.run(run())
+    assert finish == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 12
+    # seeded sampling is reproducible across streaming and not, per choice (child seed = seed + i)
+    again = {c.index: (c.message.content or "") + (c.message.model_extra.get("reasoning_content") or "")
+             for c in full.choices}
+    assert again == texts
+    assert texts[0] != texts[1]
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == out.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        # keys are decoded strings: distinct byte-fragment tokens may all decode to U+FFFD
+        assert 1 <= len(top) <= 4 and chosen <= 0.0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+
+
+def test_chat_logprobs_top_k(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+
+
+def test_stop_string_cuts_text_like_offline(client, offline):
+    full, _ = _offline_text(offline, PROMPT, max_tokens=16, ignore_eos=True)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    expected, reason = _offline_text(offline, PROMPT, max_tokens=16, ignore_eos=True, stop=[stop])
+    assert reason == "stop" and stop not in expected
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                         stop=[stop], stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_batch_of_prompts_and_token_ids(client, offline):
+    ids = offline.get_tokenizer().encode(PROMPT).ids
+    out = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Hello"], max_tokens=4, temperature=0, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in out.choices}
+    assert by_index[0] == by_index[1]  # greedy: both children of a prompt agree
+    from_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert from_ids.choices[0].text == by_index[0]
+
+
+def test_tokenize_detokenize_roundtrip(server, offline):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == offline.get_tokenizer().encode(PROMPT).ids and r["count"] == len(r["tokens"])
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == PROMPT
+    chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    assert chat["count"] > r["count"]
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    before = server.metrics()
+    body = {"model": MODEL_NAME, "prompt": PROMPT * 20, "max_tokens": 3000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            during = server.metrics()
+            assert during["m3serve:num_requests_running"] == 1
+            assert during["m3serve:kv_cache_usage_perc"] > 0
+    after = _wait_until_idle(server)
+    assert after["m3serve:request_success_total"] == before.get("m3serve:request_success_total", 0) + 1
+    assert after["m3serve:generation_tokens_total"] < before["m3serve:generation_tokens_total"] + 3000
+
+
+def _wait_until_idle(server) -> dict:
+    deadline = time.time() + 20
+    while True:
+        metrics = server.metrics()
+        if metrics["m3serve:num_requests_running"] == 0 and metrics["m3serve:kv_cache_usage_perc"] == 0:
+            return metrics
+        assert time.time() < deadline, metrics
+        time.sleep(0.1)
+
+
+def test_non_streaming_client_gone_aborts(server):
+    before = server.metrics()
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    after = _wait_until_idle(server)
+    assert after["m3serve:generation_tokens_total"] < before["m3serve:generation_tokens_total"] + 3000
+    assert after["m3serve:request_success_total"] == before.get("m3serve:request_success_total", 0) + 1
+
+
+def test_metrics_count_tokens_and_latencies(server, client):
+    before = server.metrics()
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = server.metrics()
+    assert after["m3serve:generation_tokens_total"] - before["m3serve:generation_tokens_total"] == 5
+    assert after["m3serve:time_to_first_token_seconds_count"] - before["m3serve:time_to_first_token_seconds_count"] == 1
+    assert after["m3serve:inter_token_latency_seconds_count"] - before["m3serve:inter_token_latency_seconds_count"] == 4
+    assert after["m3serve:e2e_request_latency_seconds_count"] - before["m3serve:e2e_request_latency_seconds_count"] == 1
+    assert after["m3serve:prefix_cache_queries_total"] > before["m3serve:prefix_cache_queries_total"]
+    assert 0.0 <= after["m3serve:prefix_cache_hit_rate"] <= 1.0
+
+
+def test_bench_serve_against_the_server(server, tiny_dir, tmp_path):
+    cmd = [sys.executable, "-m", "m3serve", "bench", "serve", "--base-url", server.url,
+           "--tokenizer", str(tiny_dir), "--num-prompts", "4", "--random-input-len", "24",
+           "--random-output-len", "6", "--random-range-ratio", "1.0", "--max-concurrency", "2",
+           "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["model_id"] == MODEL_NAME
+    assert result["total_output_tokens"] == 4 * 6  # from usage.completion_tokens, ignore_eos
+    assert result["mean_ttft_ms"] > 0 and math.isfinite(result["mean_tpot_ms"])

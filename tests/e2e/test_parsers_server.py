@@ -1,0 +1,122 @@
+"""Reasoning and tool-call parsing through the server's streaming and non-streaming chat paths,
+with the model output forced at the engine boundary (a scripted engine emitting the token ids
+of a known text through the real detokenizer, parsers and SSE framing)."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from serverutil import MODEL_NAME, InProcessServer
+
+NS = "]<]minimax[>["
+CALL = (f"{NS}<tool_call>\n{NS}<invoke name=\"get_weather\">\n{NS}<city>Paris{NS}</city>\n"
+        f"{NS}<days>3{NS}</days>\n{NS}</invoke>\n{NS}</tool_call>")
+SCRIPT = f"<mm:think>The user wants weather.</mm:think>Let me check.\n{CALL}"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture()
+def scripted(scripted_server):
+    def use(script: str, tokens_per_output: int = 1):
+        scripted_server.client.script = script
+        scripted_server.client.tokens_per_output = tokens_per_output
+        return openai.OpenAI(base_url=scripted_server.url + "/v1", api_key="x", max_retries=0)
+    return use
+
+
+def _collect_stream(stream):
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            reasoning += extra.get("reasoning_content") or ""
+            assert (extra.get("reasoning_content") or "") == (extra.get("reasoning") or "")
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function is not None:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    return reasoning, content, calls, finish
+
+
+def test_reasoning_then_tool_call_non_streaming(scripted):
+    client = scripted(SCRIPT)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=500)
+    choice = out.choices[0]
+    assert choice.message.model_extra["reasoning_content"] == "The user wants weather."
+    assert choice.message.model_extra["reasoning"] == "The user wants weather."
+    assert choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}  # typed by the schema
+    assert choice.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tokens_per_output", [1, 3])
+def test_streamed_parse_equals_non_streamed(scripted, tokens_per_output):
+    client = scripted(SCRIPT, tokens_per_output)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=500,
+                                            stream=True, stream_options={"include_usage": True})
+    reasoning, content, calls, finish = _collect_stream(stream)
+    assert reasoning == "The user wants weather."
+    assert content == "Let me check."
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
+    assert finish == "tool_calls"
+
+
+def test_tool_choice_none_leaves_markup_in_content(scripted):
+    client = scripted(f"Sure.{CALL}")
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                         max_tokens=500)
+    assert out.choices[0].message.content == f"Sure.{CALL}"
+    assert not out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_thinking_mode_enabled_splits_without_opener(scripted, scripted_server):
+    client = scripted("step one</mm:think>The answer.")
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=500,
+                                         extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}})
+    message = out.choices[0].message
+    assert message.model_extra["reasoning_content"] == "step one"
+    assert message.content == "The answer."
+    prompt = scripted_server.client.tokenizer.decode(scripted_server.client.requests[-1].prompt_token_ids,
+                                                     skip_special_tokens=False)
+    assert prompt.endswith("<mm:think>\n")  # the template prefilled the opener
+
+
+def test_default_chat_template_kwargs_apply_and_request_overrides(tiny_dir):
+    srv = InProcessServer(tiny_dir, reasoning_parser="minimax_m3",
+                          default_chat_template_kwargs={"thinking_mode": "enabled"})
+    try:
+        srv.client.script = "hmm</mm:think>Yes."
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 100}
+        default = httpx.post(srv.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (default["reasoning_content"], default["content"]) == ("hmm", "Yes.")
+        srv.client.script = "Plain answer."
+        body["chat_template_kwargs"] = {"thinking_mode": "disabled"}
+        plain = httpx.post(srv.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (plain["reasoning_content"], plain["content"]) == (None, "Plain answer.")
+        prompt = srv.client.tokenizer.decode(srv.client.requests[-1].prompt_token_ids, skip_special_tokens=False)
+        assert prompt.endswith("<mm:think>\n</mm:think>\n")
+        # tools without --tool-call-parser: "auto" is refused, as in vLLM
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "tools": TOOLS})
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_stream_stop_string_aborts_in_engine(scripted, scripted_server):
+    client = scripted("alpha beta gamma delta")
+    before = len(scripted_server.client.aborted)
+    stream = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=50, stop=["gamma"], stream=True)
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert text == "alpha beta "
+    assert len(scripted_server.client.aborted) == before + 1  # the engine is told to stop and free
