@@ -17,6 +17,8 @@ _SHORT = {"tensor_parallel_size": ["-tp"]}
 def _flag_type(f: dataclasses.Field):
     hint = f.type if not isinstance(f.type, str) else f.type
     text = str(hint)
+    if "tuple" in text:
+        return str          # comma-separated; the config dataclass parses it
     if "bool" in text:
         return bool
     if "int" in text:

@@ -70,11 +70,32 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class CompilationConfig:
+    enforce_eager: bool = False                         # no CUDA graphs
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # decode batch sizes; None = 1,2,4,8,16,24,32,48,64,...
+
+    def __post_init__(self):
+        sizes = self.cudagraph_capture_sizes
+        if isinstance(sizes, str):
+            try:
+                sizes = tuple(int(x) for x in sizes.replace(",", " ").split())
+            except ValueError:
+                raise ValueError(f"cudagraph_capture_sizes must be integers, got {self.cudagraph_capture_sizes!r}") from None
+            object.__setattr__(self, "cudagraph_capture_sizes", sizes)
+        if sizes is not None:
+            sizes = tuple(sizes)
+            if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {sizes!r}")
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -15,6 +15,7 @@ from torch import nn
 
 from m3serve.distributed import TPInfo
 from m3serve.layers.attention_metadata import AttentionMetadata, context_slots, write_cache_ref
+from m3serve.layers.dispatch import use_triton
 from m3serve.layers.indexer import index_topk_ref
 from m3serve.layers.linear import QKVParallelLinear, RowParallelLinear, kv_head_range
 from m3serve.layers.norm import RMSNorm, gemma_rms_norm
@@ -88,10 +89,19 @@ class Attention(nn.Module):
         """x: [T, hidden] (normalised) -> [T, hidden]."""
         T, D = x.shape[0], self.head_dim
         parts = self.qkv_proj(x)
-        q = gemma_rms_norm(parts[0].view(T, self.num_heads, D), self.q_norm.weight, self.cfg.rms_norm_eps)
-        k = gemma_rms_norm(parts[1].view(T, self.num_kv_heads, D), self.k_norm.weight, self.cfg.rms_norm_eps)
+        q = parts[0].view(T, self.num_heads, D)
+        k = parts[1].view(T, self.num_kv_heads, D)
         v = parts[2].view(T, self.num_kv_heads, D)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if use_triton("attention", x):
+            o = self._forward_triton(q, k, v, parts, cos, sin, meta)
+        else:
+            o = self._forward_reference(q, k, v, parts, cos, sin, meta)
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+    def _forward_reference(self, q, k, v, parts, cos, sin, meta):
+        eps = self.cfg.rms_norm_eps
+        q = apply_rotary(gemma_rms_norm(q, self.q_norm.weight, eps), cos, sin)
+        k = apply_rotary(gemma_rms_norm(k, self.k_norm.weight, eps), cos, sin)
         write_cache_ref(self.kv_cache[0], k, meta.slot_mapping)
         write_cache_ref(self.kv_cache[1], v, meta.slot_mapping)
         block_ids = None
@@ -99,8 +109,34 @@ class Attention(nn.Module):
             block_ids = self.indexer(parts[3], parts[4], cos, sin, self.index_cache, meta)
             if meta.record_selections is not None:
                 meta.record_selections.append(block_ids)
-        o = paged_attention_ref(q, self.kv_cache, meta, self.scale, block_ids)
-        return self.o_proj(o.reshape(T, self.num_heads * D))
+        return paged_attention_ref(q, self.kv_cache, meta, self.scale, block_ids)
+
+    def _forward_triton(self, q, k, v, parts, cos, sin, meta):
+        from m3serve.kernels.indexer import index_topk
+        from m3serve.kernels.paged_attention import paged_attention
+        from m3serve.kernels.qk_norm_rope import qk_norm_rope_cache
+
+        cfg, T = self.cfg, q.shape[0]
+        iq = ik = None
+        if self.is_sparse:
+            iq = parts[3].view(T, -1, cfg.index_head_dim)
+            ik = parts[4]
+        q, iq = qk_norm_rope_cache(
+            q, k, v, iq, ik, self.q_norm.weight, self.k_norm.weight,
+            self.indexer.q_norm.weight if self.is_sparse else None,
+            self.indexer.k_norm.weight if self.is_sparse else None, cos, sin, self.kv_cache,
+            self.index_cache if self.is_sparse else None, meta.slot_mapping, cfg.rms_norm_eps)
+        block_ids = None
+        if self.is_sparse:
+            block_ids = index_topk(iq, self.index_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, block_size=meta.block_size,
+                                   topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
+                                   init_blocks=cfg.index_init_blocks, max_seq_len=meta.max_seq_len)
+            if meta.record_selections is not None:
+                meta.record_selections.append(block_ids)
+        return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               self.scale, block_ids=block_ids, max_query_len=meta.max_query_len,
+                               max_seq_len=meta.max_seq_len)
 
 
 class Indexer(nn.Module):

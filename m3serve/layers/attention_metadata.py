@@ -22,7 +22,16 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    max_query_len: int = 0          # host-side bounds for kernel launch shapes; 0 = derive
+    max_seq_len: int = 0
     record_selections: list | None = None  # when a list, sparse layers append their [T, Hi, topk]
+
+    def __post_init__(self):
+        if not self.max_query_len and len(self.query_start_loc_cpu) > 1:
+            q = self.query_start_loc_cpu
+            self.max_query_len = max(b - a for a, b in zip(q, q[1:]))
+        if not self.max_seq_len and self.seq_lens_cpu:
+            self.max_seq_len = max(self.seq_lens_cpu)
 
     @property
     def num_reqs(self) -> int:

@@ -11,6 +11,7 @@ from torch import nn
 
 from m3serve.distributed import TPInfo
 from m3serve.layers.activation import swiglu_oai
+from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, attach_loader,
                                    check_shape, linear, make_param, replicated_loader)
 
@@ -109,6 +110,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
+        if use_triton("moe", x):
+            return self._forward_triton(x)
         cfg = self.cfg
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
@@ -116,4 +119,17 @@ class MoE(nn.Module):
         routed = experts_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first,
                              cfg.swiglu_alpha, cfg.swiglu_limit)
         out = routed + self.shared_experts(x).float()
+        return self.tp.all_reduce(out).to(x.dtype)
+
+    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        from m3serve.kernels.fused_moe import fused_moe, moe_route
+
+        cfg = self.cfg
+        weights, ids = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
+                                 cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        self.last_expert_ids = ids
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        shared = (self.shared_experts.gate_up_proj.weight, self.shared_experts.down_proj.weight)
+        fused_moe(x, self.experts.w13, self.experts.w2, weights, ids, alpha=cfg.swiglu_alpha,
+                  limit=cfg.swiglu_limit, shared=shared, out=out, first_expert=self.experts.first)
         return self.tp.all_reduce(out).to(x.dtype)

@@ -17,6 +17,7 @@ from torch import nn
 from m3serve.distributed import TPInfo
 from m3serve.layers.attention import Attention
 from m3serve.layers.attention_metadata import AttentionMetadata
+from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import attach_loader, linear, make_param, replicated_loader
 from m3serve.layers.moe import MoE, DenseMLP
 from m3serve.layers.norm import RMSNorm
@@ -34,9 +35,25 @@ class DecoderLayer(nn.Module):
                     DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
                              cfg.swiglu_limit, tp, dtype))
 
-    def forward(self, x, cos, sin, meta):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, meta):
+        """Pre-norm residual block in (delta, residual) form: returns this layer's MLP output and
+        the residual stream before it; the next norm adds them (fused on GPU)."""
+        h, residual = add_rms_norm(x, residual, self.input_layernorm)
+        h = self.self_attn(h, cos, sin, meta)
+        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(h), residual
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+    """(norm(x + residual), x + residual) with the sum rounded to x's dtype (the HF order);
+    residual None means x is the residual stream itself."""
+    if use_triton("rms_norm", x):
+        from m3serve.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+        if residual is None:
+            return rms_norm(x, norm.weight, norm.eps), x
+        return fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    s = x if residual is None else x + residual
+    return norm(s), s
 
 
 class VocabEmbedding(nn.Module):
@@ -87,9 +104,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
         m = self.model
         x = m.embed_tokens(input_ids)
         cos, sin = m.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer in m.layers:
-            x = layer(x, cos, sin, meta)
-        return m.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta)
+        return add_rms_norm(x, residual, m.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head.weight).float()

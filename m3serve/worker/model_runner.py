@@ -46,6 +46,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.kv_cache_dtype = kv_cache_dtype or model.dtype
+        self.graphs = None  # DecodeGraphs, set by the worker when CUDA graphs are on
         self._allocate_caches()
 
     def _allocate_caches(self) -> None:
@@ -110,14 +111,22 @@ class ModelRunner:
         for i, s in enumerate(states):
             table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
-        last = torch.tensor(qsl[1:], device=dev) - 1
-        logits = self.model.compute_logits(hidden[last])                        # [R, V] fp32
+        is_decode = len(ids) == len(states)
+        if self.graphs is not None and is_decode and self.graphs.padded_size(len(states)) is not None:
+            hidden = None
+            logits = self.graphs.run(torch.tensor(ids), torch.tensor(positions),
+                                     torch.tensor(slots, dtype=torch.int64),
+                                     torch.tensor(seq_lens, dtype=torch.int32), table)
+        else:
+            meta = AttentionMetadata(
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                block_tables=table.to(dev),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs)
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
+            last = torch.tensor(qsl[1:], device=dev) - 1
+            logits = self.model.compute_logits(hidden[last])                    # [R, V] fp32
         params = [s.sampling_params for s in states]
         sampling = SamplingMetadata.from_params(
             params, [s.output_token_ids for s in states], [s.prompt_token_ids for s in states],
@@ -125,7 +134,7 @@ class ModelRunner:
         out = self.sampler(logits, sampling)
         sampled = out.sampled_token_ids.tolist()
         logprobs = self._sample_logprobs(out.logprobs, params) if out.logprobs is not None else None
-        prompt_logprobs = self._prompt_logprobs(states, so, hidden, qsl)
+        prompt_logprobs = self._prompt_logprobs(states, so, hidden, qsl) if hidden is not None else {}
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled],

@@ -50,6 +50,14 @@ class Worker:
                              f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
         self.runner = ModelRunner(self.model, self.block_size, self.num_blocks, self.device,
                                   seed=config.model.seed)
+        self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        if self.device.type == "cuda" and not config.compilation.enforce_eager:
+            from m3serve.worker.cuda_graphs import DecodeGraphs, default_capture_sizes
+            sizes = config.compilation.cudagraph_capture_sizes or default_capture_sizes(
+                config.scheduler.max_num_seqs)
+            self.runner.graphs = DecodeGraphs(self.model, list(sizes), self.block_size,
+                                              self.max_model_len, self.device)
+            self.runner.graphs.capture()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size, self.device)
 

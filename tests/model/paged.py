@@ -12,17 +12,19 @@ class PagedRunner:
     Pages are handed out in a scrambled order so that logical and physical block ids differ.
     """
 
-    def __init__(self, model, num_blocks: int = 256, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 256, seed: int = 0, device: str = "cpu"):
         cfg = model.cfg
         self.model, self.cfg, self.bs = model, cfg, cfg.index_block_size
         g = model.model.layers[0].self_attn.num_kv_heads
         dt = model.dtype
-        self.kv = [torch.zeros(2, num_blocks, self.bs, g, cfg.head_dim, dtype=dt)
+        self.device = device
+        self.kv = [torch.zeros(2, num_blocks, self.bs, g, cfg.head_dim, dtype=dt, device=device)
                    for _ in range(cfg.num_hidden_layers)]
-        self.idx = [torch.zeros(num_blocks, self.bs, cfg.index_head_dim, dtype=dt) if cfg.is_sparse(i)
-                    else None for i in range(cfg.num_hidden_layers)]
+        self.idx = [torch.zeros(num_blocks, self.bs, cfg.index_head_dim, dtype=dt, device=device)
+                    if cfg.is_sparse(i) else None for i in range(cfg.num_hidden_layers)]
         model.bind_kv_caches(self.kv, self.idx)
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        # page 0 is the null page, as in the engine
+        self.free = (1 + torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))).tolist()
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
@@ -47,12 +49,13 @@ class PagedRunner:
             tables.append(table)
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_tables=bt.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens, block_size=self.bs, record_selections=record)
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
         return self.model.compute_logits(hidden)
 
     def greedy(self, prompt: list[int], n: int, sid: int = 0) -> list[int]:
