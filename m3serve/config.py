@@ -17,8 +17,11 @@ class ModelConfig:
     seed: int = 0
     device: str = "auto"              # auto | cpu | cuda
     load_format: str = "auto"         # auto (read the checkpoint) | dummy (random weights, real shapes)
+    quantization: str | None = None   # None | fp8 (online: per-channel weights, per-token activations)
 
     def __post_init__(self):
+        if self.quantization not in (None, "fp8", "fp8_per_channel"):
+            raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8)")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: unsupported value {self.load_format!r} (auto, dummy)")
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32", "float16", "half"):
@@ -33,7 +36,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9     # fraction of GPU memory the engine may use
     kv_cache_memory: int | None = None      # bytes for the KV cache (any device); overrides the above
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"            # auto | fp8
+    kv_cache_dtype: str = "auto"            # auto | fp8 (e4m3, per-layer scales)
+    index_cache_dtype: str = "auto"         # auto | fp8 (plain e4m3 cast, spec §4)
 
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -43,8 +47,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype: unsupported value {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype: unsupported value {self.kv_cache_dtype!r} (auto, fp8)")
+        if self.index_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"index_cache_dtype: unsupported value {self.index_cache_dtype!r} (auto, fp8)")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import torch
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from m3serve.cli import add_engine_args
-    parser.add_argument("--isl", type=int, action="append", help="input length (repeatable)")
-    parser.add_argument("--batch", type=str, default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--points", nargs="+", default=["1024:1,8"],
+                        help="ISL:batch,batch,... groups, e.g. 1024:1,8,32 8192:4,16")
     parser.add_argument("--osl", type=int, default=64)
     parser.add_argument("--check-reference", action="store_true",
                         help="also compare a greedy decode against the reference ops")
@@ -42,27 +42,33 @@ def main(args) -> list[dict]:
                       "device": str(llm.engine.worker.device)}), flush=True)
     rng = random.Random(0)
     results = []
-    for isl in args.isl or [1024]:
-        for bs in [int(b) for b in args.batch.split(",")]:
-            def prompts():
-                return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
-            one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-            many = SamplingParams(max_tokens=args.osl + 1, ignore_eos=True, temperature=0.0)
-            llm.generate(prompts(), one, use_tqdm=False)
-            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-            sync(); a = time.time()
-            llm.generate(prompts(), one, use_tqdm=False)
-            sync(); b = time.time()
-            llm.generate(prompts(), many, use_tqdm=False)
-            sync(); c = time.time()
-            prefill = b - a
-            tpot = (c - b - prefill) / args.osl
-            experts = _distinct_experts(llm)
-            floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts))
-            row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3), "tpot_ms": round(tpot * 1e3, 3),
-                   "decode_tok_s": round(bs / tpot, 1), "roofline_ms": round(floor, 3),
-                   "mbu": round(floor / (tpot * 1e3), 3),
-                   "distinct_experts": [round(e, 1) for e in experts]}
-            results.append(row)
-            print(json.dumps(row), flush=True)
+    points = []
+    for group in args.points:
+        try:
+            isl, batches = group.split(":")
+            points += [(int(isl), int(b)) for b in batches.split(",")]
+        except ValueError:
+            raise ValueError(f"--points: expected ISL:batch,batch,..., got {group!r}") from None
+    for isl, bs in points:
+        def prompts():
+            return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
+        one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+        many = SamplingParams(max_tokens=args.osl + 1, ignore_eos=True, temperature=0.0)
+        llm.generate(prompts(), one, use_tqdm=False)
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync(); a = time.time()
+        llm.generate(prompts(), one, use_tqdm=False)
+        sync(); b = time.time()
+        llm.generate(prompts(), many, use_tqdm=False)
+        sync(); c = time.time()
+        prefill = b - a
+        tpot = (c - b - prefill) / args.osl
+        experts = _distinct_experts(llm)
+        floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts))
+        row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3), "tpot_ms": round(tpot * 1e3, 3),
+               "decode_tok_s": round(bs / tpot, 1), "roofline_ms": round(floor, 3),
+               "mbu": round(floor / (tpot * 1e3), 3),
+               "distinct_experts": [round(e, 1) for e in experts]}
+        results.append(row)
+        print(json.dumps(row), flush=True)
     return results

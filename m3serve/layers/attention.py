@@ -23,7 +23,8 @@ from m3serve.layers.rotary import apply_rotary
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, block_ids: torch.Tensor | None = None,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each query over its request's paged context.
 
     q: [T, H, D]; kv_cache: [2, num_blocks, block_size, G, D]; block_ids: None (dense) or
@@ -46,6 +47,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         slots = context_slots(meta, r)
         k = k_flat[slots].to(acc)[:, group_of_head]                          # [L, H, D]
         v = v_flat[slots].to(acc)[:, group_of_head]
+        if k_scale is not None:                                              # fp8 cache
+            k, v = k * k_scale.to(acc), v * v_scale.to(acc)
         q_pos = torch.arange(L - (qe - qs), L, device=q.device)              # [Tq]
         key_pos = torch.arange(L, device=q.device)
         allowed = (key_pos[None, :] <= q_pos[:, None])[:, None, :]           # [Tq, 1, L]
@@ -83,6 +86,8 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, dtype)
         self.kv_cache: torch.Tensor | None = None      # bound by the model runner
         self.index_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None       # [1] fp32 each, set with an fp8 cache
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -102,14 +107,14 @@ class Attention(nn.Module):
         eps = self.cfg.rms_norm_eps
         q = apply_rotary(gemma_rms_norm(q, self.q_norm.weight, eps), cos, sin)
         k = apply_rotary(gemma_rms_norm(k, self.k_norm.weight, eps), cos, sin)
-        write_cache_ref(self.kv_cache[0], k, meta.slot_mapping)
-        write_cache_ref(self.kv_cache[1], v, meta.slot_mapping)
+        write_cache_ref(self.kv_cache[0], k, meta.slot_mapping, self.k_scale)
+        write_cache_ref(self.kv_cache[1], v, meta.slot_mapping, self.v_scale)
         block_ids = None
         if self.is_sparse:
             block_ids = self.indexer(parts[3], parts[4], cos, sin, self.index_cache, meta)
             if meta.record_selections is not None:
                 meta.record_selections.append(block_ids)
-        return paged_attention_ref(q, self.kv_cache, meta, self.scale, block_ids)
+        return paged_attention_ref(q, self.kv_cache, meta, self.scale, block_ids, self.k_scale, self.v_scale)
 
     def _forward_triton(self, q, k, v, parts, cos, sin, meta):
         from m3serve.kernels.indexer import index_topk
@@ -125,7 +130,8 @@ class Attention(nn.Module):
             q, k, v, iq, ik, self.q_norm.weight, self.k_norm.weight,
             self.indexer.q_norm.weight if self.is_sparse else None,
             self.indexer.k_norm.weight if self.is_sparse else None, cos, sin, self.kv_cache,
-            self.index_cache if self.is_sparse else None, meta.slot_mapping, cfg.rms_norm_eps)
+            self.index_cache if self.is_sparse else None, meta.slot_mapping, cfg.rms_norm_eps,
+            k_scale=self.k_scale, v_scale=self.v_scale)
         block_ids = None
         if self.is_sparse:
             block_ids = index_topk(iq, self.index_cache, meta.query_start_loc, meta.seq_lens,
@@ -136,7 +142,7 @@ class Attention(nn.Module):
                 meta.record_selections.append(block_ids)
         return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                self.scale, block_ids=block_ids, max_query_len=meta.max_query_len,
-                               max_seq_len=meta.max_seq_len)
+                               max_seq_len=meta.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class Indexer(nn.Module):

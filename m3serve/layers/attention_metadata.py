@@ -38,11 +38,16 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
-def write_cache_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache: [num_blocks, block_size, *rest]; values: [T, *rest]; slots < 0 are skipped."""
+def write_cache_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
+                    scale: torch.Tensor | None = None) -> None:
+    """cache: [num_blocks, block_size, *rest]; values: [T, *rest]; slots < 0 are skipped.
+    An fp8 cache with a scale stores values / scale (saturated to the e4m3 range)."""
     flat = cache.view(-1, *cache.shape[2:])
     keep = slot_mapping >= 0
-    flat[slot_mapping[keep]] = values[keep].to(cache.dtype)
+    v = values[keep]
+    if scale is not None:
+        v = (v.float() / scale).clamp(-448.0, 448.0)
+    flat[slot_mapping[keep]] = v.to(cache.dtype)
 
 
 def context_slots(meta: AttentionMetadata, r: int) -> torch.Tensor:

@@ -29,8 +29,11 @@ def index_topk_ref(iq: torch.Tensor, index_cache: torch.Tensor, meta, topk: int,
         L = meta.seq_lens_cpu[r]
         n_blocks = -(-L // bs)
         keys = flat[context_slots(meta, r)].to(acc)                          # [L, Di]
+        queries = iq[qs:qe]
+        if index_cache.dtype == torch.float8_e4m3fn:                          # plain e4m3 cast, spec §4
+            queries = queries.to(torch.float8_e4m3fn)
         q_pos = torch.arange(L - (qe - qs), L, device=iq.device)             # [Tq]
-        scores = torch.einsum("thd,ld->thl", iq[qs:qe].to(acc), keys)         # [Tq, Hi, L]
+        scores = torch.einsum("thd,ld->thl", queries.to(acc), keys)           # [Tq, Hi, L]
         future = torch.arange(L, device=iq.device)[None, None, :] > q_pos[:, None, None]
         scores = scores.masked_fill(future, -math.inf)
         padded = torch.full((qe - qs, Hi, n_blocks * bs), -math.inf, dtype=acc, device=iq.device)

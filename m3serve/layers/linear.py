@@ -28,6 +28,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's forward: FP8 GEMM once quantised (`layers/quant.py`), else `linear`."""
+    scale = getattr(module, "weight_scale", None)
+    if scale is not None:
+        from m3serve.layers.quant import fp8_linear
+        return fp8_linear(x, module.weight, scale)
+    return linear(x, module.weight)
+
+
 def attach_loader(param: nn.Parameter, loader, required_shards) -> nn.Parameter:
     param.weight_loader = loader
     param.required_shards = frozenset(required_shards)
@@ -68,7 +77,7 @@ class ReplicatedLinear(nn.Module):
                                     replicated_loader, [None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return apply_linear(self, x)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -93,7 +102,7 @@ class MergedColumnParallelLinear(nn.Module):
         param.data[start:start + n].copy_(full[self.tp.rank * n:(self.tp.rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return apply_linear(self, x)
 
 
 class QKVParallelLinear(nn.Module):
@@ -135,7 +144,7 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x: [T, hidden] -> one tensor per section, [T, local_heads * size] each."""
-        return list(linear(x, self.weight).split(self.output_sizes, dim=-1))
+        return list(apply_linear(self, x).split(self.output_sizes, dim=-1))
 
 
 class RowParallelLinear(nn.Module):
@@ -159,5 +168,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full[:, r * self.in_local:(r + 1) * self.in_local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = apply_linear(self, x)
         return self.tp.all_reduce(y) if self.reduce_results else y

@@ -110,26 +110,33 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        if use_triton("moe", x):
-            return self._forward_triton(x)
         cfg = self.cfg
+        if use_triton("moe", x):
+            from m3serve.kernels.fused_moe import fused_moe, moe_route
+            weights, ids = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
+                                     cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            return self._fused(fused_moe, x, weights, ids)
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        if hasattr(self.experts, "w13_scale"):      # FP8 experts: the fused kernel's PyTorch twin
+            from m3serve.kernels.ref.fused_moe import fused_moe_ref
+            return self._fused(fused_moe_ref, x, weights, ids)
         self.last_expert_ids = ids
         routed = experts_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first,
                              cfg.swiglu_alpha, cfg.swiglu_limit)
         out = routed + self.shared_experts(x).float()
         return self.tp.all_reduce(out).to(x.dtype)
 
-    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
-        from m3serve.kernels.fused_moe import fused_moe, moe_route
-
-        cfg = self.cfg
-        weights, ids = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
-                                 cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+    def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts + shared expert in one fused call (bf16 or FP8 weights)."""
+        cfg, ex, sh = self.cfg, self.experts, self.shared_experts
         self.last_expert_ids = ids
+        shared = (sh.gate_up_proj.weight, sh.down_proj.weight)
+        scales = {}
+        if hasattr(ex, "w13_scale"):
+            scales = dict(w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
+            shared += (sh.gate_up_proj.weight_scale, sh.down_proj.weight_scale)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        shared = (self.shared_experts.gate_up_proj.weight, self.shared_experts.down_proj.weight)
-        fused_moe(x, self.experts.w13, self.experts.w2, weights, ids, alpha=cfg.swiglu_alpha,
-                  limit=cfg.swiglu_limit, shared=shared, out=out, first_expert=self.experts.first)
+        moe_fn(x, ex.w13, ex.w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+               shared=shared, out=out, first_expert=ex.first, **scales)
         return self.tp.all_reduce(out).to(x.dtype)

@@ -258,7 +258,7 @@ def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progres
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "auto", tp: TPInfo = TPInfo(),
                device: str | torch.device = "cpu", progress: bool = True, load_format: str = "auto",
-               seed: int = 0):
+               seed: int = 0, quantization: str | None = None):
     """Build this rank's `MiniMaxM3ForCausalLM` and load its weights. Returns (model, cfg, dir).
 
     load_format "dummy" reads only config.json and fills random weights on the device."""
@@ -274,4 +274,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", tp: TPInfo 
         init_dummy_weights(net, seed)
     else:
         load_weights(net, cfg, model_dir, progress=progress)
+    if quantization in ("fp8", "fp8_per_channel"):
+        from m3serve.layers.quant import quantize_model_fp8
+        quantize_model_fp8(net)
     return net.eval(), cfg, model_dir

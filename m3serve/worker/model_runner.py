@@ -37,7 +37,8 @@ class ModelRunner:
     """Owns the model and its KV caches on one device (one TP rank)."""
 
     def __init__(self, model, block_size: int, num_blocks: int, device: torch.device,
-                 kv_cache_dtype: torch.dtype | None = None, seed: int = 0):
+                 kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
+                 seed: int = 0):
         self.model, self.cfg = model, model.cfg
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -46,6 +47,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.kv_cache_dtype = kv_cache_dtype or model.dtype
+        self.index_cache_dtype = index_cache_dtype or model.dtype
         self.graphs = None  # DecodeGraphs, set by the worker when CUDA graphs are on
         self._allocate_caches()
 
@@ -54,9 +56,14 @@ class ModelRunner:
         attn = self.model.attention_layers
         self.kv_caches = [torch.zeros(2, self.num_blocks, bs, a.num_kv_heads, cfg.head_dim,
                                       dtype=self.kv_cache_dtype, device=self.device) for a in attn]
-        self.index_caches = [torch.zeros(self.num_blocks, bs, cfg.index_head_dim, dtype=self.model.dtype,
+        self.index_caches = [torch.zeros(self.num_blocks, bs, cfg.index_head_dim, dtype=self.index_cache_dtype,
                                          device=self.device) if a.is_sparse else None for a in attn]
         self.model.bind_kv_caches(self.kv_caches, self.index_caches)
+        if self.kv_cache_dtype == torch.float8_e4m3fn:
+            # per-layer scales (value = stored x scale); 1.0: K is RMS-normalised and V of order 1
+            for a in attn:
+                a.k_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+                a.v_scale = torch.ones(1, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------ state updates
 

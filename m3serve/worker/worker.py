@@ -34,21 +34,24 @@ class Worker:
         self.device = resolve_device(config.model.device)
         self.model, self.model_config, _ = load_model(
             model_dir, dtype=config.model.dtype, tp=tp, device=self.device, progress=progress,
-            load_format=config.model.load_format, seed=config.model.seed)
+            load_format=config.model.load_format, seed=config.model.seed,
+            quantization=config.model.quantization)
         cfg = self.model_config
         self.block_size = config.cache.block_size or cfg.index_block_size
         if self.block_size != cfg.index_block_size:
             raise ValueError(f"block_size {self.block_size} must equal the model's sparse block size "
                              f"({cfg.index_block_size}): one KV block is one MSA block")
-        if config.cache.kv_cache_dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not supported yet")
-        elt = self.model.dtype.itemsize
-        specs = cache_group_specs(cfg, self.model.attention_layers[0].num_kv_heads, elt, elt)
+        fp8 = torch.float8_e4m3fn
+        kv_dtype = fp8 if config.cache.kv_cache_dtype != "auto" else self.model.dtype
+        index_dtype = fp8 if config.cache.index_cache_dtype != "auto" else self.model.dtype
+        specs = cache_group_specs(cfg, self.model.attention_layers[0].num_kv_heads, kv_dtype.itemsize,
+                                  index_dtype.itemsize)
         self.num_blocks = num_blocks_for_memory(specs, self.block_size, self._kv_cache_bytes())
         if self.num_blocks < 2:
             raise ValueError(f"the KV cache budget ({self._kv_cache_bytes()} bytes) holds fewer than "
                              f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
         self.runner = ModelRunner(self.model, self.block_size, self.num_blocks, self.device,
+                                  kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype,
                                   seed=config.model.seed)
         self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
         if self.device.type == "cuda" and not config.compilation.enforce_eager:

@@ -1,0 +1,71 @@
+"""Online FP8 quantisation (`--quantization fp8`, per-token activation / per-channel weight,
+spec §8.3): weights are quantised once after loading, activations per call.
+
+GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU; the CPU reference
+dequantises both operands and multiplies in fp64 (same products, one rounding).
+Kept in bf16 (the default exclusions): embeddings, lm_head, the router, all norms.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (e4m3 [..., N, K], fp32 scale [..., N]); W ~= Wq * scale."""
+    from m3serve.kernels.ref.fused_moe import quant_weight_fp8
+    return quant_weight_fp8(w)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantisation: x [T, K] -> (e4m3 [T, K], fp32 scale [T])."""
+    if x.is_cuda:
+        from m3serve.kernels.fused_moe import quant_rows_fp8
+        return quant_rows_fp8(x)
+    from m3serve.kernels.ref.fused_moe import quant_rows_fp8_ref
+    return quant_rows_fp8_ref(x)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (bf16) @ dequant(wq [N, K])^T with per-token activation quantisation -> [T, N]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, x_scale = quantize_rows(x2)
+    if x.is_cuda:
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
+                             out_dtype=x.dtype)
+    else:
+        y = ((xq.double() * x_scale.double()[:, None]) @ (wq.double() * w_scale.double()[:, None]).t()).to(x.dtype)
+    return y.reshape(*shape[:-1], wq.shape[0])
+
+
+def quantize_linear_(module: nn.Module) -> None:
+    """Replace `module.weight` by its FP8 form and add `module.weight_scale` [N] fp32."""
+    wq, scale = quantize_weight(module.weight.data)
+    module.weight = nn.Parameter(wq, requires_grad=False)
+    module.weight_scale = scale
+
+
+def quantize_model_fp8(model: nn.Module) -> int:
+    """Quantise every linear layer and the routed experts in place; returns the module count."""
+    from m3serve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                       RowParallelLinear)
+    from m3serve.layers.moe import Experts
+
+    count = 0
+    for _, module in model.named_modules():
+        if isinstance(module, (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                               RowParallelLinear)):
+            quantize_linear_(module)
+            count += 1
+        elif isinstance(module, Experts):
+            for name in ("w13", "w2"):
+                wq, scale = quantize_weight(getattr(module, name).data)
+                setattr(module, name, nn.Parameter(wq, requires_grad=False))
+                setattr(module, name + "_scale", scale)
+            count += 1
+    if model.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()
+    return count
