@@ -3,7 +3,8 @@ layer: q/k (and the MSA indexer's iq/ik on sparse layers) in one launch. Roundin
 the layer code: norm in fp32 cast to the activation dtype, then each RoPE product and sum rounded
 to the activation dtype, as bf16 tensor math does.
 
-Grid: (tokens, q-head chunks + 1 [k, v, K/V cache write] + 1 [iq, ik, index-cache write]).
+Grid: (tokens, q-head chunks + 1 [k, v, K/V cache write] + 1 [iq, ik, index-cache write]); each
+job kind is its own device function that loads and stores its own tiles.
 """
 from __future__ import annotations
 
@@ -51,52 +52,86 @@ def _norm_rope_tile(x_ptr, x_row, head_stride, n_heads, head0, w_ptr, cos_ptr, s
 
 @triton.jit
 def _store_cache(cache_ptr, slot, slot_stride, heads, cols, head_stride, vals, mask, scale_ptr,
-                 HAS_SCALE: tl.constexpr, EMULATE: tl.constexpr):
-    """Write [HEADS, BLOCK_D] values at `slot` (skipped when slot < 0), dividing by the scale."""
+                 scale_val, SCALE: tl.constexpr, EMULATE: tl.constexpr):
+    """Write [HEADS, BLOCK_D] values at `slot` (skipped when slot < 0), IEEE-dividing by the
+    scale: SCALE 0 = none, 1 = fp32 scalar at scale_ptr, 2 = the fp32 argument scale_val."""
     v = vals.to(tl.float32)
-    if HAS_SCALE:
+    if SCALE == 1:
         v = tl.math.div_rn(v, tl.load(scale_ptr))
+    if SCALE == 2:
+        v = tl.math.div_rn(v, scale_val)
     ptrs = cache_ptr + slot * slot_stride + heads[:, None] * head_stride + cols[None, :]
     keep = (tl.zeros([1, 1], dtype=tl.int64) + slot) >= 0  # a tensor mask: the interpreter
     tl.store(ptrs, cast_rne(v, cache_ptr.dtype.element_ty, EMULATE), mask=mask & keep)
 
 
+# The three job kinds below each load and store their own tiles and return nothing: their tiles
+# have different shapes, and compiled Triton forbids values of different shapes flowing out of
+# the two sides of a run-time `if`.
+@triton.jit
+def _q_job(q_ptr, qw_ptr, qo_ptr, cos_ptr, sin_ptr, t, cs_row, q_s0, q_s1, Hq, head0, eps,
+           D: tl.constexpr, HALF: tl.constexpr, QH: tl.constexpr, BLOCK_D: tl.constexpr,
+           EMULATE: tl.constexpr):
+    y, heads, cols, mask = _norm_rope_tile(q_ptr, t * q_s0, q_s1, Hq, head0, qw_ptr, cos_ptr,
+                                           sin_ptr, cs_row, eps, D, HALF, QH, BLOCK_D, EMULATE)
+    tl.store(qo_ptr + t * Hq * D + heads[:, None] * D + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _kv_job(k_ptr, v_ptr, kw_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr, ks_val,
+            vs_val, t, cs_row, k_s0, k_s1, v_s0, v_s1, plane_stride, G, eps,
+            D: tl.constexpr, HALF: tl.constexpr, KH: tl.constexpr, BLOCK_D: tl.constexpr,
+            K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, EMULATE: tl.constexpr):
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    y, heads, cols, mask = _norm_rope_tile(k_ptr, t * k_s0, k_s1, G, 0, kw_ptr, cos_ptr,
+                                           sin_ptr, cs_row, eps, D, HALF, KH, BLOCK_D, EMULATE)
+    _store_cache(kv_ptr, slot, G * D, heads, cols, D, y, mask, ks_ptr, ks_val, K_SCALE, EMULATE)
+    vv = tl.load(v_ptr + t * v_s0 + heads[:, None] * v_s1 + cols[None, :], mask=mask, other=0.0)
+    _store_cache(kv_ptr + plane_stride, slot, G * D, heads, cols, D, vv, mask, vs_ptr, vs_val,
+                 V_SCALE, EMULATE)
+
+
+@triton.jit
+def _index_job(iq_ptr, ik_ptr, iqw_ptr, ikw_ptr, iqo_ptr, idx_ptr, slot_ptr, cos_ptr, sin_ptr,
+               t, cs_row, iq_s0, iq_s1, ik_s0, Hi, eps, DI: tl.constexpr, HALF: tl.constexpr,
+               IH: tl.constexpr, BLOCK_DI: tl.constexpr, EMULATE: tl.constexpr):
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    y, heads, cols, mask = _norm_rope_tile(iq_ptr, t * iq_s0, iq_s1, Hi, 0, iqw_ptr, cos_ptr,
+                                           sin_ptr, cs_row, eps, DI, HALF, IH, BLOCK_DI, EMULATE)
+    tl.store(iqo_ptr + t * Hi * DI + heads[:, None] * DI + cols[None, :], y, mask=mask)
+    # the single index-key head as a 2-row tile (row 1 masked off): no 1-wide aranges
+    yk, kheads, kcols, kmask = _norm_rope_tile(ik_ptr, t * ik_s0, 0, 1, 0, ikw_ptr, cos_ptr,
+                                               sin_ptr, cs_row, eps, DI, HALF, 2, BLOCK_DI,
+                                               EMULATE)
+    _store_cache(idx_ptr, slot, DI, kheads, kcols, DI, yk, kmask, slot_ptr, 1.0, 0, EMULATE)
+
+
 @triton.jit
 def _qk_norm_rope_kernel(
         q_ptr, k_ptr, v_ptr, iq_ptr, ik_ptr, qw_ptr, kw_ptr, iqw_ptr, ikw_ptr, cos_ptr, sin_ptr,
-        kv_ptr, idx_ptr, slot_ptr, qo_ptr, iqo_ptr, ks_ptr, vs_ptr,
+        kv_ptr, idx_ptr, slot_ptr, qo_ptr, iqo_ptr, ks_ptr, vs_ptr, ks_val, vs_val,
         q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, iq_s0, iq_s1, ik_s0, cs_s0, plane_stride,
         Hq, G, Hi, eps,
         D: tl.constexpr, DI: tl.constexpr, HALF: tl.constexpr, QH: tl.constexpr,
         KH: tl.constexpr, IH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
-        HAS_INDEX: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+        HAS_INDEX: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
         EMULATE: tl.constexpr):
+    # job < n_q: a chunk of QH q heads; job == n_q: K + V into the kv cache; job == n_q + 1:
+    # iq + ik into the index cache (sparse layers only)
     t = tl.program_id(0).to(tl.int64)
     job = tl.program_id(1)
     n_q = tl.cdiv(Hq, QH)
     cs_row = t * cs_s0
     if job < n_q:
-        y, heads, cols, mask = _norm_rope_tile(q_ptr, t * q_s0, q_s1, Hq, job * QH, qw_ptr, cos_ptr,
-                                               sin_ptr, cs_row, eps, D, HALF, QH, BLOCK_D, EMULATE)
-        tl.store(qo_ptr + t * Hq * D + heads[:, None] * D + cols[None, :], y, mask=mask)
+        _q_job(q_ptr, qw_ptr, qo_ptr, cos_ptr, sin_ptr, t, cs_row, q_s0, q_s1, Hq, job * QH, eps,
+               D, HALF, QH, BLOCK_D, EMULATE)
     elif job == n_q:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        y, heads, cols, mask = _norm_rope_tile(k_ptr, t * k_s0, k_s1, G, 0, kw_ptr, cos_ptr,
-                                               sin_ptr, cs_row, eps, D, HALF, KH, BLOCK_D, EMULATE)
-        _store_cache(kv_ptr, slot, G * D, heads, cols, D, y, mask, ks_ptr, HAS_K_SCALE, EMULATE)
-        vv = tl.load(v_ptr + t * v_s0 + heads[:, None] * v_s1 + cols[None, :], mask=mask, other=0.0)
-        _store_cache(kv_ptr + plane_stride, slot, G * D, heads, cols, D, vv, mask, vs_ptr,
-                     HAS_V_SCALE, EMULATE)
+        _kv_job(k_ptr, v_ptr, kw_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr, ks_val,
+                vs_val, t, cs_row, k_s0, k_s1, v_s0, v_s1, plane_stride, G, eps, D, HALF, KH,
+                BLOCK_D, K_SCALE, V_SCALE, EMULATE)
     elif HAS_INDEX:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        y, heads, cols, mask = _norm_rope_tile(iq_ptr, t * iq_s0, iq_s1, Hi, 0, iqw_ptr,
-                                               cos_ptr, sin_ptr, cs_row, eps, DI, HALF, IH,
-                                               BLOCK_DI, EMULATE)
-        tl.store(iqo_ptr + t * Hi * DI + heads[:, None] * DI + cols[None, :], y, mask=mask)
-        # the single index-key head as a 2-row tile (row 1 masked off): no 1-wide aranges
-        y, heads, cols, mask = _norm_rope_tile(ik_ptr, t * ik_s0, 0, 1, 0, ikw_ptr, cos_ptr,
-                                               sin_ptr, cs_row, eps, DI, HALF, 2, BLOCK_DI, EMULATE)
-        _store_cache(idx_ptr, slot, DI, heads, cols, DI, y, mask, ks_ptr, False, EMULATE)
+        _index_job(iq_ptr, ik_ptr, iqw_ptr, ikw_ptr, iqo_ptr, idx_ptr, slot_ptr, cos_ptr, sin_ptr,
+                   t, cs_row, iq_s0, iq_s1, ik_s0, Hi, eps, DI, HALF, IH, BLOCK_DI, EMULATE)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -104,10 +139,17 @@ def _need(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _as_scale(scale, device) -> torch.Tensor | None:
-    if scale is None or isinstance(scale, torch.Tensor):
-        return scale
-    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
+def _scale_args(scale, name: str, device: torch.device):
+    """(pointer-or-None, fp32 value, SCALE mode) for an optional per-tensor scale; a host float
+    travels as a kernel argument, so no host -> device copy happens per call."""
+    if scale is None:
+        return None, 1.0, 0
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+            raise ValueError(f"{name} must be one fp32 value on {device}, got "
+                             f"{tuple(scale.shape)} {scale.dtype} on {scale.device}")
+        return scale, 1.0, 1
+    return None, float(scale), 2
 
 
 def qk_norm_rope_cache(q, k, v, iq, ik, q_norm_w, k_norm_w, iq_norm_w, ik_norm_w, cos, sin,
@@ -121,9 +163,14 @@ def qk_norm_rope_cache(q, k, v, iq, ik, q_norm_w, k_norm_w, iq_norm_w, ik_norm_w
     <= min(D, Di)). kv_cache: [2, num_blocks, block_size, G, D] contiguous (plane 0 gets
     norm+RoPE K, plane 1 raw V); index_cache: [num_blocks, block_size, Di] contiguous (gets
     norm+RoPE ik, plain cast). slot_mapping: [T] int, slot < 0 skipped. k_scale/v_scale:
-    optional fp32 per-tensor scales (tensor or float) for an fp8 kv_cache: stored = v / scale.
+    optional per-tensor scales for an fp8 kv_cache, a one-element fp32 device tensor or a host
+    float: stored = dtype(fp32(v) / fp32(scale)), IEEE division.
 
     Returns (q_out [T, Hq, D], iq_out [T, Hi, Di] or None), contiguous, activation dtype.
+
+    CUDA-graph safe: no host sync and no host -> device copy (a float scale is a kernel
+    argument); the outputs are sized from T alone; one kernel launch (plus a cos/sin copy only
+    when they are not row-contiguous).
     """
     _need(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q/k/v must be 3-D, got "
           f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -154,7 +201,8 @@ def qk_norm_rope_cache(q, k, v, iq, ik, q_norm_w, k_norm_w, iq_norm_w, ik_norm_w
           "q/k/v need a unit last stride")
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    k_scale, v_scale = _as_scale(k_scale, q.device), _as_scale(v_scale, q.device)
+    ks_ptr, ks_val, ks_mode = _scale_args(k_scale, "k_scale", q.device)
+    vs_ptr, vs_val, vs_mode = _scale_args(v_scale, "v_scale", q.device)
 
     q_out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     iq_out = torch.empty((T, Hi, Di), dtype=iq.dtype, device=q.device) if has_index else None
@@ -169,14 +217,15 @@ def qk_norm_rope_cache(q, k, v, iq, ik, q_norm_w, k_norm_w, iq_norm_w, ik_norm_w
         ik_norm_w if has_index else q_norm_w, cos, sin,
         kv_cache, index_cache if has_index else dummy, slot_mapping, q_out,
         iq_out if has_index else dummy,
-        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
+        ks_ptr if ks_ptr is not None else dummy, vs_ptr if vs_ptr is not None else dummy,
+        ks_val, vs_val,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         iq.stride(0) if has_index else 0, iq.stride(1) if has_index else 0,
-        ik.stride(0) if has_index else 0, cos.stride(0), kv_cache[0].numel(),
+        ik.stride(0) if has_index else 0, cos.stride(0), kv_cache.numel() // 2,
         Hq, G, Hi, eps,
         D=D, DI=Di, HALF=half, QH=QH, KH=triton.next_power_of_2(G),
         IH=triton.next_power_of_2(max(Hi, 1)), BLOCK_D=triton.next_power_of_2(D),
         BLOCK_DI=triton.next_power_of_2(Di), HAS_INDEX=has_index,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, EMULATE=interpreting(),
+        K_SCALE=ks_mode, V_SCALE=vs_mode, EMULATE=interpreting(),
         num_warps=4)
     return q_out, iq_out

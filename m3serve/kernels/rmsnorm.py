@@ -93,7 +93,10 @@ def _launch(x2, r2, weight, out2, res_out2, eps, N):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm over the last dim. x: [..., N] (unit last stride preferred); weight: [N]
-    (offset from 1). Returns a new contiguous [..., N] tensor in x's dtype."""
+    (offset from 1). Returns a new contiguous [..., N] tensor in x's dtype.
+
+    CUDA-graph safe: no host sync; one allocation sized from x.shape and one launch (plus a
+    copy only when x's last stride is not 1)."""
     N = _check(x, weight)
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -108,6 +111,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
     Returns (normed, new_residual), both new contiguous [..., N] tensors in x's dtype, with
     new_residual = dtype(x + residual) and normed = rms_norm(new_residual).
+
+    CUDA-graph safe: no host sync; two allocations sized from x.shape and one launch.
     """
     N = _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:

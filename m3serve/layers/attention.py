@@ -137,7 +137,8 @@ class Attention(nn.Module):
             block_ids = index_topk(iq, self.index_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, block_size=meta.block_size,
                                    topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
-                                   init_blocks=cfg.index_init_blocks, max_seq_len=meta.max_seq_len)
+                                   init_blocks=cfg.index_init_blocks, max_seq_len=meta.max_seq_len,
+                                   max_query_len=meta.max_query_len)
             if meta.record_selections is not None:
                 meta.record_selections.append(block_ids)
         return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,

@@ -86,7 +86,8 @@ PREFILL = [(1000, 9000), (2048, 2048), (1, 300), (517, 40000)]
                          ids=["decode", "prefill", "mixed"])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("block_size", [128, 16])
-def test_index_topk_gpu(reqs, cache, block_size):
+@pytest.mark.parametrize("give_max_query_len", [False, True], ids=["search-map", "direct-map"])
+def test_index_topk_gpu(reqs, cache, block_size, give_max_query_len):
     from m3serve.kernels.indexer import index_block_scores, index_topk
     from m3serve.kernels.ref.indexer import index_block_scores_ref, index_topk_ref
     if block_size == 16:
@@ -95,7 +96,8 @@ def test_index_topk_gpu(reqs, cache, block_size):
                        device="cuda",
                        cache_dtype=torch.float8_e4m3fn if cache == "fp8" else None)
     kw = dict(local_blocks=1, init_blocks=1)
-    got = index_topk(**batch, topk=16, **kw)
+    mq = max(q for q, _ in reqs) if give_max_query_len else None
+    got = index_topk(**batch, topk=16, max_query_len=mq, **kw)
     ref = index_topk_ref(**batch, topk=16, **kw)
     assert got.dtype == torch.int32 and got.shape == ref.shape
     ref_scores = index_block_scores_ref(**batch, **kw)
@@ -105,3 +107,49 @@ def test_index_topk_gpu(reqs, cache, block_size):
     assert_scores_match(index_block_scores(**batch, **kw), ref_scores, atol=atol)
     assert_same_sets(got, ref, scores=ref_scores, atol=atol)
     check_rows(got, batch, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_index_topk_cuda_graph(cache):
+    """Captured once with a loose max_seq_len (like the engine's decode graphs), replayed on new
+    contexts written into the same buffers: capture fails on any host sync, and the replay
+    must follow the new seq_lens."""
+    from m3serve.kernels.indexer import index_topk
+    from m3serve.kernels.ref.indexer import index_block_scores_ref, index_topk_ref
+    cdt = torch.float8_e4m3fn if cache == "fp8" else None
+    first = make_batch([(1, 300), (1, 5000), (1, 1), (1, 9000)], Hi=4, Di=128, block_size=128,
+                       dtype=torch.bfloat16, device="cuda", cache_dtype=cdt, seed=1)
+    second = make_batch([(1, 20000), (1, 129), (1, 7000), (1, 64)], Hi=4, Di=128,
+                        block_size=128, dtype=torch.bfloat16, device="cuda", cache_dtype=cdt,
+                        seed=2)
+    static = dict(first, max_seq_len=32768, block_tables=torch.zeros(
+        4, 32768 // 128, dtype=torch.int32, device="cuda"),
+        index_cache=torch.zeros(max(first["index_cache"].shape[0],
+                                    second["index_cache"].shape[0]), 128, 128,
+                                dtype=first["index_cache"].dtype, device="cuda"))
+    kw = dict(topk=16, local_blocks=1, init_blocks=1, max_query_len=1)
+
+    def load(b):
+        for name in ("iq", "query_start_loc", "seq_lens"):
+            static[name].copy_(b[name])
+        static["block_tables"].zero_()
+        static["block_tables"][:, :b["block_tables"].shape[1]].copy_(b["block_tables"])
+        static["index_cache"][:b["index_cache"].shape[0]].copy_(b["index_cache"])
+    load(first)
+    index_topk(**static, **kw)                                   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = index_topk(**static, **kw)
+    for b in (first, second):
+        load(b)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_kw = dict(b, max_seq_len=static["max_seq_len"], block_tables=static["block_tables"],
+                      index_cache=static["index_cache"])
+        ref_scores = index_block_scores_ref(**ref_kw, local_blocks=1, init_blocks=1)
+        ref = index_topk_ref(**ref_kw, topk=16, local_blocks=1, init_blocks=1)
+        atol = 5e-2 if cache == "fp8" else 1e-3
+        assert_same_sets(got, ref, scores=ref_scores, atol=atol)
+        check_rows(got, b, 16)

@@ -1,6 +1,7 @@
 """CPU interpreter tests of the Triton MSA indexer at tiny shapes (block 16, top-4, 2 index heads,
-Di 32): ragged decode/prefill batches, contexts below and above top-k x block, fp8 cache, and the
-kernel reference against the layer op `index_topk_ref` in m3serve.layers.indexer."""
+Di 32): ragged decode/prefill batches, contexts below and above top-k x block, fp8 cache, both
+tile mappings, host-sync freedom of the launchers, an offline sm_90 compile, and the kernel
+reference against the layer op `index_topk_ref` in m3serve.layers.indexer."""
 import os
 
 import pytest
@@ -17,6 +18,7 @@ from m3serve.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from m3serve.layers.indexer import index_topk_ref as layer_index_topk  # noqa: E402
 from test_indexer import (assert_same_sets, assert_scores_match, check_rows,  # noqa: E402
                           make_batch)
+from test_rmsnorm import HostSyncGuard, compile_for_hopper  # noqa: E402
 
 TINY = dict(Hi=2, Di=32, block_size=16)
 # contexts: below top-k x block (64), exactly at it, and well above (top-k drops blocks)
@@ -58,10 +60,10 @@ def test_kernel_matches_ref(reqs, target, monkeypatch):
     assert (got == -1).any() and (ref[:, :, 0] >= 0).all()  # padding exercised, rows never empty
 
 
-@pytest.mark.parametrize("triton_rows", [True, False], ids=["triton-topk", "torch-topk"])
+@pytest.mark.parametrize("triton_rows", [True, False], ids=["one-chunk", "multi-chunk"])
 def test_select_topk(triton_rows, monkeypatch):
     if not triton_rows:
-        monkeypatch.setattr(indexer, "MAX_TRITON_TOPK_ROW", 0)
+        monkeypatch.setattr(indexer, "TOPK_CHUNK", 2)
     inf = float("inf")
     scores = torch.tensor([[[2.0, inf, 5.0, -inf, 5.0, 1.0]],      # tie at 5.0, forced block 1
                            [[-inf, 3.0, -inf, -inf, -inf, -inf]]])  # one valid block
@@ -95,10 +97,10 @@ def test_fp8_cache():
     assert_same_sets(index_topk(**batch, **kw), index_topk_ref(**batch, **kw))
 
 
-@pytest.mark.parametrize("triton_rows", [True, False], ids=["triton-topk", "torch-topk"])
+@pytest.mark.parametrize("triton_rows", [True, False], ids=["one-chunk", "multi-chunk"])
 def test_batch_padding_rows(triton_rows, monkeypatch):
     if not triton_rows:
-        monkeypatch.setattr(indexer, "MAX_TRITON_TOPK_ROW", 0)
+        monkeypatch.setattr(indexer, "TOPK_CHUNK", 2)
     batch = make_batch(DECODE[:2], **TINY, dtype=torch.float32, device="cpu")
     batch["iq"] = torch.cat([batch["iq"], batch["iq"]])  # 2 padding tokens past qsl[-1]
     got = index_topk(**batch, topk=4, local_blocks=1)
@@ -114,3 +116,86 @@ def test_out_buffer_and_bad_input():
         index_topk(**dict(batch, max_seq_len=0), topk=4, local_blocks=1)
     with pytest.raises(ValueError, match="index_cache"):
         index_topk(**dict(batch, index_cache=batch["index_cache"][:, :8]), topk=4, local_blocks=1)
+
+
+def poison_scratch(monkeypatch):
+    """Fill the top-k scratch with +inf (and the visible counts with a huge value) before stage 1
+    runs: a top-k that read a column stage 1 did not write would select it."""
+    real = indexer._index_score_kernel
+
+    class Poisoned:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                args[5].fill_(float("inf"))   # scores
+                args[6].fill_(1 << 30)         # nvis
+                return real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(indexer, "_index_score_kernel", Poisoned())
+
+
+# (q_len, seq_len): spec-decode-like short queries, an empty request, one-token requests
+SHORT = [(3, 40), (0, 20), (2, 70), (1, 17), (1, 150)]
+
+
+@pytest.mark.parametrize("max_query_len", [None, 1, 3], ids=["search", "direct-1", "direct-3"])
+def test_tile_mappings_and_padding(max_query_len, monkeypatch):
+    reqs = DECODE if max_query_len == 1 else SHORT
+    batch = make_batch(reqs, **TINY, dtype=torch.float32, device="cpu", seed=4)
+    batch["iq"] = torch.cat([batch["iq"], batch["iq"][:2]])      # 2 batch-padding tokens
+    batch["max_seq_len"] = 4 * batch["max_seq_len"]              # a graph-style loose bound
+    poison_scratch(monkeypatch)
+    kw = dict(topk=4, local_blocks=2, init_blocks=1)
+    got = index_topk(**batch, max_query_len=max_query_len, **kw)
+    real = batch["query_start_loc"][-1].item()
+    assert (got[real:] == -1).all()
+    ref = index_topk_ref(**dict(batch, iq=batch["iq"][:real]), **kw)
+    assert_same_sets(got[:real], ref)
+    check_rows(got[:real], batch, 4)
+
+
+def test_launchers_graph_safe(monkeypatch):
+    guard = HostSyncGuard(monkeypatch)
+    guard.patch_kernels(monkeypatch, indexer, "_index_score_kernel", "_topk_rows_kernel")
+    kw = dict(topk=4, local_blocks=1, init_blocks=1)
+    dec = make_batch(DECODE, **TINY, dtype=torch.float32, device="cpu", seed=5)
+    got = guard.run(index_topk, **dec, max_query_len=1, **kw)
+    # decode: scratch + visible counts + output allocations, one launch per stage, one tile
+    # per request (direct mapping)
+    assert guard.ops == ["empty", "empty", "empty"] and not guard.views
+    assert [n for n, _ in guard.launches] == ["_index_score_kernel", "_topk_rows_kernel"]
+    assert guard.launches[0][1][0] == len(DECODE)
+    assert_same_sets(got, index_topk_ref(**dec, **kw))
+    pre = make_batch(PREFILL, **TINY, dtype=torch.float32, device="cpu", seed=6)
+    out = torch.empty(sum(q for q, _ in PREFILL), 2, 4, dtype=torch.int32)
+    guard.run(index_topk, **pre, out=out, **kw)                  # prefill: in-kernel tile map
+    assert guard.ops == ["empty", "empty"] and len(guard.launches) == 2
+    assert_same_sets(out, index_topk_ref(**pre, **kw))
+    scores = torch.randn(3, 2, 40)
+    ids = guard.run(select_topk, scores, 4)
+    assert guard.ops == ["empty"] and len(guard.launches) == 1
+    assert torch.equal(ids.long(), scores.topk(4, dim=-1).indices)
+
+
+def test_compiles_for_hopper(tmp_path):
+    score = dict(iq_ptr="*bf16", cache_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
+                 seq_ptr="*i32", score_ptr="*fp32", nvis_ptr="*i32")
+    flags = dict(Q_FP8=False, DOT_FP32=False, IEEE=False, EMULATE=False)
+    mod = "m3serve.kernels.indexer"
+    real = dict(BS=128, DI=128, HP=4)
+    topk = dict(score_ptr="*fp32", out_ptr="*i32", ntok_ptr="*i32", nvis_ptr="*i32")
+    jobs = [  # real decode (direct, bf16), real prefill (search, fp8 cache), tiny decode
+        (mod, "_index_score_kernel", score, dict(real, BLOCK_M=16, TPT=4, TPR=1, R_P=1,
+                                                 DIRECT=True, **flags), 4),
+        (mod, "_index_score_kernel", dict(score, cache_ptr="*fp8e4nv"),
+         dict(real, BLOCK_M=64, TPT=16, TPR=1, R_P=2, DIRECT=False, **dict(flags, Q_FP8=True)),
+         4),
+        (mod, "_index_score_kernel", score, dict(BS=16, DI=32, HP=2, BLOCK_M=16, TPT=8, TPR=1,
+                                                 R_P=1, DIRECT=True, **flags), 4),
+        (mod, "_topk_rows_kernel", topk, dict(TOPK=16, TOPK_P=16, CHUNK=64, ONE_CHUNK=True,
+                                              HAS_NTOK=True, HAS_NVIS=True), 4),
+        (mod, "_topk_rows_kernel", topk, dict(TOPK=16, TOPK_P=16, CHUNK=4096, ONE_CHUNK=False,
+                                              HAS_NTOK=True, HAS_NVIS=True), 8),
+    ]
+    done = compile_for_hopper(jobs, tmp_path)
+    assert len(done) == len(jobs)
+    assert done[0].endswith("True") and done[1].endswith("True")  # real scoring uses wgmma

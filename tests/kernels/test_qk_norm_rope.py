@@ -75,3 +75,31 @@ def test_qk_norm_rope_gpu(T, sparse, cache):
     assert torch.equal(a["kv_cache"][1].view(torch.uint8), b["kv_cache"][1].view(torch.uint8))
     assert_nearly_equal(a["kv_cache"][0], b["kv_cache"][0])
     assert (a["kv_cache"][1].view(torch.uint8) != 0).sum() > 0
+
+
+@pytest.mark.gpu
+def test_qk_norm_rope_cuda_graph():
+    """Capture (fails on any host sync or host -> device copy, e.g. of a float scale), then
+    replay on new activations and slots written into the captured buffers."""
+    from m3serve.kernels.qk_norm_rope import qk_norm_rope_cache
+    shape = (8, 64, 4, 128, 4, 128, 32)
+    kw = dict(k_scale=torch.tensor([0.05], device="cuda"), v_scale=0.1)
+    x = make_inputs(*shape, num_blocks=4, block_size=128, dtype=torch.bfloat16, device="cuda",
+                    cache_dtype=torch.float8_e4m3fn, fused_views=False)
+    new = make_inputs(*shape, num_blocks=4, block_size=128, dtype=torch.bfloat16,
+                      device="cuda", cache_dtype=torch.float8_e4m3fn, fused_views=False, seed=1)
+    qk_norm_rope_cache(**x, **kw)                                # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out, iq_out = qk_norm_rope_cache(**x, **kw)
+    for name in ("q", "k", "v", "iq", "ik", "cos", "sin", "slot_mapping"):
+        x[name].copy_(new[name])
+    x["kv_cache"].zero_()
+    x["index_cache"].zero_()
+    graph.replay()
+    _, ((want_q, want_iq), ref) = run_both(qk_norm_rope_cache, new, **kw)
+    assert_nearly_equal(q_out, want_q)
+    assert_nearly_equal(iq_out, want_iq)
+    assert torch.equal(x["kv_cache"][1].view(torch.uint8), ref["kv_cache"][1].view(torch.uint8))
+    assert_nearly_equal(x["index_cache"], ref["index_cache"])

@@ -1,5 +1,6 @@
-"""CPU interpreter tests of the Triton RMSNorm kernels at tiny shapes, and the reference against
-the layer op (gemma_rms_norm after a bf16 residual add)."""
+"""CPU interpreter tests of the Triton RMSNorm kernels at tiny shapes, the reference against the
+layer op (gemma_rms_norm after a bf16 residual add), host-sync freedom of the launchers, and an
+offline sm_90 compile."""
 import os
 
 import pytest
@@ -10,9 +11,10 @@ if torch.cuda.is_available():
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from m3serve.kernels.ref.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: E402
+from m3serve.kernels import rmsnorm as rms_mod  # noqa: E402
 from m3serve.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from m3serve.layers.norm import gemma_rms_norm  # noqa: E402
-from test_rmsnorm import make_rows  # noqa: E402
+from test_rmsnorm import HostSyncGuard, compile_for_hopper, make_rows  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -48,3 +50,25 @@ def test_3d_input_and_bad_weight():
         rms_norm(x, w[:16], 1e-6)
     with pytest.raises(ValueError, match="residual"):
         fused_add_rms_norm(x, res[:3], w, 1e-6)
+
+
+def test_launchers_graph_safe(monkeypatch):
+    x, res, w = make_rows(6, 64, torch.bfloat16, "cpu")
+    guard = HostSyncGuard(monkeypatch)
+    guard.patch_kernels(monkeypatch, rms_mod, "_rms_norm_kernel")
+    out = guard.run(rms_norm, x.view(2, 3, 64), w, 1e-6)
+    assert guard.ops == ["empty"] and len(guard.launches) == 1
+    assert torch.equal(out.view(6, 64), rms_norm_ref(x, w, 1e-6))
+    out, new_res = guard.run(fused_add_rms_norm, x, res, w, 1e-6)
+    assert guard.ops == ["empty", "empty"] and len(guard.launches) == 1
+    assert torch.equal(new_res, fused_add_rms_norm_ref(x, res, w, 1e-6)[1])
+
+
+def test_compiles_for_hopper(tmp_path):
+    def job(N, res):
+        block = 1 << (N - 1).bit_length()
+        sig = {p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
+        return ("m3serve.kernels.rmsnorm", "_rms_norm_kernel", dict(sig, eps="fp32"),
+                dict(HAS_RESIDUAL=res, BLOCK=block, EMULATE=False), 8 if block > 2048 else 4)
+    jobs = [job(6144, True), job(6144, False), job(32, True)]
+    assert len(compile_for_hopper(jobs, tmp_path)) == len(jobs)

@@ -24,12 +24,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def write_slots_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
                     scale=None) -> None:
     """cache: [num_blocks, block_size, *rest]; values: [T, *rest]; slots < 0 skipped.
-    With a scale the stored value is `dtype(float(value) / scale)` (fp8 caches)."""
+    With a scale (fp32 tensor or host float) the stored value is `dtype(fp32(value) / fp32(scale))`
+    by IEEE division (fp8 caches): a float scale becomes a device tensor first, since torch
+    multiplies by the reciprocal when dividing a CUDA tensor by a host scalar."""
     flat = cache.view(-1, *cache.shape[2:])
     keep = slot_mapping >= 0
     vals = values[keep]
     if scale is not None:
-        vals = vals.float() / scale
+        if not isinstance(scale, torch.Tensor):
+            scale = torch.full((1,), float(scale), dtype=torch.float32, device=vals.device)
+        vals = vals.float() / scale.reshape(1).to(vals.device)
     flat[slot_mapping[keep]] = vals.to(cache.dtype)
 
 
