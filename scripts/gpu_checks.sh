@@ -18,3 +18,27 @@ case "${1:-tests}" in
       --points 1024:1,8,32 8192:4,16,64 --osl 64 --max-model-len 9472 \
       --max-num-seqs 64 --max-num-batched-tokens 16384 ${3:+--quantization $3} ;;
 esac
+# serve L QUANT CONCURRENCIES PROMPTS_PER_CONC: the real server on a real-shape L-layer model
+# (dummy weights) and the 8K/1K sweep through `m3serve bench sweep`.
+if [ "${1:-}" = serve ]; then
+  L=${2:-8}; Q=${3:-none}; CONC=${4:-1,4,16,64}; PPC=${5:-2}
+  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  qflag=""; [ "$Q" != none ] && qflag="--quantization $Q"
+  echo "\$ python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag" > "$OUT/server_L${L}_$Q.txt"
+  python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 \
+    --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag >> "$OUT/server_L${L}_$Q.txt" 2>&1 &
+  srv=$!
+  for i in $(seq 1 240); do curl -sf http://127.0.0.1:8011/ready > /dev/null && break; sleep 1; done
+  step sweep_L${L}_$Q timeout 560 python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
+    --tokenizer /tmp/rs$L --random-input-len 8192 --random-output-len 1024 --concurrencies $CONC \
+    --prompts-per-concurrency $PPC --warmups-per-concurrency 1 --num-gpus 1 --label L${L}_$Q \
+    --result-dir "$OUT" --disable-tqdm
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^m3serve:(num_requests|kv_cache|prefix)" >> "$OUT/server_L${L}_$Q.txt"
+  kill $srv; wait $srv 2>/dev/null
+fi
+# profile L B ISL [QUANT]: where one decode step's time goes
+if [ "${1:-}" = profile ]; then
+  L=${2:-4}; B=${3:-4}; ISL=${4:-8192}
+  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  step profile_L${L}_b${B}_isl${ISL} timeout 300 python -m m3serve.bench.step_profile /tmp/rs$L --batch $B --isl $ISL ${5:+--quantization $5}
+fi

@@ -54,15 +54,28 @@ def main(args) -> list[dict]:
             return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
         one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
         many = SamplingParams(max_tokens=args.osl + 1, ignore_eos=True, temperature=0.0)
-        llm.generate(prompts(), one, use_tqdm=False)
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        sync(); a = time.time()
-        llm.generate(prompts(), one, use_tqdm=False)
-        sync(); b = time.time()
-        llm.generate(prompts(), many, use_tqdm=False)
-        sync(); c = time.time()
-        prefill = b - a
-        tpot = (c - b - prefill) / args.osl
+        llm.generate(prompts(), one, use_tqdm=False)                  # warm-up
+        batch = prompts()
+        sync(); a = time.perf_counter()
+        llm.generate(batch, one, use_tqdm=False)
+        sync(); prefill = time.perf_counter() - a
+        # decode: TPOT per request = (last token time - first token time) / (tokens - 1)
+        eng = llm.engine
+        batch = prompts()
+        for i, pr in enumerate(batch):
+            eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone())
+        first, last, ntok = {}, {}, {}
+        while eng.has_unfinished_requests():
+            changed = eng.step()
+            now = time.perf_counter()
+            for st in changed:
+                n = len(st.sequences[0].token_ids)
+                if n and st.request_id not in first:
+                    first[st.request_id] = now
+                if st.finished:
+                    last[st.request_id], ntok[st.request_id] = now, n
+        tpot = sum((last[r] - first[r]) / (ntok[r] - 1) for r in last) / len(last)
         experts = _distinct_experts(llm)
         floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts))
         row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3), "tpot_ms": round(tpot * 1e3, 3),

@@ -35,6 +35,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(bmax, max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per graph: the MoE layers' expert-id buffers it writes (for the measured expert count)
+        self.expert_ids: dict[int, list[torch.Tensor]] = {}
+        self.moe_layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         self.capture_seconds = 0.0
 
     def _meta(self, b: int) -> AttentionMetadata:
@@ -57,6 +60,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.compute_logits(self.model(self.input_ids[:b], self.positions[:b], meta))
             self.graphs[b] = (graph, logits)
+            self.expert_ids[b] = [m.last_expert_ids for m in self.moe_layers]
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes),
@@ -86,4 +90,6 @@ class DecodeGraphs:
             self.seq_lens[n:b].fill_(1)
             self.block_tables[n:b].zero_()
         graph.replay()
+        for m, ids in zip(self.moe_layers, self.expert_ids[b]):
+            m.last_expert_ids = ids[:n]
         return logits[:n]

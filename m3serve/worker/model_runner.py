@@ -29,6 +29,15 @@ class CachedRequestState:
         return self.prompt_token_ids + self.output_token_ids
 
 
+def _plain_greedy(state: CachedRequestState) -> bool:
+    """Argmax gives exactly the sampler's answer: greedy, no logprobs, no penalties, and no stop
+    token masked by an unmet min_tokens."""
+    p = state.sampling_params
+    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and len(state.output_token_ids) >= p.min_tokens)
+
+
 # per position: (token id, its logprob, its rank, top-n ids, top-n logprobs)
 LogprobEntry = tuple[int, float, int, list[int], list[float]]
 
@@ -106,17 +115,16 @@ class ModelRunner:
         for state in states:
             n = so.num_scheduled_tokens[state.req_id]
             start = state.num_computed_tokens
-            tokens = state.token_ids + so.scheduled_spec_decode_tokens.get(state.req_id, [])
-            ids.extend(tokens[start:start + n])
+            ids.extend(self._tokens(state, start, start + n, so.scheduled_spec_decode_tokens.get(state.req_id)))
+            blocks = state.block_ids
             for p in range(start, start + n):
                 positions.append(p)
-                slots.append(state.block_ids[p // bs] * bs + p % bs)
+                slots.append(blocks[p // bs] * bs + p % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
         width = max(len(s.block_ids) for s in states)
-        table = torch.zeros(len(states), width, dtype=torch.int32)
-        for i, s in enumerate(states):
-            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in states],
+                             dtype=torch.int32)
         dev = self.device
         is_decode = len(ids) == len(states)
         if self.graphs is not None and is_decode and self.graphs.padded_size(len(states)) is not None:
@@ -135,17 +143,31 @@ class ModelRunner:
             last = torch.tensor(qsl[1:], device=dev) - 1
             logits = self.model.compute_logits(hidden[last])                    # [R, V] fp32
         params = [s.sampling_params for s in states]
-        sampling = SamplingMetadata.from_params(
-            params, [s.output_token_ids for s in states], [s.prompt_token_ids for s in states],
-            [s.generator for s in states], self.vocab_size, dev)
-        out = self.sampler(logits, sampling)
-        sampled = out.sampled_token_ids.tolist()
-        logprobs = self._sample_logprobs(out.logprobs, params) if out.logprobs is not None else None
+        if all(_plain_greedy(s) for s in states):   # the common benchmark case: argmax only
+            sampled, logprobs = logits.argmax(dim=-1).tolist(), None
+        else:
+            sampling = SamplingMetadata.from_params(
+                params, [s.output_token_ids for s in states], [s.prompt_token_ids for s in states],
+                [s.generator for s in states], self.vocab_size, dev)
+            out = self.sampler(logits, sampling)
+            sampled = out.sampled_token_ids.tolist()
+            logprobs = self._sample_logprobs(out.logprobs, params) if out.logprobs is not None else None
         prompt_logprobs = self._prompt_logprobs(states, so, hidden, qsl) if hidden is not None else {}
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled],
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _tokens(state: CachedRequestState, start: int, end: int, drafts: list[int] | None) -> list[int]:
+        """Tokens [start, end) of prompt + outputs (+ drafts) without copying the whole list."""
+        prompt, outputs = state.prompt_token_ids, state.output_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        tail = outputs + (drafts or [])
+        if start >= len(prompt):
+            return tail[start - len(prompt):end - len(prompt)]
+        return prompt[start:] + tail[:end - len(prompt)]
 
     @staticmethod
     def _sample_logprobs(lp, params: list[SamplingParams]) -> list[list[LogprobEntry] | None]:

@@ -113,7 +113,8 @@ def test_completion_logprobs(client):
                                     logprobs=3, extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert "".join(lp.tokens) == out.choices[0].text
+    # a character split across tokens decodes to U+FFFD per token but once in the text
+    assert "".join(lp.tokens).replace("\ufffd", "") == out.choices[0].text.replace("\ufffd", "")
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         # keys are decoded strings: distinct byte-fragment tokens may all decode to U+FFFD
         assert 1 <= len(top) <= 4 and chosen <= 0.0

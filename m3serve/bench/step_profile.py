@@ -1,0 +1,67 @@
+"""`python -m m3serve.bench.step_profile DIR --batch B --isl N`: where a decode step's time goes
+(scheduler, model runner, CUDA-graph replay, sampler, output processing) and a kernel table
+from torch.profiler, on a real-shape model with dummy weights. For finding bottlenecks."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--isl", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    a = p.parse_args()
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+
+    llm = LLM(model=a.model, load_format="dummy", max_model_len=a.isl + 1280, max_num_seqs=64,
+              max_num_batched_tokens=16384, quantization=a.quantization, enforce_eager=a.enforce_eager)
+    eng = llm.engine
+    rng = random.Random(0)
+    for i in range(a.batch):
+        eng.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(2000) for _ in range(a.isl)]},
+                        SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0))
+    while any(len(s.sequences[0].token_ids) == 0 for s in eng.states.values()):
+        eng.step()
+    core, sync = eng.core, torch.cuda.synchronize
+    timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "front": 0.0}
+    for _ in range(a.steps):
+        sync(); t0 = time.perf_counter()
+        so = core.scheduler.schedule(); t1 = time.perf_counter()
+        out = core.executor.execute_model(so); sync(); t2 = time.perf_counter()
+        outs = core.scheduler.update_from_output(so, out); t3 = time.perf_counter()
+        for o in outs:
+            state, i = eng._children[o.request_id]
+            state.sequences[i].update(o)
+        t4 = time.perf_counter()
+        for k, dt in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            timings[k] += dt * 1e3 / a.steps
+    graphs = eng.worker.runner.graphs
+    replay_ms = None
+    if graphs is not None:
+        g, _ = graphs.graphs[graphs.padded_size(a.batch)]
+        sync(); t0 = time.perf_counter()
+        for _ in range(a.steps):
+            g.replay()
+        sync(); replay_ms = (time.perf_counter() - t0) * 1e3 / a.steps
+    print(json.dumps({"batch": a.batch, "isl": a.isl, "per_step_ms": {k: round(v, 3) for k, v in timings.items()},
+                      "graph_replay_ms": replay_ms and round(replay_ms, 3)}), flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            eng.step()
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
