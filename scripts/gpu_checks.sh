@@ -15,7 +15,7 @@ case "${1:-tests}" in
     L=${2:-4}
     python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
     step offline_L$L timeout 420 python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
-      --points 1024:1,8,32 8192:4,16,64 --osl 64 --max-model-len 9472 \
+      --points ${POINTS:-1024:1,8,32 8192:4,16,64} --osl 64 --max-model-len 9472 \
       --max-num-seqs 64 --max-num-batched-tokens 16384 ${3:+--quantization $3} ;;
 esac
 # serve L QUANT CONCURRENCIES PROMPTS_PER_CONC: the real server on a real-shape L-layer model

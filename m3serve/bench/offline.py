@@ -66,9 +66,16 @@ def main(args) -> list[dict]:
         for i, pr in enumerate(batch):
             eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone())
         first, last, ntok = {}, {}, {}
+        runner = eng.worker.runner
+        decode_steps, experts_seen = [], []
         while eng.has_unfinished_requests():
+            graph_before, t_step = runner.num_graph_steps, time.perf_counter()
+            full = eng.core.scheduler.num_running == bs
             changed = eng.step()
             now = time.perf_counter()
+            if runner.num_graph_steps > graph_before and full:
+                decode_steps.append(now - t_step)
+                experts_seen.append(_distinct_experts(llm))
             for st in changed:
                 n = len(st.sequences[0].token_ids)
                 if n and st.request_id not in first:
@@ -76,12 +83,16 @@ def main(args) -> list[dict]:
                 if st.finished:
                     last[st.request_id], ntok[st.request_id] = now, n
         tpot = sum((last[r] - first[r]) / (ntok[r] - 1) for r in last) / len(last)
-        experts = _distinct_experts(llm)
+        experts = ([sum(col) / len(col) for col in zip(*experts_seen)] if experts_seen
+                   else _distinct_experts(llm))
+        decode_steps.sort()
         floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts))
         row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3), "tpot_ms": round(tpot * 1e3, 3),
                "decode_tok_s": round(bs / tpot, 1), "roofline_ms": round(floor, 3),
                "mbu": round(floor / (tpot * 1e3), 3),
-               "distinct_experts": [round(e, 1) for e in experts]}
+               "distinct_experts": [round(e, 1) for e in experts],
+               "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
+               "graph_steps": runner.num_graph_steps, "eager_steps": runner.num_eager_steps}
         results.append(row)
         print(json.dumps(row), flush=True)
     return results

@@ -58,6 +58,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or model.dtype
         self.index_cache_dtype = index_cache_dtype or model.dtype
         self.graphs = None  # DecodeGraphs, set by the worker when CUDA graphs are on
+        self.num_graph_steps = self.num_eager_steps = 0
         self._allocate_caches()
 
     def _allocate_caches(self) -> None:
@@ -129,10 +130,12 @@ class ModelRunner:
         is_decode = len(ids) == len(states)
         if self.graphs is not None and is_decode and self.graphs.padded_size(len(states)) is not None:
             hidden = None
+            self.num_graph_steps += 1
             logits = self.graphs.run(torch.tensor(ids), torch.tensor(positions),
                                      torch.tensor(slots, dtype=torch.int64),
                                      torch.tensor(seq_lens, dtype=torch.int32), table)
         else:
+            self.num_eager_steps += 1
             meta = AttentionMetadata(
                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),

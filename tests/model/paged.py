@@ -56,6 +56,7 @@ class PagedRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens, block_size=self.bs, record_selections=record)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
+        self.hidden = hidden                      # final hidden states [T, H] of this step
         return self.model.compute_logits(hidden)
 
     def greedy(self, prompt: list[int], n: int, sid: int = 0) -> list[int]:
