@@ -55,7 +55,10 @@ def main(args) -> list[dict]:
         one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
         many = SamplingParams(max_tokens=args.osl + 1, ignore_eos=True, temperature=0.0)
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        llm.generate(prompts(), one, use_tqdm=False)                  # warm-up
+        # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
+        # no Triton JIT specialisation is compiled inside a measured step
+        llm.generate(prompts(), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
+                     use_tqdm=False)
         batch = prompts()
         sync(); a = time.perf_counter()
         llm.generate(batch, one, use_tqdm=False)
