@@ -1,6 +1,5 @@
 """GPU fast path against the reference ops (run on a GPU: `pytest -m gpu tests/model/test_gpu_model.py`
 in its own process, so that TRITON_F32_DEFAULT below applies to every kernel compiled)."""
-import contextlib
 import os
 
 import pytest
