@@ -509,14 +509,34 @@ def save_result(result: dict, path: str, detailed: bool) -> str:
     return path
 
 
-async def main_async(args: argparse.Namespace) -> dict:
-    """`m3serve bench serve` without the event loop: returns the full result dict."""
+@dataclass
+class Setup:
+    """What every benchmark command resolves from its arguments before sending anything."""
+    api_url: str
+    endpoint_type: str
+    percentiles: list
+    percentile_metrics: list
+    goodput: dict | None
+    tokenizer_path: str
+    view: object
+    model: str
+
+
+async def resolve_setup(args: argparse.Namespace) -> Setup:
     base_url, api_url, endpoint_type = resolve_urls(args)
-    percentiles = parse_percentiles(args.metric_percentiles)
-    percentile_metrics = parse_percentile_metrics(args.percentile_metrics)
-    goodput = parse_goodput(args.goodput)
     tokenizer_path, view = resolve_tokenizer(args)
     model = args.model or await first_model_id(base_url, auth_headers(args))
+    return Setup(api_url, endpoint_type, parse_percentiles(args.metric_percentiles),
+                 parse_percentile_metrics(args.percentile_metrics), parse_goodput(args.goodput),
+                 tokenizer_path, view, model)
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    """`m3serve bench serve` without the event loop: returns the full result dict."""
+    setup = await resolve_setup(args)
+    api_url, endpoint_type, model, view = setup.api_url, setup.endpoint_type, setup.model, setup.view
+    percentiles, percentile_metrics, goodput = setup.percentiles, setup.percentile_metrics, setup.goodput
+    tokenizer_path = setup.tokenizer_path
     requests, warmups = make_requests(args, view, args.num_prompts, args.num_warmups)
     metrics = await benchmark(
         api_url=api_url, model=model, requests=requests, endpoint_type=endpoint_type,

@@ -12,10 +12,8 @@ import json
 import math
 import os
 
-from m3serve.bench.metrics import parse_goodput, parse_percentile_metrics, parse_percentiles
 from m3serve.bench.serve import (DETAILED_KEYS, add_common_args, auth_headers, benchmark,
-                                 config_record, first_model_id, make_requests, resolve_tokenizer,
-                                 resolve_urls, save_result)
+                                 config_record, make_requests, resolve_setup, save_result)
 
 
 def parse_concurrencies(text: str) -> list[int]:
@@ -109,12 +107,10 @@ async def main_async(args: argparse.Namespace) -> dict:
     for path in args.compare:
         with open(path, encoding="utf-8") as f:
             compare.append(json.load(f))
-    base_url, api_url, endpoint_type = resolve_urls(args)
-    percentiles = parse_percentiles(args.metric_percentiles)
-    percentile_metrics = parse_percentile_metrics(args.percentile_metrics)
-    goodput = parse_goodput(args.goodput)
-    tokenizer_path, view = resolve_tokenizer(args)
-    model = args.model or await first_model_id(base_url, auth_headers(args))
+    setup = await resolve_setup(args)
+    api_url, endpoint_type, model, view = setup.api_url, setup.endpoint_type, setup.model, setup.view
+    percentiles, percentile_metrics, goodput = setup.percentiles, setup.percentile_metrics, setup.goodput
+    tokenizer_path = setup.tokenizer_path
     label = args.label or model.rstrip("/").split("/")[-1]
     result_dir = args.result_dir or "."
     config = config_record(args, model, tokenizer_path, endpoint_type)

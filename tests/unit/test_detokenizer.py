@@ -2,22 +2,11 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
 
-from m3serve.model.tokenizer_build import build_tokenizer, special_token_ids
+from m3serve.model.tokenizer_build import special_token_ids
 from m3serve.serving.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tok")
-    build_tokenizer(out, vocab_size=2048)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir):
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
 def stream(tokenizer, ids, chunk=1, **kwargs):

@@ -13,16 +13,6 @@ from m3serve.model.tokenizer_build import SPECIAL_TOKENS, build_tokenizer, speci
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tok")
-    build_tokenizer(out, vocab_size=2048)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir):
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
 def test_writes_expected_files_and_config(tokenizer_dir):

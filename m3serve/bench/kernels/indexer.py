@@ -14,6 +14,8 @@ import argparse
 
 import torch
 
+from m3serve.bench.kernels import graph_ms
+
 H200_HBM_TBS = 4.19
 HI, DI, BS, TOPK = 4, 128, 128, 16
 DECODE = [(b, c) for c in (8192, 32768, 131072) for b in (1, 8, 64)] + [(1, 1 << 20)]
@@ -32,17 +34,6 @@ def _inputs(batch: int, ctx: int, q_len: int, fp8: bool, bound: int | None = Non
     seq = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     return dict(iq=iq, index_cache=cache, query_start_loc=qsl, seq_lens=seq, block_tables=tables,
                 block_size=BS, max_seq_len=bound or ctx, max_query_len=q_len)
-
-
-def _graph_ms(fn) -> float:
-    """GPU time of fn replayed from a CUDA graph (capture fails if fn syncs with the host)."""
-    import triton.testing
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay)
 
 
 def _row(name: str, ms_score: float, ms_all: float, ms_graph: float, nbytes: int) -> None:
@@ -67,7 +58,7 @@ def main() -> None:
         x = _inputs(batch, ctx, 1, args.fp8, bound)
         ms_s = triton.testing.do_bench(lambda x=x: index_block_scores(**x, **kw))
         ms_a = triton.testing.do_bench(lambda x=x: index_topk(**x, topk=TOPK, **kw))
-        ms_g = _graph_ms(lambda x=x: index_topk(**x, topk=TOPK, **kw))
+        ms_g = graph_ms(lambda x=x: index_topk(**x, topk=TOPK, **kw))
         name = f"decode b={batch} ctx={ctx}" + (" bound=1M" if bound else "")
         _row(name, ms_s, ms_a, ms_g, batch * ctx * DI * elem)
     # prefill: one 8K chunk at the end of a 32K context; each query tile re-reads its keys, so
@@ -75,7 +66,7 @@ def main() -> None:
     x = _inputs(1, 32768, 8192, args.fp8)
     ms_s = triton.testing.do_bench(lambda: index_block_scores(**x, **kw))
     ms_a = triton.testing.do_bench(lambda: index_topk(**x, topk=TOPK, **kw))
-    ms_g = _graph_ms(lambda: index_topk(**x, topk=TOPK, **kw))
+    ms_g = graph_ms(lambda: index_topk(**x, topk=TOPK, **kw))
     _row("prefill 8K of 32K", ms_s, ms_a, ms_g, 32768 * DI * elem)
     flops = 2 * HI * DI * 8192 * (32768 - 8192 / 2)
     print(f"{'':<30} {flops / (ms_s * 1e-3) / 1e12:.1f} TFLOP/s of causal scoring (eager)")

@@ -12,6 +12,8 @@ import argparse
 
 import torch
 
+from m3serve.bench.kernels import graph_ms
+
 H200_HBM_TBS = 4.19
 HQ, G, D, HI, DI, HALF, BS = 64, 4, 128, 4, 128, 32, 128
 
@@ -48,17 +50,6 @@ def _bytes(T: int, sparse: bool, fp8: bool) -> int:
     return n
 
 
-def _graph_ms(fn) -> float:
-    """GPU time of fn replayed from a CUDA graph (capture fails if fn syncs with the host)."""
-    import triton.testing
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay)
-
-
 def main() -> None:
     import triton.testing
 
@@ -70,7 +61,7 @@ def main() -> None:
         for sparse in (True, False):
             x = _inputs(T, sparse, args.fp8)
             ms = triton.testing.do_bench(lambda x=x: qk_norm_rope_cache(**x))
-            ms_g = _graph_ms(lambda x=x: qk_norm_rope_cache(**x))
+            ms_g = graph_ms(lambda x=x: qk_norm_rope_cache(**x))
             tbs = _bytes(T, sparse, args.fp8) / (ms_g * 1e-3) / 1e12
             print(f"T={T:<5} {'sparse' if sparse else 'dense ':<6} eager {ms * 1e3:8.1f} us  "
                   f"graph {ms_g * 1e3:8.1f} us  {tbs:5.2f} TB/s ({tbs / H200_HBM_TBS:5.1%})")
