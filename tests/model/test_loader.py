@@ -102,3 +102,13 @@ def test_missing_config_field_and_missing_dir(tiny_dir, tmp_path):
         load_model(d, progress=False)
     with pytest.raises(ValueError, match="no such directory"):
         load_model(str(tmp_path / "nope"), progress=False)
+
+
+def test_make_tiny_is_deterministic(tmp_path):
+    from m3serve.cli import main
+    assert main(["make-tiny", str(tmp_path / "a"), "--seed", "3"]) == 0
+    assert main(["make-tiny", str(tmp_path / "b"), "--seed", "3"]) == 0
+    assert main(["make-tiny", str(tmp_path / "c"), "--seed", "4"]) == 0
+    for f in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
