@@ -42,3 +42,11 @@ if [ "${1:-}" = profile ]; then
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
   step profile_L${L}_b${B}_isl${ISL} timeout 300 python -m m3serve.bench.step_profile /tmp/rs$L --batch $B --isl $ISL ${5:+--quantization $5}
 fi
+# vllm: vLLM 0.26 side by side with us in one call (after six calls that each carried one batch:
+# `mkdir -p /tmp/w && cp -r .vbN/* /tmp/w/`, N = 1..6, peer.py in .vb6), then ours at the same points.
+if [ "${1:-}" = vllm ]; then
+  POINTS="1024:1,8 8192:4" bash "$0" offline 4
+  ( bash /tmp/w/install.sh /tmp/w /tmp/vsite > /dev/null &&
+    cd /tmp && PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+      timeout 400 python /tmp/w/peer.py 4 none all ) > "$OUT/vllm_L4.txt" 2>&1
+fi
