@@ -95,6 +95,8 @@ def main(args) -> list[dict]:
                "mbu": round(floor / (tpot * 1e3), 3),
                "distinct_experts": [round(e, 1) for e in experts],
                "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
+               "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),
+                                                round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
                "graph_steps": runner.num_graph_steps, "eager_steps": runner.num_eager_steps}
         results.append(row)
         print(json.dumps(row), flush=True)
