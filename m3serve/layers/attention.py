@@ -1,5 +1,6 @@
-"""Paged attention for MiniMax-M3: metadata, cache writes, and the attention module that serves
-both dense layers and MSA sparse layers (indexer selection + block-restricted attention).
+"""The attention module of MiniMax-M3 (dense layers and MSA sparse layers: indexer selection +
+block-restricted attention) and its PyTorch reference op over the paged caches; the Triton path is
+picked per call by `layers/dispatch.py`.
 
 Cache layouts (one block = one page of `block_size` tokens, block ids shared by both groups):
   main cache  kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]  (K plane, V plane)
