@@ -238,6 +238,24 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _expert_operands(expert, num_experts, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, stride_we,
+                     stride_se, stride_wn, stride_wsn, inter, inter_shared):
+    """(weight base, scale base, row stride, intermediate size) of routed expert `expert`, or of
+    the shared expert when `expert == num_experts` (its weights are separate tensors)."""
+    if expert == num_experts:
+        w_base = ws_ptr
+        scale_base = ws_scale_ptr
+        stride_n = stride_wsn
+        n_inter = inter_shared
+    else:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        scale_base = w_scale_ptr + expert.to(tl.int64) * stride_se
+        stride_n = stride_wn
+        n_inter = inter
+    return w_base, scale_base, stride_n, n_inter
+
+
+@triton.jit
 def _gemm1_swiglu_kernel(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, h_ptr,
         sorted_ids_ptr, block_expert_ptr, num_post_ptr, num_pid_m, num_pid_n,
@@ -255,16 +273,9 @@ def _gemm1_swiglu_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    if expert == num_experts:
-        w_base = ws_ptr
-        scale_base = ws_scale_ptr
-        stride_n = stride_wsn
-        n_inter = inter_shared
-    else:
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        scale_base = w_scale_ptr + expert.to(tl.int64) * stride_se
-        stride_n = stride_wn
-        n_inter = inter
+    w_base, scale_base, stride_n, n_inter = _expert_operands(
+        expert, num_experts, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, stride_we, stride_se,
+        stride_wn, stride_wsn, inter, inter_shared)
     if pid_n * BLOCK_N >= n_inter:
         return
 
@@ -330,16 +341,9 @@ def _gemm2_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    if expert == num_experts:
-        w_base = ws_ptr
-        scale_base = ws_scale_ptr
-        stride_n = stride_wsn
-        k_inter = inter_shared
-    else:
-        w_base = w_ptr + expert.to(tl.int64) * stride_we
-        scale_base = w_scale_ptr + expert.to(tl.int64) * stride_se
-        stride_n = stride_wn
-        k_inter = inter
+    w_base, scale_base, stride_n, k_inter = _expert_operands(
+        expert, num_experts, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, stride_we, stride_se,
+        stride_wn, stride_wsn, inter, inter_shared)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(sorted_ids_ptr + offs_m)

@@ -229,3 +229,25 @@ def test_config_override_with_ragged_k_tiles():
            "num_stages": 1}
     out = fused_moe(x, w13, w2, weights, ids, shared=shared, config=cfg)
     assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids, shared=shared)) < 1e-5
+
+
+def test_grouped_gemms_compile_for_hopper(tmp_path):
+    """Both grouped GEMMs compile for sm_90 (bf16 and fp8) with the bundled ptxas, no GPU needed."""
+    from test_rmsnorm import compile_for_hopper
+    ptr = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*bf16", "w_scale_ptr": "*fp32",
+           "ws_ptr": "*bf16", "ws_scale_ptr": "*fp32", "h_ptr": "*bf16", "h_scale_ptr": "*fp32",
+           "out_ptr": "*fp32", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+           "block_expert_ptr": "*i32", "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
+    # fp8: GEMM1 reads e4m3 x and writes bf16 h; GEMM2 reads h re-quantised to e4m3
+    fp8 = {**ptr, "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp8e4nv"}
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": True, "UPCAST": False}
+    jobs = []
+    for sig, use_fp8 in ((ptr, False), (fp8, True)):
+        for name, extra in (("_gemm1_swiglu_kernel", {}), ("_gemm2_kernel", {"ATOMIC": True})):
+            if use_fp8 and name == "_gemm2_kernel":
+                sig = {**sig, "h_ptr": "*fp8e4nv"}
+            names = set(__import__("m3serve.kernels.fused_moe", fromlist=[name]).__dict__[name].arg_names)
+            jobs.append(["m3serve.kernels.fused_moe", name, {k: v for k, v in sig.items() if k in names},
+                         {**tiles, "USE_FP8": use_fp8, **extra}, 4])
+    lines = compile_for_hopper(jobs, tmp_path)
+    assert len(lines) == 4
