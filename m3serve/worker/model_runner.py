@@ -24,10 +24,6 @@ class CachedRequestState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
 
 def _plain_greedy(state: CachedRequestState) -> bool:
     """Argmax gives exactly the sampler's answer: greedy, no logprobs, no penalties, and no stop
