@@ -95,7 +95,9 @@ def test_qk_norm_rope_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         q_out, iq_out = qk_norm_rope_cache(**x, **kw)
-    for name in ("q", "k", "v", "iq", "ik", "cos", "sin", "slot_mapping"):
+    # every input, norm weights included (the two input sets draw different weights)
+    for name in ("q", "k", "v", "iq", "ik", "cos", "sin", "slot_mapping", "q_norm_w", "k_norm_w",
+                 "iq_norm_w", "ik_norm_w"):
         x[name].copy_(new[name])
     x["kv_cache"].zero_()
     x["index_cache"].zero_()
