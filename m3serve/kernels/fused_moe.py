@@ -52,7 +52,8 @@ def _slot_of(ids_ptr, idx, num_pairs, num_choices, top_k, first_expert, num_expe
     return slot
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
                        num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
                        num_blocks, block_m,
@@ -84,7 +85,8 @@ def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, 
                  mask=pos < num_blocks * block_m)
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_scatter_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, num_choices, top_k,
                           first_expert, num_experts, num_slots,
                           HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
@@ -255,7 +257,8 @@ def _expert_operands(expert, num_experts, w_ptr, w_scale_ptr, ws_ptr, ws_scale_p
     return w_base, scale_base, stride_n, n_inter
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_pid_m", "num_rows"])
 def _gemm1_swiglu_kernel(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, h_ptr,
         sorted_ids_ptr, block_expert_ptr, num_post_ptr, num_pid_m, num_pid_n,
@@ -323,7 +326,8 @@ def _gemm1_swiglu_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_pid_m", "num_rows"])
 def _gemm2_kernel(
         h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, out_ptr, weights_ptr,
         sorted_ids_ptr, block_expert_ptr, num_post_ptr, num_pid_m, num_pid_n,

@@ -45,7 +45,8 @@ def _tile_of(tile, qsl_ptr, R, TPT: tl.constexpr, TPR: tl.constexpr, R_P: tl.con
     return req, tok0, live
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["R", "bt_s0", "max_blocks", "sc_s0", "sc_s1"])
 def _index_score_kernel(iq_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_ptr, score_ptr, nvis_ptr,
                         R, Hi, iq_s0, iq_s1, bt_s0, sc_s0, sc_s1, max_blocks,
                         local_blocks, init_blocks,
@@ -102,7 +103,8 @@ def _index_score_kernel(iq_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_ptr, score_ptr, 
             tl.store(out_row + b, m, mask=row_ok)
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["n_cols"])
 def _topk_rows_kernel(score_ptr, out_ptr, ntok_ptr, ntok_idx, nvis_ptr, Hi, n_cols,
                       TOPK: tl.constexpr, TOPK_P: tl.constexpr, CHUNK: tl.constexpr,
                       ONE_CHUNK: tl.constexpr, HAS_NTOK: tl.constexpr, HAS_NVIS: tl.constexpr):

@@ -76,7 +76,8 @@ def _attend_tile(q, k_base, v_base, rows, load_ok, visible, qk_scale, m_i, l_i, 
     return m_new, l_i, acc
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _token_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc, seq_lens, block_tables, block_ids_ptr, k_scale_ptr, v_scale_ptr,
@@ -169,7 +170,8 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, res.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc, seq_lens, block_tables, block_ids_ptr,
     k_scale_ptr, v_scale_ptr, qk_scale, num_reqs, topk,
