@@ -15,8 +15,7 @@ _SHORT = {"tensor_parallel_size": ["-tp"]}
 
 
 def _flag_type(f: dataclasses.Field):
-    hint = f.type if not isinstance(f.type, str) else f.type
-    text = str(hint)
+    text = str(f.type)
     if "tuple" in text:
         return str          # comma-separated; the config dataclass parses it
     if "bool" in text:
@@ -107,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from m3serve.bench import serve as bench_serve, sweep as bench_sweep
+    from m3serve.bench import serve as bench_serve
+    from m3serve.bench import sweep as bench_sweep
     bs = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
     bench_serve.add_cli_args(bs)
     bs.set_defaults(func=lambda a: (bench_serve.main(a), 0)[1])

@@ -41,6 +41,7 @@ def main(args) -> list[dict]:
     print(json.dumps({"startup_s": round(time.time() - t0, 1), "layers": cfg.num_hidden_layers,
                       "device": str(llm.engine.worker.device)}), flush=True)
     rng = random.Random(0)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     results = []
     points = []
     for group in args.points:
@@ -54,7 +55,6 @@ def main(args) -> list[dict]:
             return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
         one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
         many = SamplingParams(max_tokens=args.osl + 1, ignore_eos=True, temperature=0.0)
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
         # no Triton JIT specialisation is compiled inside a measured step
         llm.generate(prompts(), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),

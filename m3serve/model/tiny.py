@@ -84,8 +84,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     ids = special_token_ids(out)
     raw = tiny_config_dict(TINY_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"])
     cfg = parse_config(raw)
-    weights = {("language_model." + k if k.startswith("model.") else "language_model." + k): v
-               for k, v in random_weights(cfg, seed).items()}
+    weights = {"language_model." + k: v for k, v in random_weights(cfg, seed).items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(

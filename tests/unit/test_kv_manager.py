@@ -1,5 +1,5 @@
 """KVCacheManager: prefix hits, slot allocation, caching, freeing; a stateful random test."""
-from dataclasses import dataclass, field
+import functools
 
 import pytest
 from hypothesis import settings
@@ -8,14 +8,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from m3serve.core.kv_cache.manager import KVCacheManager
 from m3serve.core.request import Request
+from m3serve.sampling_params import SamplingParams
 
-
-@dataclass
-class Params:
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop_token_ids: list = field(default_factory=list)
-    ignore_eos: bool = False
+# the real sampling params; the scheduler reads max_tokens, min_tokens, stop_token_ids, ignore_eos
+Params = functools.partial(SamplingParams, max_tokens=16)
 
 
 def make_request(rid, tokens, salt=None):

@@ -5,8 +5,8 @@ the scheduled tokens into the slots named by the block ids, then reads the whole
 through the block table to pick the next token. Any wrong block id, stale prefix hit or lost
 token therefore changes the generated tokens, which are compared with a plain reference loop.
 """
+import functools
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -15,16 +15,13 @@ from m3serve.core.kv_cache.manager import KVCacheManager, cdiv
 from m3serve.core.request import Request, RequestStatus
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from m3serve.sampling_params import SamplingParams
 
 VOCAB = 97
 
 
-@dataclass
-class Params:
-    max_tokens: int = 8
-    min_tokens: int = 0
-    stop_token_ids: list = field(default_factory=list)
-    ignore_eos: bool = False
+# the real sampling params; the scheduler reads max_tokens, min_tokens, stop_token_ids, ignore_eos
+Params = functools.partial(SamplingParams, max_tokens=8)
 
 
 def next_token(context):
