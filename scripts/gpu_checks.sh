@@ -9,14 +9,14 @@ export M3SERVE_CACHE=/tmp/m3cache
 step() { local name=$1; shift; echo "\$ $*" > "$OUT/$name.txt"; ( "$@" ) >> "$OUT/$name.txt" 2>&1; echo "[$name rc=$?]" >> "$OUT/$name.txt"; }
 case "${1:-tests}" in
   tests)
-    step kernel_tests timeout 240 python -m pytest tests/kernels -q -m gpu -p no:cacheprovider
-    step model_gpu_tests timeout 300 python -m pytest tests/model/test_gpu_model.py -q -m gpu -s -p no:cacheprovider ;;
+    step kernel_tests timeout ${TMO:-240} python -m pytest tests/kernels -q -m gpu -p no:cacheprovider
+    step model_gpu_tests timeout ${TMO:-300} python -m pytest tests/model/test_gpu_model.py -q -m gpu -s -p no:cacheprovider ;;
   offline)
     L=${2:-4}
     python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
-    step offline_L$L timeout 420 python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
-      --points ${POINTS:-1024:1,8,32 8192:4,16,64} --osl 64 --max-model-len 9472 \
-      --max-num-seqs 64 --max-num-batched-tokens 16384 ${3:+--quantization $3} ;;
+    step offline_L$L${3:+_$3}${TAG:-} timeout ${TMO:-420} python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
+      --points ${POINTS:-1024:1,8,32 8192:4,16,64} --osl ${OSL:-64} --max-model-len 9472 \
+      --max-num-seqs ${MAXSEQS:-64} --max-num-batched-tokens 16384 ${3:+--quantization $3} ;;
 esac
 # serve L QUANT CONCURRENCIES PROMPTS_PER_CONC: the real server on a real-shape L-layer model
 # (dummy weights) and the 8K/1K sweep through `m3serve bench sweep`.
@@ -29,7 +29,7 @@ if [ "${1:-}" = serve ]; then
     --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag >> "$OUT/server_L${L}_$Q.txt" 2>&1 &
   srv=$!
   for i in $(seq 1 240); do curl -sf http://127.0.0.1:8011/ready > /dev/null && break; sleep 1; done
-  step sweep_L${L}_$Q timeout 560 python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
+  step sweep_L${L}_$Q timeout ${TMO:-560} python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
     --tokenizer /tmp/rs$L --random-input-len 8192 --random-output-len 1024 --concurrencies $CONC \
     --prompts-per-concurrency $PPC --warmups-per-concurrency 1 --num-gpus 1 --label L${L}_$Q \
     --result-dir "$OUT" --disable-tqdm

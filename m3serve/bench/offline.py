@@ -1,7 +1,12 @@
 """`m3serve bench offline`: prefill time and TPOT of the offline engine at given (ISL, batch)
-points, measured like the vLLM peer script (max_tokens=1 run for prefill; a run of OSL + 1
-tokens minus the prefill for decode), with MBU against the decode roofline using the measured
-number of distinct experts per MoE layer. Prints one JSON line per point.
+points, with MBU against the decode roofline using the measured number of distinct experts per
+MoE layer and the prefill MFU. Prints one JSON line per point. Two TPOTs:
+
+- `tpot_peer_ms`: the vLLM peer script's method (a run of OSL + 1 tokens, minus the time of a
+  max_tokens=1 run of the same shapes, divided by OSL): the figure to set beside vLLM's;
+- `tpot_ms`: BENCHMARKS.md's per-request TPOT, (last token time - first token time) /
+  (tokens - 1) averaged over requests, which also carries the mixed prefill+decode steps a
+  request waits through when the batch's prompts take several steps to prefill.
 """
 from __future__ import annotations
 
@@ -23,14 +28,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def _distinct_experts(llm) -> list[float]:
+def _expert_ids(llm) -> list[torch.Tensor | None]:
+    """Copies of each MoE layer's last expert choices [T, K] (graph buffers are overwritten)."""
     layers = [layer.mlp for layer in llm.engine.worker.model.model.layers if hasattr(layer.mlp, "gate")]
-    return [float(torch.unique(m.last_expert_ids).numel()) if m.last_expert_ids is not None else 0.0
-            for m in layers]
+    return [m.last_expert_ids.clone() if m.last_expert_ids is not None else None for m in layers]
+
+
+def _count(ids: torch.Tensor | None) -> float:
+    return float(torch.unique(ids).numel()) if ids is not None else 0.0
 
 
 def main(args) -> list[dict]:
-    from m3serve.bench.roofline import decode_floor_ms, decode_step_bytes
+    from m3serve.bench.jit_stats import compiled_variants
+    from m3serve.bench.roofline import (BF16_TFLOPS, FP8_TFLOPS, decode_floor_ms, decode_step_bytes,
+                                        prefill_flops)
     from m3serve.cli import engine_kwargs
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
@@ -40,6 +51,9 @@ def main(args) -> list[dict]:
     cfg = llm.engine.model_config
     print(json.dumps({"startup_s": round(time.time() - t0, 1), "layers": cfg.num_hidden_layers,
                       "device": str(llm.engine.worker.device)}), flush=True)
+    fp8 = llm.engine.config.model.quantization == "fp8"
+    wbytes, peak = (1.0, FP8_TFLOPS) if fp8 else (2.0, BF16_TFLOPS)
+    kvbytes = 1.0 if llm.engine.config.cache.kv_cache_dtype.startswith("fp8") else 2.0
     rng = random.Random(0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     results = []
@@ -59,6 +73,7 @@ def main(args) -> list[dict]:
         # no Triton JIT specialisation is compiled inside a measured step
         llm.generate(prompts(), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
                      use_tqdm=False)
+        jit_before = compiled_variants()
         batch = prompts()
         sync(); a = time.perf_counter()
         llm.generate(batch, one, use_tqdm=False)
@@ -66,11 +81,12 @@ def main(args) -> list[dict]:
         # decode: TPOT per request = (last token time - first token time) / (tokens - 1)
         eng = llm.engine
         batch = prompts()
+        sync(); started = time.perf_counter()
         for i, pr in enumerate(batch):
             eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone())
         first, last, ntok = {}, {}, {}
         runner = eng.worker.runner
-        decode_steps, experts_seen = [], []
+        decode_steps, expert_ids = [], []
         while eng.has_unfinished_requests():
             graph_before, t_step = runner.num_graph_steps, time.perf_counter()
             full = eng.core.scheduler.num_running == bs
@@ -78,25 +94,35 @@ def main(args) -> list[dict]:
             now = time.perf_counter()
             if runner.num_graph_steps > graph_before and full:
                 decode_steps.append(now - t_step)
-                experts_seen.append(_distinct_experts(llm))
+                if len(decode_steps) % 8 == 1:   # async copies; counted after the run
+                    expert_ids.append(_expert_ids(llm))
             for st in changed:
                 n = len(st.sequences[0].token_ids)
                 if n and st.request_id not in first:
                     first[st.request_id] = now
                 if st.finished:
                     last[st.request_id], ntok[st.request_id] = now, n
+        total = time.perf_counter() - started
         tpot = sum((last[r] - first[r]) / (ntok[r] - 1) for r in last) / len(last)
-        experts = ([sum(col) / len(col) for col in zip(*experts_seen)] if experts_seen
-                   else _distinct_experts(llm))
+        tpot_peer = (total - prefill) / args.osl
+        seen = [[_count(ids) for ids in step] for step in expert_ids] or [
+            [_count(ids) for ids in _expert_ids(llm)]]
+        experts = [sum(col) / len(col) for col in zip(*seen)]
         decode_steps.sort()
-        floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts))
-        row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3), "tpot_ms": round(tpot * 1e3, 3),
-               "decode_tok_s": round(bs / tpot, 1), "roofline_ms": round(floor, 3),
-               "mbu": round(floor / (tpot * 1e3), 3),
+        floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts,
+                                                  weight_bytes=wbytes, kv_bytes=kvbytes))
+        flops = prefill_flops(cfg, bs, isl)
+        row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3),
+               "prefill_tflops": round(flops / prefill / 1e12, 1),
+               "prefill_mfu": round(flops / prefill / 1e12 / peak, 3),
+               "tpot_peer_ms": round(tpot_peer * 1e3, 3), "tpot_ms": round(tpot * 1e3, 3),
+               "decode_tok_s": round(bs / tpot_peer, 1), "roofline_ms": round(floor, 3),
+               "mbu_peer_tpot": round(floor / (tpot_peer * 1e3), 3),
                "distinct_experts": [round(e, 1) for e in experts],
                "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
                "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),
                                                 round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
+               "jit_compiles_measured": compiled_variants() - jit_before,
                "graph_steps": runner.num_graph_steps, "eager_steps": runner.num_eager_steps}
         results.append(row)
         print(json.dumps(row), flush=True)

@@ -41,3 +41,38 @@ def decode_step_bytes(cfg, batch: int, context_len: int, distinct_experts: list[
 
 def decode_floor_ms(bytes_: float, tbps: float = HBM_READ_TBPS) -> float:
     return bytes_ / (tbps * 1e12) * 1e3
+
+
+BF16_TFLOPS = 795.0           # dense bf16 GEMM ceiling on one H200 (BENCHMARKS.md)
+FP8_TFLOPS = 1465.0
+
+
+def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
+    """FLOPs of prefilling `batch` prompts of `prompt_len` tokens (the MFU numerator): 2 x active
+    weights per token (top-k routed + shared experts, router, indexer projections), causal
+    attention counted once per (query, key) pair it computes (dense layers: all earlier keys;
+    sparse layers: at most top-k x block keys, plus the indexer's scan of all earlier index keys),
+    and lm_head for the last position of each prompt only."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    attn_w = H * D * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    index_w = H * cfg.index_head_dim * (cfg.index_n_heads + 1)
+    moe_w = (cfg.num_experts_per_tok * 3 * H * cfg.intermediate_size
+             + 3 * H * cfg.shared_intermediate_size + cfg.num_local_experts * H)
+    dense_w = 3 * H * cfg.dense_intermediate_size
+    S = prompt_len
+    causal_pairs = S * (S + 1) / 2                       # sum over positions p of (p + 1)
+    cap = cfg.index_topk_blocks * cfg.index_block_size
+    sparse_pairs = (causal_pairs if S <= cap
+                    else cap * (cap + 1) / 2 + (S - cap) * cap)
+    per_pair_attn = 4 * cfg.num_attention_heads * D      # QK^T and PV, 2 FLOPs per MAC
+    per_pair_index = 2 * cfg.index_n_heads * cfg.index_head_dim
+    total = 0.0
+    for i in range(cfg.num_hidden_layers):
+        w = attn_w + (moe_w if cfg.is_moe(i) else dense_w)
+        if cfg.is_sparse(i):
+            w += index_w
+            total += per_pair_attn * sparse_pairs + per_pair_index * causal_pairs
+        else:
+            total += per_pair_attn * causal_pairs
+        total += 2 * w * S
+    return batch * (total + 2 * cfg.vocab_size * H)

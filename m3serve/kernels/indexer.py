@@ -21,8 +21,7 @@ TOPK_CHUNK = 4096       # stage-2 columns per register chunk (512K tokens of 128
 
 
 @triton.jit
-def _tile_of(tile, qsl_ptr, R, TPT: tl.constexpr, TPR: tl.constexpr, R_P: tl.constexpr,
-             DIRECT: tl.constexpr):
+def _tile_of(tile, qsl_ptr, R, TPR, TPT: tl.constexpr, R_P: tl.constexpr, DIRECT: tl.constexpr):
     """(request, first token, tile exists) of a query tile. DIRECT: tile = r * TPR + j covers
     tokens j*TPT.. of request r (needs TPR * TPT >= every q_len). Otherwise tiles are packed
     request after request: an in-register prefix sum of per-request tile counts."""
@@ -46,19 +45,19 @@ def _tile_of(tile, qsl_ptr, R, TPT: tl.constexpr, TPR: tl.constexpr, R_P: tl.con
 
 
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
-@triton.jit(do_not_specialize=["R", "bt_s0", "max_blocks", "sc_s0", "sc_s1"])
+@triton.jit(do_not_specialize=["R", "TPR", "bt_s0", "max_blocks", "sc_s0", "sc_s1"])
 def _index_score_kernel(iq_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_ptr, score_ptr, nvis_ptr,
-                        R, Hi, iq_s0, iq_s1, bt_s0, sc_s0, sc_s1, max_blocks,
+                        R, TPR, Hi, iq_s0, iq_s1, bt_s0, sc_s0, sc_s1, max_blocks,
                         local_blocks, init_blocks,
                         BS: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, TPT: tl.constexpr, TPR: tl.constexpr,
-                        R_P: tl.constexpr, DIRECT: tl.constexpr, Q_FP8: tl.constexpr,
+                        BLOCK_M: tl.constexpr, TPT: tl.constexpr, R_P: tl.constexpr,
+                        DIRECT: tl.constexpr, Q_FP8: tl.constexpr,
                         DOT_FP32: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
     # rows = TPT query tokens x HP (padded) index heads, BLOCK_M = TPT * HP
     tile = tl.program_id(0)
     part = tl.program_id(1)
     n_parts = tl.num_programs(1)
-    req, tok0, live = _tile_of(tile, qsl_ptr, R, TPT, TPR, R_P, DIRECT)
+    req, tok0, live = _tile_of(tile, qsl_ptr, R, TPR, TPT, R_P, DIRECT)
     q_end = tl.load(qsl_ptr + req + 1)
     L = tl.load(seq_ptr + req)
     live = live & (tok0 < q_end)
@@ -187,10 +186,11 @@ def _launch_scores(iq, index_cache, query_start_loc, seq_lens, block_tables, sco
     q_fp8 = index_cache.dtype == torch.float8_e4m3fn and iq.dtype != torch.float8_e4m3fn
     _index_score_kernel[(n_tiles, parts)](
         iq, index_cache, block_tables, query_start_loc, seq_lens, scores, nvis,
-        R, Hi, iq.stride(0), iq.stride(1), block_tables.stride(0), scores.stride(0),
+        R, max(TPR, 1), Hi, iq.stride(0), iq.stride(1), block_tables.stride(0), scores.stride(0),
         scores.stride(1), max_blocks, local_blocks, init_blocks,
-        BS=block_size, DI=Di, HP=HP, BLOCK_M=BLOCK_M, TPT=TPT, TPR=max(TPR, 1),
-        R_P=1 if direct else max(2, triton.next_power_of_2(R)), DIRECT=direct, Q_FP8=q_fp8,
+        BS=block_size, DI=Di, HP=HP, BLOCK_M=BLOCK_M, TPT=TPT,
+        # request-count buckets from 16 up: few compiled variants as the batch changes
+        R_P=1 if direct else max(16, triton.next_power_of_2(R)), DIRECT=direct, Q_FP8=q_fp8,
         DOT_FP32=interp or iq.dtype == torch.float32,
         IEEE=(not interp) and iq.dtype == torch.float32, EMULATE=interp,
         num_warps=4, num_stages=3)
@@ -268,7 +268,8 @@ def _launch_topk(scores, topk, out, num_tokens, nvis):
         scores = scores.contiguous()
     dst = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype,
                                                       device=out.device)
-    width = triton.next_power_of_2(max(n_cols, 1))
+    # column buckets from 128 up (one variant for contexts up to 16K tokens), not one per pow2
+    width = max(128, triton.next_power_of_2(max(n_cols, 1)))
     chunk = min(width, TOPK_CHUNK)
     _topk_rows_kernel[(T * Hi,)](
         scores, dst, *(num_tokens if num_tokens is not None else (dst, 0)),

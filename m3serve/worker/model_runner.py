@@ -119,19 +119,18 @@ class ModelRunner:
                 slots.append(blocks[p // bs] * bs + p % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-        width = max(len(s.block_ids) for s in states)
-        table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in states],
-                             dtype=torch.int32)
         dev = self.device
         is_decode = len(ids) == len(states)
+        greedy = None
         if self.graphs is not None and is_decode and self.graphs.padded_size(len(states)) is not None:
             hidden = None
             self.num_graph_steps += 1
-            logits = self.graphs.run(torch.tensor(ids), torch.tensor(positions),
-                                     torch.tensor(slots, dtype=torch.int64),
-                                     torch.tensor(seq_lens, dtype=torch.int32), table)
+            logits, greedy = self.graphs.run(ids, positions, slots, seq_lens, [s.block_ids for s in states])
         else:
             self.num_eager_steps += 1
+            width = max(len(s.block_ids) for s in states)
+            table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in states],
+                                 dtype=torch.int32)
             meta = AttentionMetadata(
                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -143,7 +142,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])                    # [R, V] fp32
         params = [s.sampling_params for s in states]
         if all(_plain_greedy(s) for s in states):   # the common benchmark case: argmax only
-            sampled, logprobs = logits.argmax(dim=-1).tolist(), None
+            sampled = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
+            logprobs = None
         else:
             sampling = SamplingMetadata.from_params(
                 params, [s.output_token_ids for s in states], [s.prompt_token_ids for s in states],
