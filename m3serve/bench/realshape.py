@@ -37,8 +37,9 @@ def realshape_config_dict(num_layers: int, max_position_embeddings: int = 104857
 
 
 def write_realshape_dir(out_dir: str | Path, num_layers: int) -> Path:
-    """config.json (real shapes, L layers) + the tiny model's tokenizer files (ids < 2048 are a
-    subset of the real vocabulary, so prompts and outputs stay valid)."""
+    """config.json (real shapes, L layers) + the tiny model's tokenizer files, its vocabulary
+    widened to the real size (see `_widen_vocab`) so that every token the model can emit has
+    text, as with a real checkpoint (streaming and ITL measure per text chunk)."""
     from m3serve.model.tiny import default_model_dir
 
     out = Path(out_dir)
@@ -49,6 +50,31 @@ def write_realshape_dir(out_dir: str | Path, num_layers: int) -> Path:
     raw["text_config"]["bos_token_id"] = tiny_text["bos_token_id"]
     raw["text_config"]["eos_token_id"] = tiny_text["eos_token_id"]
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for f in ("tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / f, out / f)
+    tokenizer = json.loads((tiny / "tokenizer.json").read_text(encoding="utf-8"))
+    _widen_vocab(tokenizer, raw["text_config"]["vocab_size"])
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
     return out
+
+
+def _widen_vocab(tokenizer: dict, vocab_size: int) -> None:
+    """Give every id the tiny byte-level BPE lacks (up to vocab_size) its own word, " q<base-26>":
+    such ids decode to text but no merge ever produces them, so encoding is unchanged."""
+    vocab = tokenizer["model"]["vocab"]
+    for t in tokenizer["added_tokens"]:   # in the model's vocabulary too, or loading renumbers them
+        vocab.setdefault(t["content"], t["id"])
+    taken = set(vocab.values())
+    for i in range(vocab_size):
+        if i in taken:
+            continue
+        n, name = i, ""
+        while True:
+            n, r = divmod(n, 26)
+            name = chr(ord("a") + r) + name
+            if n == 0:
+                break
+        word = "\u0120q" + name                           # byte-level "Ġ" is the leading space
+        while word in vocab:
+            word += "q"
+        vocab[word] = i

@@ -13,10 +13,20 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 
 
+_QUANT_CHUNK_ELEMS = 1 << 27   # fp32 temporaries of at most 512 MiB while quantising
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (e4m3 [..., N, K], fp32 scale [..., N]); W ~= Wq * scale."""
+    """[..., N, K] -> (e4m3 [..., N, K], fp32 scale [..., N]); W ~= Wq * scale. Rows are
+    quantised independently, in chunks, so a whole expert stack never exists in fp32."""
     from m3serve.kernels.ref.fused_moe import quant_weight_fp8
-    return quant_weight_fp8(w)
+    rows = w.reshape(-1, w.shape[-1])
+    q = torch.empty(rows.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=w.device)
+    step = max(1, _QUANT_CHUNK_ELEMS // max(1, rows.shape[1]))
+    for i in range(0, rows.shape[0], step):
+        q[i:i + step], scale[i:i + step] = quant_weight_fp8(rows[i:i + step])
+    return q.view(w.shape), scale.view(w.shape[:-1])
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,3 +57,15 @@ def test_fp8_close_to_bf16(tiny_dir, prompt, flags):
     pb = torch.tensor([b.prompt_logprobs[p][ids[p]].logprob for p in range(1, 60)])
     assert (pa - pb).abs().median() < 0.25
     assert F.cosine_similarity(pa, pb, dim=0) > 0.98
+
+
+def test_chunked_weight_quantisation_equals_whole(monkeypatch):
+    """quantize_weight works in row chunks (bounded fp32 temporaries): same bits as one pass."""
+    import m3serve.layers.quant as quant
+    from m3serve.kernels.ref.fused_moe import quant_weight_fp8
+    w = (torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    monkeypatch.setattr(quant, "_QUANT_CHUNK_ELEMS", 7 * 24)     # 7 rows per chunk, ragged tail
+    q, s = quant.quantize_weight(w)
+    q_ref, s_ref = quant_weight_fp8(w)
+    assert q.shape == w.shape and s.shape == (3, 40)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
