@@ -118,14 +118,16 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     points = []
     for conc in concurrencies:
-        requests, warmups = make_requests(args, view, args.prompts_per_concurrency * conc,
+        # a seed per point: no point's prompts were seen by the server (prefix cache) before
+        point_args = argparse.Namespace(**{**vars(args), "seed": args.seed + conc})
+        requests, warmups = make_requests(point_args, view, args.prompts_per_concurrency * conc,
                                           args.warmups_per_concurrency * conc)
         metrics = await benchmark(
             api_url=api_url, model=model, requests=requests, endpoint_type=endpoint_type,
             warmup_requests=warmups, max_concurrency=conc, request_rate=math.inf,
             ignore_eos=args.ignore_eos, percentiles=percentiles,
             percentile_metrics=percentile_metrics, goodput=goodput, num_gpus=args.num_gpus,
-            seed=args.seed, extra_body=args.extra_body, headers=auth_headers(args),
+            seed=point_args.seed, extra_body=args.extra_body, headers=auth_headers(args),
             disable_tqdm=args.disable_tqdm)
         result = {**config, **metrics}
         save_result(result, os.path.join(result_dir, f"{label}-c{conc}.json"),

@@ -33,6 +33,7 @@ class FakeServer:
         self.ttft_s, self.itl_s, self.fail_every = 0.1, 0.02, 0
         self.num_requests = 0
         self.timings: list[tuple[float, list[float]]] = []  # (received, chunk send times)
+        self.prompts: list[str] = []
         self.app = FastAPI()
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
@@ -46,10 +47,11 @@ class FakeServer:
         self.fail_every = body.get("fail_every", 0)
         self.num_requests = 0
         self.timings = []
+        self.prompts = []
         return {}
 
     async def log(self):
-        return {"num_requests": self.num_requests, "timings": self.timings}
+        return {"num_requests": self.num_requests, "timings": self.timings, "prompts": self.prompts}
 
     async def models(self):
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
@@ -68,7 +70,8 @@ class FakeServer:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
         num_tokens = body.get("max_completion_tokens") or body["max_tokens"]
         include_usage = (body.get("stream_options") or {}).get("include_usage")
-        prompt_len = len(body["messages"][0]["content"] if chat else body["prompt"])
+        self.prompts.append(body["messages"][0]["content"] if chat else body["prompt"])
+        prompt_len = len(self.prompts[-1])
 
         def event(choice):
             return f"data: {json.dumps({'id': 'x', 'choices': [choice] if choice else []})}\n\n"
@@ -121,6 +124,10 @@ class FakeClient:
     @property
     def timings(self) -> list:
         return httpx.get(self.base_url + "/_log").json()["timings"]
+
+    @property
+    def prompts(self) -> list[str]:
+        return httpx.get(self.base_url + "/_log").json()["prompts"]
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +281,8 @@ def test_sweep_runs_inferencex_points_and_saves_json(fake, tmp_path):
         "--disable-tqdm"])
     combined = sweep.main(args)
     assert fake.num_requests == (10 + 2) * 1 + (10 + 2) * 2
+    prompts = fake.prompts  # every point's prompts are new to the server (no prefix-cache reuse)
+    assert len(set(prompts)) == len(prompts)
     points = combined["points"]
     assert [p["max_concurrency"] for p in points] == [1, 2]
     assert [p["num_prompts"] for p in points] == [10, 20]
