@@ -11,15 +11,18 @@ HBM_READ_TBPS = 4.19          # measured on one H200 (BENCHMARKS.md)
 
 
 def decode_step_bytes(cfg, batch: int, context_len: int, distinct_experts: list[float],
-                      weight_bytes: float = 2.0, kv_bytes: float = 2.0) -> float:
-    """distinct_experts: per MoE layer, the number of distinct routed experts the step touched."""
+                      weight_bytes: float = 2.0, kv_bytes: float = 2.0,
+                      lm_head_bytes: float = 2.0) -> float:
+    """distinct_experts: per MoE layer, the number of distinct routed experts the step touched.
+    weight_bytes applies to the quantisable linear layers; lm_head stays bf16 under
+    `--quantization fp8` (the default exclusions), the router fp32."""
     H, D = cfg.hidden_size, cfg.head_dim
     attn = H * D * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)   # q, o, k, v
     index = H * cfg.index_head_dim * (cfg.index_n_heads + 1)
     expert = 3 * H * cfg.intermediate_size
     shared = 3 * H * cfg.shared_intermediate_size
     dense = 3 * H * cfg.dense_intermediate_size
-    total = cfg.vocab_size * H * weight_bytes                                      # lm_head
+    total = cfg.vocab_size * H * lm_head_bytes                                     # lm_head
     moe_i = 0
     kv_token = 2 * cfg.num_key_value_heads * D * kv_bytes
     sparse_tokens = min(context_len, cfg.index_topk_blocks * cfg.index_block_size)
