@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
-#   bash scripts/gpu_checks.sh [tests] [offline L] [serve L QUANT]
-# Each step prints the exact command it ran into its result file.
+#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | serve L QUANT CONCS PPC | profile L B ISL | vllm
+# Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
+# (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
