@@ -59,8 +59,8 @@ def write_realshape_dir(out_dir: str | Path, num_layers: int) -> Path:
 
 
 def _widen_vocab(tokenizer: dict, vocab_size: int) -> None:
-    """Give every id the tiny byte-level BPE lacks (up to vocab_size) its own word, " q<base-26>":
-    such ids decode to text but no merge ever produces them, so encoding is unchanged."""
+    """Give every id the tiny byte-level BPE lacks (up to vocab_size) its own word, " q<id>": such
+    ids decode to text but no merge ever produces them, so encoding is unchanged."""
     vocab = tokenizer["model"]["vocab"]
     for t in tokenizer["added_tokens"]:   # in the model's vocabulary too, or loading renumbers them
         vocab.setdefault(t["content"], t["id"])
@@ -68,13 +68,7 @@ def _widen_vocab(tokenizer: dict, vocab_size: int) -> None:
     for i in range(vocab_size):
         if i in taken:
             continue
-        n, name = i, ""
-        while True:
-            n, r = divmod(n, 26)
-            name = chr(ord("a") + r) + name
-            if n == 0:
-                break
-        word = "\u0120q" + name                           # byte-level "Ġ" is the leading space
+        word = f"\u0120q{i}"                              # byte-level "Ġ" is the leading space
         while word in vocab:
             word += "q"
         vocab[word] = i

@@ -8,6 +8,19 @@ index-key scan).
 from __future__ import annotations
 
 HBM_READ_TBPS = 4.19          # measured on one H200 (BENCHMARKS.md)
+BF16_TFLOPS = 795.0           # dense bf16 GEMM ceiling on one H200 (BENCHMARKS.md)
+FP8_TFLOPS = 1465.0
+
+
+def _weights_per_layer(cfg) -> dict[str, int]:
+    """Weight elements of each block kind: attention q/o/k/v, the indexer's q/k projections, one
+    routed expert, the shared expert, the dense MLP."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    return {"attn": H * D * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2),
+            "index": H * cfg.index_head_dim * (cfg.index_n_heads + 1),
+            "expert": 3 * H * cfg.intermediate_size,
+            "shared": 3 * H * cfg.shared_intermediate_size,
+            "dense": 3 * H * cfg.dense_intermediate_size}
 
 
 def decode_step_bytes(cfg, batch: int, context_len: int, distinct_experts: list[float],
@@ -17,37 +30,29 @@ def decode_step_bytes(cfg, batch: int, context_len: int, distinct_experts: list[
     weight_bytes applies to the quantisable linear layers; lm_head stays bf16 under
     `--quantization fp8` (the default exclusions), the router fp32."""
     H, D = cfg.hidden_size, cfg.head_dim
-    attn = H * D * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)   # q, o, k, v
-    index = H * cfg.index_head_dim * (cfg.index_n_heads + 1)
-    expert = 3 * H * cfg.intermediate_size
-    shared = 3 * H * cfg.shared_intermediate_size
-    dense = 3 * H * cfg.dense_intermediate_size
+    w = _weights_per_layer(cfg)
     total = cfg.vocab_size * H * lm_head_bytes                                     # lm_head
     moe_i = 0
     kv_token = 2 * cfg.num_key_value_heads * D * kv_bytes
     sparse_tokens = min(context_len, cfg.index_topk_blocks * cfg.index_block_size)
     for i in range(cfg.num_hidden_layers):
-        total += attn * weight_bytes
+        total += w["attn"] * weight_bytes
         if cfg.is_sparse(i):
-            total += index * weight_bytes
+            total += w["index"] * weight_bytes
             total += batch * (sparse_tokens * kv_token + context_len * cfg.index_head_dim * kv_bytes)
         else:
             total += batch * context_len * kv_token
         if cfg.is_moe(i):
-            total += (distinct_experts[moe_i] * expert + shared) * weight_bytes
+            total += (distinct_experts[moe_i] * w["expert"] + w["shared"]) * weight_bytes
             total += cfg.num_local_experts * H * 4                                # fp32 router
             moe_i += 1
         else:
-            total += dense * weight_bytes
+            total += w["dense"] * weight_bytes
     return total
 
 
 def decode_floor_ms(bytes_: float, tbps: float = HBM_READ_TBPS) -> float:
     return bytes_ / (tbps * 1e12) * 1e3
-
-
-BF16_TFLOPS = 795.0           # dense bf16 GEMM ceiling on one H200 (BENCHMARKS.md)
-FP8_TFLOPS = 1465.0
 
 
 def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
@@ -57,11 +62,8 @@ def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
     sparse layers: at most top-k x block keys, plus the indexer's scan of all earlier index keys),
     and lm_head for the last position of each prompt only."""
     H, D = cfg.hidden_size, cfg.head_dim
-    attn_w = H * D * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
-    index_w = H * cfg.index_head_dim * (cfg.index_n_heads + 1)
-    moe_w = (cfg.num_experts_per_tok * 3 * H * cfg.intermediate_size
-             + 3 * H * cfg.shared_intermediate_size + cfg.num_local_experts * H)
-    dense_w = 3 * H * cfg.dense_intermediate_size
+    w = _weights_per_layer(cfg)
+    moe_w = cfg.num_experts_per_tok * w["expert"] + w["shared"] + cfg.num_local_experts * H
     S = prompt_len
     causal_pairs = S * (S + 1) / 2                       # sum over positions p of (p + 1)
     cap = cfg.index_topk_blocks * cfg.index_block_size
@@ -71,11 +73,11 @@ def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
     per_pair_index = 2 * cfg.index_n_heads * cfg.index_head_dim
     total = 0.0
     for i in range(cfg.num_hidden_layers):
-        w = attn_w + (moe_w if cfg.is_moe(i) else dense_w)
+        active = w["attn"] + (moe_w if cfg.is_moe(i) else w["dense"])
         if cfg.is_sparse(i):
-            w += index_w
+            active += w["index"]
             total += per_pair_attn * sparse_pairs + per_pair_index * causal_pairs
         else:
             total += per_pair_attn * causal_pairs
-        total += 2 * w * S
+        total += 2 * active * S
     return batch * (total + 2 * cfg.vocab_size * H)

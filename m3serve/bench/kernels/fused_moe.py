@@ -11,9 +11,10 @@ import argparse
 import torch
 from triton.runtime.errors import OutOfResources
 
+from m3serve.bench.roofline import BF16_TFLOPS, FP8_TFLOPS, HBM_READ_TBPS
+
 H, I, E, K = 6144, 3072, 128, 4
-HBM_TBPS = 4.19
-PEAK_TFLOPS = {"bf16": 795.0, "fp8": 1465.0}
+PEAK_TFLOPS = {"bf16": BF16_TFLOPS, "fp8": FP8_TFLOPS}
 DECODE_TOKENS = (1, 8, 32, 64, 128)
 PREFILL_TOKENS = (8192,)
 # Candidate tiles for --sweep: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
@@ -83,7 +84,7 @@ def bench(fmt: str, num_tokens: int, weights: dict, sweep: bool) -> None:
         if decode:
             moved = (distinct + 1) * _expert_bytes(fmt) + 2 * x.numel() * x.element_size()
             tbps = moved / seconds / 1e12
-            perf = f"{tbps:6.2f} TB/s ({100 * tbps / HBM_TBPS:5.1f}% of {HBM_TBPS})"
+            perf = f"{tbps:6.2f} TB/s ({100 * tbps / HBM_READ_TBPS:5.1f}% of {HBM_READ_TBPS})"
         else:
             flops = 2 * num_tokens * (K + 1) * 3 * I * H
             tflops = flops / seconds / 1e12

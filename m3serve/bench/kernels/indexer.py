@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from m3serve.bench.kernels import graph_ms
+from m3serve.bench.roofline import HBM_READ_TBPS
 
-H200_HBM_TBS = 4.19
 HI, DI, BS, TOPK = 4, 128, 128, 16
 DECODE = [(b, c) for c in (8192, 32768, 131072) for b in (1, 8, 64)] + [(1, 1 << 20)]
 
@@ -40,7 +40,7 @@ def _row(name: str, ms_score: float, ms_all: float, ms_graph: float, nbytes: int
     tbs = nbytes / (ms_graph * 1e-3) / 1e12
     print(f"{name:<30} eager score {ms_score * 1e3:7.1f} us  score+topk {ms_all * 1e3:7.1f} us"
           f"   graph score+topk {ms_graph * 1e3:7.1f} us  {tbs:5.2f} TB/s "
-          f"({tbs / H200_HBM_TBS:5.1%})")
+          f"({tbs / HBM_READ_TBPS:5.1%})")
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-H200_HBM_TBS = 4.19
-H200_BF16_TFLOPS = 795.0
+from m3serve.bench.roofline import BF16_TFLOPS, HBM_READ_TBPS
+
 H, G, D, BS, TOPK = 64, 4, 128, 128, 16
 
 
@@ -81,8 +81,8 @@ def _report(name: str, kwargs: dict, kv_bytes: int, flops: int) -> None:
     ms = triton.testing.do_bench(lambda: paged_attention(**kwargs, out=out), warmup=25, rep=100)
     tbs = kv_bytes / ms / 1e9
     tflops = flops / ms / 1e9
-    print(f"{name:<34} {ms * 1e3:9.1f} us  {tbs:6.2f} TB/s ({100 * tbs / H200_HBM_TBS:5.1f}% of "
-          f"{H200_HBM_TBS})  {tflops:7.1f} TFLOP/s ({100 * tflops / H200_BF16_TFLOPS:4.1f}%)")
+    print(f"{name:<34} {ms * 1e3:9.1f} us  {tbs:6.2f} TB/s ({100 * tbs / HBM_READ_TBPS:5.1f}% of "
+          f"{HBM_READ_TBPS})  {tflops:7.1f} TFLOP/s ({100 * tflops / BF16_TFLOPS:4.1f}%)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,8 +13,8 @@ import argparse
 import torch
 
 from m3serve.bench.kernels import graph_ms
+from m3serve.bench.roofline import HBM_READ_TBPS
 
-H200_HBM_TBS = 4.19
 HQ, G, D, HI, DI, HALF, BS = 64, 4, 128, 4, 128, 32, 128
 
 
@@ -64,7 +64,7 @@ def main() -> None:
             ms_g = graph_ms(lambda x=x: qk_norm_rope_cache(**x))
             tbs = _bytes(T, sparse, args.fp8) / (ms_g * 1e-3) / 1e12
             print(f"T={T:<5} {'sparse' if sparse else 'dense ':<6} eager {ms * 1e3:8.1f} us  "
-                  f"graph {ms_g * 1e3:8.1f} us  {tbs:5.2f} TB/s ({tbs / H200_HBM_TBS:5.1%})")
+                  f"graph {ms_g * 1e3:8.1f} us  {tbs:5.2f} TB/s ({tbs / HBM_READ_TBPS:5.1%})")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-H200_HBM_TBS = 4.19
+from m3serve.bench.roofline import HBM_READ_TBPS
+
 HIDDEN = 6144
 
 
@@ -28,7 +29,7 @@ def main() -> None:
             ms = triton.testing.do_bench(fn)
             tbs = nbytes / (ms * 1e-3) / 1e12
             print(f"{name:<20} [{rows}, {HIDDEN}] {ms * 1e3:8.1f} us  {tbs:5.2f} TB/s "
-                  f"({tbs / H200_HBM_TBS:5.1%})")
+                  f"({tbs / HBM_READ_TBPS:5.1%})")
 
 
 if __name__ == "__main__":
