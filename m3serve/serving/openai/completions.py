@@ -43,7 +43,9 @@ def _logprobs(seq: SequenceState, start: int, end: int, text_offset: int, k: int
         tokens.append(text)
         token_logprobs.append(clamp_logprob(chosen.logprob))
         entries = {text: clamp_logprob(chosen.logprob)}
-        entries.update({t: lp for _, lp, t in top_entries(position, k)})
+        for _, lp, t in top_entries(position, k):
+            # distinct tokens can decode to one string (byte fragments): keep its best logprob
+            entries[t] = max(lp, entries.get(t, lp))
         top.append(entries)
         offsets.append(text_offset)
         text_offset += len(text)
