@@ -6,44 +6,9 @@ with vLLM's names, so the CLI, `LLM(**kwargs)` and the server accept the same op
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
-from m3serve.config import engine_fields
-
-_SHORT = {"tensor_parallel_size": ["-tp"]}
-
-
-def _flag_type(f: dataclasses.Field):
-    text = str(f.type)
-    if "tuple" in text:
-        return str          # comma-separated; the config dataclass parses it
-    if "bool" in text:
-        return bool
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
-
-
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    group = parser.add_argument_group("engine")
-    for f in engine_fields():
-        if f.name in skip:
-            continue
-        names = ["--" + f.name.replace("_", "-")] + _SHORT.get(f.name, [])
-        kind = _flag_type(f)
-        if kind is bool:
-            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            group.add_argument(*names, dest=f.name, type=kind, default=f.default,
-                               help=f"(default: {f.default})")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
-
+from m3serve.engine_args import add_engine_args, engine_kwargs
 
 def cmd_generate(args) -> int:
     from m3serve.llm import LLM

@@ -68,11 +68,108 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How the model is spread over ranks (vLLM's names and meaning).
+
+    world = tensor_parallel_size x data_parallel_size ranks, one process and one device each.
+    Attention, dense MLPs, the shared expert, embedding and lm_head are split over the TP group;
+    MoE experts over all DP x TP ranks: whole experts per rank with `enable_expert_parallel`,
+    else every expert's intermediate dimension. Each DP rank has its own scheduler and KV cache.
+    """
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str | None = None  # None = uni for one rank, mp otherwise
+    nnodes: int = 1                         # hosts; each runs `m3serve serve ... --node-rank R`
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"          # where rank 0 listens (node 0's address)
+    master_port: int | None = None          # None: a free port on one node, 29500 across nodes
+    data_parallel_rpc_port: int = 29550     # API <-> engine sockets across nodes use this and up
+    distributed_timeout_seconds: int = 600  # a collective that waits longer fails the engine
 
     def __post_init__(self):
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (tensor_parallel_size {self.tensor_parallel_size} "
+                             f"x data_parallel_size {self.data_parallel_size}) cannot be spread "
+                             f"evenly over nnodes={self.nnodes}")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "uni", "mp"):
+            raise ValueError(f"distributed_executor_backend: unsupported value {backend!r} (uni, mp)")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but "
+                             f"{self.world_size} ranks were asked for; use 'mp'")
+        for name in ("master_port", "data_parallel_rpc_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{name} must be in [1, 65535], got {port}")
+        if self.distributed_timeout_seconds <= 0:
+            raise ValueError(f"distributed_timeout_seconds must be positive, got "
+                             f"{self.distributed_timeout_seconds}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def layout(self) -> "RankLayout":
+        return RankLayout(self.tensor_parallel_size, self.data_parallel_size, self.nnodes)
+
+    @property
+    def uses_processes(self) -> bool:
+        """True when the engine runs as rank processes (the mp executor), not in-process."""
+        return self.world_size > 1 or self.distributed_executor_backend == "mp"
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where global rank `rank` sits among tp x dp ranks spread over `nnodes` hosts: rank
+    r = dp_rank * tp + tp_rank, so a TP group (one DP replica) is tp consecutive ranks and a DP
+    group is the ranks sharing a TP rank across replicas; node n hosts ranks
+    [n * per_node, (n + 1) * per_node), each on the GPU numbered by its local rank."""
+    tp: int
+    dp: int
+    nnodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.per_node
+
+    def leader_of(self, rank: int) -> int:
+        """The TP-rank-0 process of `rank`'s DP replica: it runs that replica's engine core."""
+        return rank - rank % self.tp
+
+    def tp_group_ranks(self, dp_rank: int) -> list[int]:
+        return list(range(dp_rank * self.tp, (dp_rank + 1) * self.tp))
+
+    def dp_group_ranks(self, tp_rank: int) -> list[int]:
+        return [d * self.tp + tp_rank for d in range(self.dp)]
+
+    def node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.per_node, (node + 1) * self.per_node))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,32 @@
-"""Debug switches read from the environment, all in one place."""
+"""Environment variables, all read in one place: debug switches, the cache folder, and the
+torchrun variables that multi-node launches may set instead of flags."""
 import os
+from pathlib import Path
 
 # Force the PyTorch reference ops even on a GPU (to bisect a kernel problem).
 FORCE_REFERENCE_OPS = os.environ.get("M3SERVE_FORCE_REFERENCE_OPS", "0") == "1"
+
+# Where the embedded tiny model is built.
+CACHE_DIR = os.environ.get("M3SERVE_CACHE", str(Path.home() / ".cache" / "m3serve"))
+
+
+def torchrun_defaults() -> dict:
+    """Defaults for the multi-node flags from torchrun's variables, when it launched us:
+    master address/port, this node's rank (GROUP_RANK, or NODE_RANK) and the node count
+    (WORLD_SIZE / LOCAL_WORLD_SIZE: torchrun starts one m3serve launcher per node)."""
+    env = os.environ
+    out = {}
+    if "MASTER_ADDR" in env:
+        out["master_addr"] = env["MASTER_ADDR"]
+    if env.get("MASTER_PORT", "").isdigit():
+        port = int(env["MASTER_PORT"])
+        # torchrun's own store listens on MASTER_PORT; our ranks meet one port above it
+        out["master_port"] = port + 1 if "TORCHELASTIC_RUN_ID" in env else port
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        if env.get(name, "").isdigit():
+            out["node_rank"] = int(env[name])
+            break
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(local) > 0:
+        out["nnodes"] = int(world) // int(local)
+    return out

@@ -1,57 +1,53 @@
 """The offline API, shaped like vLLM's: `LLM(model=..., **engine_flags).generate(prompts, params)`
-and `.chat(messages, params)`, running the engine core in-process.
+and `.chat(messages, params)`.
+
+A one-rank engine runs in this process (engine core + uni-process executor). A multi-rank
+engine (`tensor_parallel_size`, `data_parallel_size` > 1, or `distributed_executor_backend="mp"`)
+runs as engine processes, one per DP replica, reached through `SyncEngineClient`; this process
+then holds no model and no process group.
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from pathlib import Path
 
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from m3serve.config import EngineConfig
-from m3serve.core.engine_core import EngineCore
-from m3serve.core.request import Request
-from m3serve.model.loader import resolve_model_dir
+from m3serve.model.config import load_config
+from m3serve.model.files import load_tokenizer, model_directory
 from m3serve.outputs import RequestOutput
+from m3serve.protocol import EngineCoreRequest, EngineState
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.chat_template import load_chat_template, render_chat
 from m3serve.serving.output_processor import RequestState
-from m3serve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise ValueError(f"no tokenizer.json in {model_dir}")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise ValueError(f"{path}: unreadable tokenizer ({e})") from None
-
-
-def model_directory(model: str | None) -> Path:
-    """The checkpoint directory for `model` (None = the embedded tiny model)."""
-    if model is None:
-        from m3serve.model.tiny import default_model_dir
-        return default_model_dir()
-    return resolve_model_dir(model)
-
-
 class LLMEngine:
-    """Engine core + tokenizer + output processing, stepped synchronously."""
+    """Engine (in-process core, or engine processes) + tokenizer + output processing, stepped
+    synchronously."""
 
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         self.model_dir = model_directory(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.worker = Worker(config, self.model_dir, progress=progress)
-        self.model_config = self.worker.model_config
-        self.core = EngineCore(config, self.worker)
+        self.core = self.worker = self.client = None
+        if config.parallel.uses_processes:
+            from m3serve.core.core_client import engine_config_for_process
+            from m3serve.core.sync_client import SyncEngineClient
+            self.client = SyncEngineClient(engine_config_for_process(config, self.model_dir))
+            self.model_config = load_config(self.model_dir)
+            self.front = self.client
+        else:
+            from m3serve.core.engine_core import EngineCore
+            from m3serve.executor.uniproc import UniProcExecutor
+            executor = UniProcExecutor(config, self.model_dir, progress=progress)
+            self.worker, self.model_config = executor.worker, executor.model_config
+            self.core = self.front = EngineCore(config, executor)
         self.eos_token_id = self.model_config.eos_token_id
         self.states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
@@ -78,17 +74,13 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, self.tokenizer)
-        added = []
-        try:
-            for seq in state.sequences:
-                if self.eos_token_id is not None:
-                    seq.params.add_eos_token_ids([self.eos_token_id])
-                self.core.add_request(Request(seq.request_id, ids, seq.params, self.eos_token_id,
+        requests = []
+        for seq in state.sequences:
+            if self.eos_token_id is not None:
+                seq.params.add_eos_token_ids([self.eos_token_id])
+            requests.append(EngineCoreRequest(seq.request_id, ids, seq.params, self.eos_token_id,
                                               arrival_time=time.time(), cache_salt=cache_salt))
-                added.append(seq.request_id)
-        except ValueError:
-            self.core.abort_requests(added)
-            raise
+        self.front.add_requests(requests)
         self.states[request_id] = state
         for i, seq in enumerate(state.sequences):
             self._children[seq.request_id] = (state, i)
@@ -101,16 +93,19 @@ class LLMEngine:
         ids = [s.request_id for s in state.sequences]
         for i in ids:
             self._children.pop(i, None)
-        self.core.abort_requests(ids)
+        self.front.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.front.has_unfinished_requests()
 
     def step(self) -> list[RequestState]:
-        """Run one engine step; returns the requests that changed (finished ones are dropped)."""
+        """Run one engine step (in-process) or take the outputs that arrived (engine processes);
+        returns the requests that changed (finished ones are dropped)."""
         touched: dict[str, RequestState] = {}
         stopped = []
-        for out in self.core.step():
+        for out in self.front.step():
+            if getattr(out, "finish_reason", None) == "error":
+                raise RuntimeError(f"the engine failed request {out.request_id}: {out.error}")
             entry = self._children.get(out.request_id)
             if entry is None:
                 continue
@@ -120,7 +115,7 @@ class LLMEngine:
                 stopped.append(seq.request_id)
             touched[state.request_id] = state
         if stopped:
-            self.core.abort_requests(stopped)
+            self.front.abort_requests(stopped)
         for rid, state in touched.items():
             if state.finished:
                 self.states.pop(rid, None)
@@ -128,10 +123,28 @@ class LLMEngine:
                     self._children.pop(seq.request_id, None)
         return list(touched.values())
 
+    def engine_states(self) -> list[EngineState]:
+        """Each DP replica's books and rank reports (what the engine processes answer to a
+        `StateQuery`; built directly for the in-process engine)."""
+        if self.client is not None:
+            return self.client.states()
+        core = self.core
+        while core.scheduler.has_finished_requests() and not core.scheduler.has_unfinished_requests():
+            core.step()                  # report finished requests to the worker, as a step would
+        kv = core.kv_manager
+        return [EngineState(query_id=0, dp_rank=0, num_running=core.scheduler.num_running,
+                            num_waiting=core.scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
+                            num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
+                            ranks=core.executor.describe())]
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+
 
 class LLM:
     """Offline batched generation. Every engine flag of the CLI is accepted as a keyword
-    (`max_num_seqs=8`, `enable_prefix_caching=False`, `kv_cache_memory=1 << 28`, ...)."""
+    (`max_num_seqs=8`, `enable_prefix_caching=False`, `tensor_parallel_size=2`, ...)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_flags):
         config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_flags)
@@ -139,6 +152,10 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine processes of a multi-rank engine (nothing to do for one rank)."""
+        self.engine.shutdown()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

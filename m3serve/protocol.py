@@ -1,8 +1,10 @@
 """Messages between the API process and the engine-core process (msgspec, msgpack on ZMQ).
 
-The API process sends `AddRequests`, `AbortRequests`, `StatsQuery` and `Shutdown`; the engine
-process answers with one `EngineReady` (or `EngineDead`) at start-up, then `CoreOutputs` batches.
-Only plain data crosses: token ids, sampling parameters, counters. Never pickled engine objects.
+The API process (or the offline `LLM`) sends `AddRequests`, `AbortRequests`, `StatsQuery`,
+`StateQuery` and `Shutdown` to each engine process (one per DP replica); every engine answers
+with one `EngineReady` (or `EngineDead`) at start-up, then `CoreOutputs` batches, `EngineState`
+reports, and `EngineDead` if it fails later. Only plain data crosses: token ids, sampling
+parameters, counters. Never pickled engine objects.
 """
 from __future__ import annotations
 
@@ -42,11 +44,16 @@ class StatsQuery(msgspec.Struct, tag="stats"):
     query_id: int
 
 
+class StateQuery(msgspec.Struct, tag="state"):
+    """Asks for an `EngineState` (answered after the engine's next step)."""
+    query_id: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequests | AbortRequests | StatsQuery | Shutdown
+EngineInput = AddRequests | AbortRequests | StatsQuery | StateQuery | Shutdown
 
 
 class CoreOutput(msgspec.Struct):
@@ -98,6 +105,21 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     add_results: list[AddResult] = []
     stats: EngineStats | None = None
     query_id: int | None = None  # set when this message answers a StatsQuery
+    dp_rank: int = 0
+
+
+class EngineState(msgspec.Struct, tag="state"):
+    """One DP replica's books, for checks: queues, free blocks, the scheduler's integrity check,
+    and a report of every rank of the replica (`Worker.describe()` plus rank and world size)."""
+
+    query_id: int
+    dp_rank: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_usable_blocks: int
+    integrity_error: str | None
+    ranks: list[dict[str, Any]]
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -108,15 +130,18 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_usable_blocks: int
     vocab_size: int
     eos_token_id: int | None
+    dp_rank: int = 0
+    world_size: int = 1
 
 
 class EngineDead(msgspec.Struct, tag="dead"):
     """Sent when the engine process cannot start or stops on a fatal error."""
 
     message: str
+    dp_rank: int = 0
 
 
-EngineOutput = CoreOutputs | EngineReady | EngineDead
+EngineOutput = CoreOutputs | EngineState | EngineReady | EngineDead
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -19,7 +19,7 @@ import torch
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from m3serve.cli import add_engine_args
+    from m3serve.engine_args import add_engine_args
     parser.add_argument("--points", nargs="+", default=["1024:1,8"],
                         help="ISL:batch,batch,... groups, e.g. 1024:1,8,32 8192:4,16")
     parser.add_argument("--osl", type=int, default=64)
@@ -42,7 +42,7 @@ def main(args) -> list[dict]:
     from m3serve.bench.jit_stats import compiled_variants
     from m3serve.bench.roofline import (BF16_TFLOPS, FP8_TFLOPS, decode_floor_ms, decode_step_bytes,
                                         prefill_flops)
-    from m3serve.cli import engine_kwargs
+    from m3serve.engine_args import engine_kwargs
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
 

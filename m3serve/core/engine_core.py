@@ -1,4 +1,4 @@
-"""The engine core: scheduler + KV cache manager + the executor (worker), stepped in a loop.
+"""The engine core: scheduler + KV cache manager + an executor (the ranks), stepped in a loop.
 
 `step()` schedules, runs the model once and returns per-request outputs. It holds no tokenizer
 and no text: detokenization and stop strings live in the API process / offline front end.
@@ -33,6 +33,20 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def add_requests(self, requests) -> None:
+        """Admit `protocol.EngineCoreRequest`s (the children of one request) all or none:
+        ValueError (nothing added) when one of them is refused."""
+        added = []
+        try:
+            for r in requests:
+                self.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params,
+                                         r.eos_token_id, arrival_time=r.arrival_time,
+                                         cache_salt=r.cache_salt))
+                added.append(r.request_id)
+        except Exception:
+            self.abort_requests(added)
+            raise
+
     def abort_requests(self, request_ids) -> None:
         self.scheduler.abort_requests(request_ids)
 
@@ -44,3 +58,11 @@ class EngineCore:
         runner_output = self.executor.execute_model(scheduler_output)
         self.num_steps += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def integrity_error(self) -> str | None:
+        """The scheduler's and KV manager's consistency check, as a message (None = fine)."""
+        try:
+            self.scheduler.check_integrity()
+        except RuntimeError as e:
+            return str(e)
+        return None

@@ -1,16 +1,20 @@
-"""The engine-core process: Worker + EngineCore stepped in a busy loop behind two ZMQ sockets.
+"""The engine process of one DP replica: its executor (this process is the replica's leader
+rank) + `EngineCore`, stepped in a busy loop behind ZMQ sockets to the API process (or the
+offline `LLM`).
 
 `EngineLoop` applies `protocol` inputs to an `EngineCore` and turns its outputs into
 `CoreOutput`s; it holds the admission bound (`max_waiting_requests`) and contains failures: a
-request that cannot be added, or a step that raises, fails only the requests involved.
-`run_engine_process` is the spawn target that loads the model and runs the loop.
+request that cannot be added, or a step that raises for one request, fails only the requests
+involved. A failure of the ranks themselves (`ExecutorFailure`, a dead or stuck rank) is fatal:
+the engine reports `EngineDead` naming the rank and exits. With several DP replicas the loop
+steps every iteration, work or not, because the replicas' MoE layers run in lock step.
+`run_engine_process` is the spawn target.
 """
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
 import signal
-import time
 import traceback
 
 import zmq
@@ -18,20 +22,20 @@ import zmq
 from m3serve import protocol
 from m3serve.config import EngineConfig
 from m3serve.core.engine_core import EngineCore
-from m3serve.core.request import Request
 from m3serve.protocol import AddResult, CoreOutput, CoreOutputs, EngineStats
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 100  # wait for input this long when there is nothing to step
-_PARENT_CHECK_S = 1.0
+_IDLE_POLL_MS = 100    # wait for input this long when there is nothing to step
+_LOCKSTEP_IDLE_POLL_MS = 10   # ... when idle replicas must still meet the others
 
 
 class EngineLoop:
     """Applies API messages to an engine core and steps it; never raises for one request."""
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, dp_rank: int = 0):
         self.core = core
+        self.dp_rank = dp_rank
         self.max_waiting = core.config.scheduler.max_waiting_requests
         self.num_step_errors = 0
 
@@ -41,19 +45,12 @@ class EngineLoop:
             return AddResult(message.parent_id, "overloaded",
                              f"the waiting queue holds {scheduler.num_waiting} requests; its bound "
                              f"(--max-waiting-requests) is {self.max_waiting}")
-        added = []
         try:
-            for r in message.requests:
-                self.core.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params,
-                                              r.eos_token_id, arrival_time=r.arrival_time,
-                                              cache_salt=r.cache_salt))
-                added.append(r.request_id)
+            self.core.add_requests(message.requests)
         except ValueError as e:
-            self.core.abort_requests(added)
             return AddResult(message.parent_id, "invalid", str(e))
         except Exception as e:  # an engine bug must fail this request, not the process
             logger.exception("adding request %s failed", message.parent_id)
-            self.core.abort_requests(added)
             return AddResult(message.parent_id, "error", f"{type(e).__name__}: {e}")
         return AddResult(message.parent_id, "ok")
 
@@ -65,12 +62,17 @@ class EngineLoop:
 
     def step(self) -> list[CoreOutput]:
         """One engine step. If the model or the scheduler update raises, the requests scheduled
-        in that step are aborted (their blocks freed) and reported with finish_reason "error"."""
+        in that step are aborted (their blocks freed) and reported with finish_reason "error".
+        `ExecutorFailure` (the ranks are gone) propagates."""
+        from m3serve.executor import ExecutorFailure
+
         scheduler = self.core.scheduler
         scheduler_output = scheduler.schedule()
         try:
             runner_output = self.core.executor.execute_model(scheduler_output)
             outputs = scheduler.update_from_output(scheduler_output, runner_output)
+        except ExecutorFailure:
+            raise
         except Exception as e:
             self.num_step_errors += 1
             failed = list(scheduler_output.num_scheduled_tokens)
@@ -93,15 +95,27 @@ class EngineLoop:
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
             num_steps=self.core.num_steps, num_step_errors=self.num_step_errors)
 
+    def state(self, query_id: int) -> protocol.EngineState:
+        scheduler, kv = self.core.scheduler, self.core.kv_manager
+        return protocol.EngineState(
+            query_id=query_id, dp_rank=self.dp_rank, num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
+            num_usable_blocks=kv.num_usable_blocks, integrity_error=self.core.integrity_error(),
+            ranks=self.core.executor.describe())
+
 
 def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    parent = multiprocessing.parent_process()
-    last_parent_check = time.monotonic()
+    executor = loop.core.executor
+    lockstep = executor.needs_lockstep
     while True:
-        poller.poll(0 if loop.has_work() else _IDLE_POLL_MS)
-        add_results = []
+        if loop.has_work() or (lockstep and executor.global_busy):
+            timeout = 0
+        else:
+            timeout = _LOCKSTEP_IDLE_POLL_MS if lockstep else _IDLE_POLL_MS
+        poller.poll(timeout)
+        add_results, state_queries = [], []
         while True:
             try:
                 message = protocol.decode_input(pull.recv(zmq.NOBLOCK))
@@ -114,22 +128,52 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
             elif isinstance(message, protocol.AbortRequests):
                 loop.abort(message.request_ids)
             elif isinstance(message, protocol.StatsQuery):
-                push.send(protocol.encode(CoreOutputs(stats=loop.stats(), query_id=message.query_id)))
-        outputs = loop.step() if loop.has_work() else []
+                push.send(protocol.encode(CoreOutputs(stats=loop.stats(), query_id=message.query_id,
+                                                      dp_rank=loop.dp_rank)))
+            elif isinstance(message, protocol.StateQuery):
+                state_queries.append(message.query_id)
+        outputs = loop.step() if (lockstep or loop.has_work()) else []
         if outputs or add_results:
-            push.send(protocol.encode(CoreOutputs(outputs, add_results, loop.stats())))
-        now = time.monotonic()
-        if parent is not None and now - last_parent_check > _PARENT_CHECK_S:
-            last_parent_check = now
-            if not parent.is_alive():
-                logger.warning("the API process is gone; engine exits")
-                return
+            push.send(protocol.encode(CoreOutputs(outputs, add_results, loop.stats(),
+                                                  dp_rank=loop.dp_rank)))
+        for query_id in state_queries:     # after the step: finished requests are flushed
+            push.send(protocol.encode(loop.state(query_id)))
 
 
-def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Spawn target: load the model, announce `EngineReady`, serve until `Shutdown`."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s engine %(name)s: %(message)s")
+def _report_fatal(output_addr: str, dp_rank: int, message: str) -> None:
+    """From any thread: tell the API process on a socket of our own, then exit at once (the
+    main thread may be blocked in a collective that will never return)."""
+    logger.error("engine replica %d failed: %s", dp_rank, message)
+    try:
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        sock.connect(output_addr)
+        sock.send(protocol.encode(protocol.EngineDead(message, dp_rank=dp_rank)))
+        sock.close(linger=2000)
+    finally:
+        os._exit(1)
+
+
+def make_executor(config: EngineConfig, model_dir, dp_rank: int, master_port: int | None,
+                  on_fatal, progress: bool = False):
+    """The uni-process executor for one rank (unless `mp` is asked for), else this process
+    becomes DP replica `dp_rank`'s leader rank."""
+    if not config.parallel.uses_processes:
+        from m3serve.executor.uniproc import UniProcExecutor
+        return UniProcExecutor(config, model_dir, progress=progress)
+    from m3serve.executor.multiproc import MultiprocExecutor
+    rank = dp_rank * config.parallel.tensor_parallel_size
+    return MultiprocExecutor(config, model_dir, rank, master_port, on_fatal, progress=progress)
+
+
+def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, dp_rank: int = 0,
+                       master_port: int | None = None) -> None:
+    """Spawn target: build the executor and core, announce `EngineReady`, serve until
+    `Shutdown`, a fatal failure, or the end of the process that started it."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s engine{dp_rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
+    from m3serve.executor.supervisor import start_heartbeat
+    start_heartbeat()                             # exits with the process that started us
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -137,29 +181,40 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow API process
     push.connect(output_addr)
-    try:
-        from m3serve.llm import model_directory
-        from m3serve.worker.worker import Worker
 
-        worker = Worker(config, model_directory(config.model.model), progress=False)
-        core = EngineCore(config, worker)
+    def on_fatal(message: str) -> None:
+        _report_fatal(output_addr, dp_rank, message)
+
+    executor = None
+    try:
+        from m3serve.model.files import model_directory
+
+        executor = make_executor(config, model_directory(config.model.model), dp_rank, master_port, on_fatal)
+        core = EngineCore(config, executor)
     except Exception as e:
         logger.exception("engine start-up failed")
-        push.send(protocol.encode(protocol.EngineDead(f"{type(e).__name__}: {e}")))
+        push.send(protocol.encode(protocol.EngineDead(f"{type(e).__name__}: {e}", dp_rank=dp_rank)))
         push.close(linger=2000)
         context.term()
-        return
-    model_config = worker.model_config
+        if executor is not None:
+            executor.shutdown()
+        os._exit(1)
+    model_config = executor.model_config
     push.send(protocol.encode(protocol.EngineReady(
-        max_model_len=core.max_model_len, block_size=worker.block_size,
+        max_model_len=core.max_model_len, block_size=executor.block_size,
         num_usable_blocks=core.kv_manager.num_usable_blocks, vocab_size=model_config.vocab_size,
-        eos_token_id=model_config.eos_token_id)))
+        eos_token_id=model_config.eos_token_id, dp_rank=dp_rank,
+        world_size=config.parallel.world_size)))
+    code = 0
     try:
-        _serve(EngineLoop(core), pull, push)
+        _serve(EngineLoop(core, dp_rank), pull, push)
     except Exception as e:
         logger.exception("engine loop failed")
-        push.send(protocol.encode(protocol.EngineDead(f"{type(e).__name__}: {e}")))
+        push.send(protocol.encode(protocol.EngineDead(f"{type(e).__name__}: {e}", dp_rank=dp_rank)))
+        code = 1
     finally:
         pull.close(linger=0)
         push.close(linger=1000)
         context.term()
+        executor.shutdown()
+    os._exit(code)

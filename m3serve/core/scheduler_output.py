@@ -7,7 +7,8 @@ worker's persistent per-request state. `ModelRunnerOutput` is what the worker re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from m3serve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -17,7 +18,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     """The full prompt. The worker keeps it as the start of the request's token list."""
-    sampling_params: Any
+    sampling_params: SamplingParams
     """Passed through untouched; the worker's sampler interprets it."""
     block_ids: list[int]
     """The request's whole block list (shared by every cache group): block_ids[b] holds logical
@@ -94,7 +95,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     """Per request: the sampled token (one), or with drafts the accepted drafts plus the bonus
     token (1..num_drafts+1). Reported for partial prefill chunks too; the scheduler drops those."""
-    logprobs: list[object | None] | None = None
+    logprobs: list | None = None
     """Per request, opaque to the scheduler and passed through to the EngineCoreOutput."""
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
     """req_id -> prompt logprobs of this step's chunk; opaque, passed through."""

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from m3serve.distributed import TPInfo
+from m3serve.distributed import GroupInfo
 from m3serve.layers.attention_metadata import AttentionMetadata, context_slots, write_cache_ref
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.indexer import index_topk_ref
@@ -68,7 +68,7 @@ class Attention(nn.Module):
     """Self-attention of one layer: fused q/k/v(/index) projection, per-head Gemma QK norm,
     partial NeoX RoPE, cache writes, dense or MSA block-sparse paged attention, o_proj."""
 
-    def __init__(self, cfg, layer_id: int, tp: TPInfo, dtype: torch.dtype):
+    def __init__(self, cfg, layer_id: int, tp: GroupInfo, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
         self.is_sparse = cfg.is_sparse(layer_id)

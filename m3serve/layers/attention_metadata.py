@@ -25,6 +25,7 @@ class AttentionMetadata:
     max_query_len: int = 0          # host-side bounds for kernel launch shapes; 0 = derive
     max_seq_len: int = 0
     record_selections: list | None = None  # when a list, sparse layers append their [T, Hi, topk]
+    dp_padded_tokens: int = 0       # with several DP replicas: tokens each one brings to the MoE
 
     def __post_init__(self):
         if not self.max_query_len and len(self.query_start_loc_cpu) > 1:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from m3serve.distributed import TPInfo
+from m3serve.distributed import GroupInfo
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ def make_param(shape, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-def kv_head_range(num_kv_heads: int, tp: TPInfo) -> tuple[int, int]:
+def kv_head_range(num_kv_heads: int, tp: GroupInfo) -> tuple[int, int]:
     """KV (and index-query) heads owned by this rank: split when TP <= heads, else replicated."""
     if tp.size <= num_kv_heads:
         if num_kv_heads % tp.size:
@@ -84,7 +84,7 @@ class MergedColumnParallelLinear(nn.Module):
     """Several column-parallel outputs in one GEMM, e.g. gate|up. Local layout: [s0 | s1 | ...],
     each section this rank's slice (rows) of the corresponding full weight."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], tp: TPInfo, dtype: torch.dtype):
+    def __init__(self, in_features: int, output_sizes: list[int], tp: GroupInfo, dtype: torch.dtype):
         super().__init__()
         for n in output_sizes:
             if n % tp.size:
@@ -112,7 +112,7 @@ class QKVParallelLinear(nn.Module):
     TP > num_kv_heads); the single index-key head is replicated on every rank.
     """
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPInfo,
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: GroupInfo,
                  dtype: torch.dtype, index_heads: int = 0, index_dim: int = 0):
         super().__init__()
         if num_heads % tp.size:
@@ -151,7 +151,7 @@ class RowParallelLinear(nn.Module):
     """Input columns split over ranks; the partial products are summed with an all-reduce
     (skipped when `reduce_results=False`, so a caller can fuse several partial sums into one)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPInfo, dtype: torch.dtype,
+    def __init__(self, in_features: int, out_features: int, tp: GroupInfo, dtype: torch.dtype,
                  reduce_results: bool = True):
         super().__init__()
         if in_features % tp.size:

@@ -1,5 +1,12 @@
-"""MoE block: fp32 sigmoid router with selection-only correction bias, routed experts (split by
-expert index across TP ranks) and the always-on shared expert; one all-reduce for both.
+"""MoE block: fp32 sigmoid router with selection-only correction bias, routed experts and the
+always-on shared expert.
+
+Parallel layout: the routed experts span the MoE group (all DP x TP ranks): with expert
+parallelism each rank owns whole experts, otherwise each rank owns a slice of every expert's
+intermediate dimension. The shared expert is split over the TP group like a dense MLP. With one
+DP replica the partial sums of both meet in one TP all-reduce; with several, the replicas'
+tokens are all-gathered over the DP group first and the routed partials reduce-scattered back
+(every replica pads its tokens to the same count, `dp_padded_tokens`).
 
 `route` and `experts_ref` are the PyTorch reference ops (the CPU backend and the oracle for the
 fused GPU kernel).
@@ -9,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3serve.distributed import TPInfo
+from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.layers.activation import swiglu_oai
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, attach_loader,
@@ -53,20 +60,36 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's routed experts, stacked: w13 [E_local, 2I, H], w2 [E_local, H, I]."""
+    """This rank's routed experts, stacked: w13 [E_local, 2 I_local, H] (gate rows then up
+    rows), w2 [E_local, H, I_local].
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPInfo, dtype):
+    Expert parallelism: E_local = E / moe_size whole experts from `first`. Otherwise all E
+    experts, I_local = I / moe_size of each one's intermediate channels from `inter_start`.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, parallel: ParallelInfo, dtype):
         super().__init__()
-        if num_experts % tp.size:
-            raise ValueError(f"num_local_experts={num_experts} not divisible by TP={tp.size}")
-        self.num_local = num_experts // tp.size
-        self.first = tp.rank * self.num_local
+        n, r = parallel.moe_size, parallel.moe_rank
         self.hidden, self.inter = hidden, inter
+        if parallel.enable_expert_parallel:
+            if num_experts % n:
+                raise ValueError(f"expert parallelism over {n} ranks needs num_local_experts="
+                                 f"{num_experts} divisible by {n}")
+            self.num_local, self.first = num_experts // n, r * (num_experts // n)
+            self.inter_local, self.inter_start = inter, 0
+        else:
+            if inter % n:
+                raise ValueError(f"intermediate_size={inter} (the routed experts' width) is not divisible "
+                                 f"by the {n} ranks the MoE layers are split over (tensor x data "
+                                 f"parallel); use --enable-expert-parallel or another layout")
+            self.num_local, self.first = num_experts, 0
+            self.inter_local, self.inter_start = inter // n, r * (inter // n)
         shards = [(kind, e) for e in range(self.first, self.first + self.num_local)
                   for kind in ("w1", "w2", "w3")]
-        self.w13 = attach_loader(make_param((self.num_local, 2 * inter, hidden), dtype),
+        il = self.inter_local
+        self.w13 = attach_loader(make_param((self.num_local, 2 * il, hidden), dtype),
                                  self._load, [s for s in shards if s[0] != "w2"])
-        self.w2 = attach_loader(make_param((self.num_local, hidden, inter), dtype),
+        self.w2 = attach_loader(make_param((self.num_local, hidden, il), dtype),
                                 self._load, [s for s in shards if s[0] == "w2"])
 
     def owns(self, expert_id: int) -> bool:
@@ -74,20 +97,20 @@ class Experts(nn.Module):
 
     def _load(self, param, full: torch.Tensor, shard_id: tuple[str, int]) -> None:
         kind, e = shard_id
-        i = e - self.first
+        i, il, cols = e - self.first, self.inter_local, slice(self.inter_start, self.inter_start + self.inter_local)
         if kind == "w2":
             check_shape(full, (self.hidden, self.inter), f"expert {e} w2")
-            param.data[i].copy_(full)
+            param.data[i].copy_(full[:, cols])
         else:
             check_shape(full, (self.inter, self.hidden), f"expert {e} {kind}")
-            rows = slice(0, self.inter) if kind == "w1" else slice(self.inter, 2 * self.inter)
-            param.data[i, rows].copy_(full)
+            rows = slice(0, il) if kind == "w1" else slice(il, 2 * il)
+            param.data[i, rows].copy_(full[cols])
 
 
 class DenseMLP(nn.Module):
     """gate_up (column-parallel, gate rows first) -> SwiGLU-OAI -> down (row-parallel)."""
 
-    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, tp: TPInfo, dtype,
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, tp: GroupInfo, dtype,
                  reduce_results: bool = True):
         super().__init__()
         self.alpha, self.limit = alpha, limit
@@ -99,44 +122,64 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, tp: TPInfo, dtype):
+    def __init__(self, cfg, parallel: ParallelInfo, dtype):
         super().__init__()
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.dp = cfg, parallel.tp, parallel.dp
         self.gate = Router(cfg.hidden_size, cfg.num_local_experts)
-        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, tp, dtype)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, parallel, dtype)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_alpha,
-                                       cfg.swiglu_limit, tp, dtype, reduce_results=False)
+                                       cfg.swiglu_limit, parallel.tp, dtype, reduce_results=False)
         self.last_expert_ids: torch.Tensor | None = None  # [T, K], kept for tests and benchmarks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H]."""
+    def forward(self, x: torch.Tensor, dp_padded_tokens: int = 0) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. With several DP replicas every one passes the same
+        `dp_padded_tokens` >= its T (the largest T among them)."""
+        exchange = self.dp.active
+        tokens = x
+        if exchange:
+            if dp_padded_tokens < x.shape[0]:
+                raise RuntimeError(f"MoE over {self.dp.size} DP replicas needs dp_padded_tokens >= "
+                                   f"{x.shape[0]}, got {dp_padded_tokens}")
+            pad = dp_padded_tokens - x.shape[0]
+            tokens = self.dp.all_gather(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
+        out = self._routed(tokens, fold_shared=not exchange)          # fp32 [N, H]
+        if exchange:
+            out = self.dp.reduce_scatter(out)[:x.shape[0]] + self.shared_experts(x).float()
+        return self.tp.all_reduce(out).to(x.dtype)
+
+    def _routed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
+        """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],
+        this rank's partial sum."""
         cfg = self.cfg
         if use_triton("moe", x):
             from m3serve.kernels.fused_moe import fused_moe, moe_route
             weights, ids = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
                                      cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-            return self._fused(fused_moe, x, weights, ids)
+            return self._fused(fused_moe, x, weights, ids, fold_shared)
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         if hasattr(self.experts, "w13_scale"):      # FP8 experts: the fused kernel's PyTorch twin
             from m3serve.kernels.ref.fused_moe import fused_moe_ref
-            return self._fused(fused_moe_ref, x, weights, ids)
+            return self._fused(fused_moe_ref, x, weights, ids, fold_shared)
         self.last_expert_ids = ids
-        routed = experts_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first,
-                             cfg.swiglu_alpha, cfg.swiglu_limit)
-        out = routed + self.shared_experts(x).float()
-        return self.tp.all_reduce(out).to(x.dtype)
+        out = experts_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first,
+                          cfg.swiglu_alpha, cfg.swiglu_limit)
+        return out + self.shared_experts(x).float() if fold_shared else out
 
-    def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts + shared expert in one fused call (bf16 or FP8 weights)."""
+    def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               fold_shared: bool) -> torch.Tensor:
+        """Routed experts (+ the shared expert) in one fused call (bf16 or FP8 weights)."""
         cfg, ex, sh = self.cfg, self.experts, self.shared_experts
         self.last_expert_ids = ids
-        shared = (sh.gate_up_proj.weight, sh.down_proj.weight)
         scales = {}
         if hasattr(ex, "w13_scale"):
             scales = dict(w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
-            shared += (sh.gate_up_proj.weight_scale, sh.down_proj.weight_scale)
+        shared = None
+        if fold_shared:
+            shared = (sh.gate_up_proj.weight, sh.down_proj.weight)
+            if scales:
+                shared += (sh.gate_up_proj.weight_scale, sh.down_proj.weight_scale)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         moe_fn(x, ex.w13, ex.w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
                shared=shared, out=out, first_expert=ex.first, **scales)
-        return self.tp.all_reduce(out).to(x.dtype)
+        return out

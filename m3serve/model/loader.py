@@ -19,8 +19,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from m3serve.distributed import TPInfo
+from m3serve.distributed import ParallelInfo
 from m3serve.model.config import M3Config, load_config
+from m3serve.model.files import resolve_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -29,23 +30,6 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "half": torch.float16}
-
-
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local directory as is; otherwise a hub repo id downloaded with huggingface_hub."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ValueError(f"model path {model} is not a directory")
-    if str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
-        raise ValueError(f"model {model!r}: no such directory, and not a hub repo id (owner/name)")
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(
-            str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
-    except Exception as e:  # network, auth, missing repo: all one message for the user
-        raise ValueError(f"model {model!r}: not a local directory and the hub download failed: {e}") from e
 
 
 def canonical_shapes(cfg: M3Config) -> dict[str, tuple[int, ...]]:
@@ -89,10 +73,11 @@ def canonical_shapes(cfg: M3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def canonicalize(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+def canonicalize(name: str, tensor) -> list[tuple[str, object]] | None:
     """Map one checkpoint tensor (either naming) to canonical (name, tensor) pairs; None = skip.
 
-    transformers' fused/stacked tensors are split into views, never copied.
+    `tensor` may be a `LazyTensor`: it is read only where transformers' fused/stacked tensors
+    must be split (into views, never copies); plain names pass it on unread.
     """
     if _SKIP.search(name) or name.startswith(("vision_tower.", "multi_modal_projector.")):
         return None
@@ -111,18 +96,19 @@ def canonicalize(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tenso
         sub = rest[len("self_attn.indexer."):]
         return [(p + "self_attn.index_" + sub, tensor)]
     if rest == "mlp.gate_up_proj.weight":
-        gate, up = tensor.chunk(2, dim=0)
+        gate, up = materialize(tensor).chunk(2, dim=0)
         return [(p + "mlp.gate_proj.weight", gate), (p + "mlp.up_proj.weight", up)]
     if rest == "mlp.shared_experts.gate_up_proj.weight":
-        gate, up = tensor.chunk(2, dim=0)
+        gate, up = materialize(tensor).chunk(2, dim=0)
         return [(moe + "shared_experts.gate_proj.weight", gate), (moe + "shared_experts.up_proj.weight", up)]
     if rest == "mlp.experts.gate_up_proj":                  # [E, 2I, H]
-        out = []
+        tensor, out = materialize(tensor), []
         for e in range(tensor.shape[0]):
             w1, w3 = tensor[e].chunk(2, dim=0)
             out += [(f"{moe}experts.{e}.w1.weight", w1), (f"{moe}experts.{e}.w3.weight", w3)]
         return out
     if rest == "mlp.experts.down_proj":                     # [E, H, I]
+        tensor = materialize(tensor)
         return [(f"{moe}experts.{e}.w2.weight", tensor[e]) for e in range(tensor.shape[0])]
     if rest == "mlp.gate.e_score_correction_bias":
         return [(moe + "e_score_correction_bias", tensor)]
@@ -187,18 +173,34 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """Yield (file, tensor name, tensor) one tensor at a time; read errors name the file."""
+class LazyTensor:
+    """A tensor known by its shape, read (or made) only when `load()` is called."""
+
+    def __init__(self, shape: tuple[int, ...], load):
+        self.shape, self._load = tuple(shape), load
+
+    def load(self) -> torch.Tensor:
+        return self._load()
+
+
+def materialize(t) -> torch.Tensor:
+    return t.load() if isinstance(t, LazyTensor) else t
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, LazyTensor]]:
+    """Yield (file, tensor name, lazy tensor) one tensor at a time, valid until the next one;
+    read errors name the file and the tensor."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                keys = list(f.keys())
-                for key in keys:
-                    try:
-                        tensor = f.get_tensor(key)
-                    except Exception as e:
-                        raise ValueError(f"corrupt safetensors file {path}: cannot read tensor {key!r} ({e})") from None
-                    yield path, key, tensor
+                for key in list(f.keys()):
+                    def read(f=f, key=key, path=path):
+                        try:
+                            return f.get_tensor(key)
+                        except Exception as e:
+                            raise ValueError(f"corrupt safetensors file {path}: cannot read tensor "
+                                             f"{key!r} ({e})") from None
+                    yield path, key, LazyTensor(f.get_slice(key).get_shape(), read)
         except ValueError:
             raise
         except Exception as e:
@@ -216,62 +218,90 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: M3Config) -> torch.dtype:
 
 
 def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progress: bool = True) -> None:
-    """Stream every checkpoint tensor into `model`'s parameters (this rank's shards only)."""
+    """Stream every checkpoint tensor into `model`'s parameters; a tensor only another rank
+    needs (another rank's experts) is checked by its shape and never read."""
+    def entries():
+        for path, key, tensor in iter_checkpoint(weight_files(model_dir)):
+            pairs = canonicalize(key, tensor)
+            if pairs is not None:
+                yield path.name, key, pairs
+    fill_parameters(model, cfg, entries(), f"checkpoint {model_dir}", progress)
+
+
+def dummy_weights(cfg: M3Config, seed: int, device) -> Iterator[tuple[str, str, list]]:
+    """Random weights in canonical names (`--load-format dummy`), each drawn from its own seed so
+    that every rank, whatever its layout, slices the same full tensors; made on `device` and
+    only when a rank needs them. Scaled so activations stay finite, and the router spreads tokens
+    over experts like a trained model (iid rows, zero correction bias)."""
+    for index, (name, shape) in enumerate(canonical_shapes(cfg).items()):
+        def make(name=name, shape=shape, index=index):
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+            if name.endswith("e_score_correction_bias"):
+                return torch.zeros(shape, device=device)
+            if len(shape) == 1:                              # norm offsets (Gemma: 1 + w)
+                return torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
+            return torch.empty(shape, device=device).normal_(0.0, shape[-1] ** -0.5, generator=gen)
+        yield "dummy", name, [(name, LazyTensor(shape, make))]
+
+
+def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
+                    progress: bool = True) -> None:
+    """Copy this rank's shards of canonical tensors into `model`. `entries` yields
+    (file name, original name, [(canonical name, tensor or LazyTensor)]). Every tensor of the
+    configuration must arrive exactly once with its expected shape, and every parameter shard
+    must be filled, else a ValueError names the tensor and `source`."""
     params = dict(model.named_parameters())
     expected = canonical_shapes(cfg)
-    seen: dict[str, Path] = {}
+    seen: dict[str, str] = {}
     loaded: dict[str, set] = {name: set() for name in params}
-    files = weight_files(model_dir)
-    bar = tqdm(desc="Loading weights", unit="tensor", disable=not progress)
-    for path, key, tensor in iter_checkpoint(files):
-        pairs = canonicalize(key, tensor)
-        if pairs is None:
-            continue
+    bar = tqdm(desc="Loading weights", unit="tensor") if progress else None
+    for file_name, key, pairs in entries:
         for cname, t in pairs:
-            where = f"tensor {key!r} in {path.name}" + (f" (as {cname})" if cname != key else "")
+            where = f"tensor {key!r} in {file_name}" + (f" (as {cname})" if cname != key else "")
             if cname not in expected:
                 raise ValueError(f"unexpected {where}: not part of this model's configuration")
             if cname in seen:
-                raise ValueError(f"duplicate {where}: already read from {seen[cname].name}")
+                raise ValueError(f"duplicate {where}: already read from {seen[cname]}")
             if tuple(t.shape) != expected[cname]:
                 raise ValueError(f"wrong shape for {where}: {tuple(t.shape)}, expected {expected[cname]}")
-            seen[cname] = path
+            seen[cname] = file_name
             pname, shard = canonical_to_param(cname)
             param = params[pname]
             if shard not in param.required_shards:
                 continue  # another rank's expert
             try:
-                param.weight_loader(param, t, shard)
+                param.weight_loader(param, materialize(t), shard)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             loaded[pname].add(shard)
-        bar.update(1)
-    bar.close()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     missing = sorted(set(expected) - set(seen))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint {model_dir} is missing tensor(s) {missing[:5]}{more}")
+        raise ValueError(f"{source} is missing tensor(s) {missing[:5]}{more}")
     for name, param in params.items():
         if set(param.required_shards) - loaded[name]:
-            raise ValueError(f"parameter {name} was not fully loaded from {model_dir}")
+            raise ValueError(f"parameter {name} was not fully loaded from {source}")
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype = "auto", tp: TPInfo = TPInfo(),
+def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: ParallelInfo = ParallelInfo(),
                device: str | torch.device = "cpu", progress: bool = True, load_format: str = "auto",
                seed: int = 0, quantization: str | None = None):
     """Build this rank's `MiniMaxM3ForCausalLM` and load its weights. Returns (model, cfg, dir).
 
-    load_format "dummy" reads only config.json and fills random weights on the device."""
+    load_format "dummy" reads only config.json and makes random weights on the device."""
     from m3serve.model.minimax_m3 import MiniMaxM3ForCausalLM
 
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
     with torch.device(device):
-        net = MiniMaxM3ForCausalLM(cfg, tp, torch_dtype)
+        net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
     if load_format == "dummy":
-        from m3serve.model.dummy import init_dummy_weights
-        init_dummy_weights(net, seed)
+        fill_parameters(net, cfg, dummy_weights(cfg, seed, device), "dummy weights", progress=False)
     else:
         load_weights(net, cfg, model_dir, progress=progress)
     if quantization in ("fp8", "fp8_per_channel"):

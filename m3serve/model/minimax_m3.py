@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3serve.distributed import TPInfo
+from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.layers.attention import Attention
 from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.layers.dispatch import use_triton
-from m3serve.layers.linear import attach_loader, linear, make_param, replicated_loader
+from m3serve.layers.linear import attach_loader, check_shape, linear, make_param
 from m3serve.layers.moe import MoE, DenseMLP
 from m3serve.layers.norm import RMSNorm
 from m3serve.layers.rotary import RotaryEmbedding
@@ -26,14 +26,15 @@ from m3serve.model.config import M3Config
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: M3Config, layer_id: int, tp: TPInfo, dtype):
+    def __init__(self, cfg: M3Config, layer_id: int, parallel: ParallelInfo, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer_id, tp, dtype)
-        self.mlp = (MoE(cfg, tp, dtype) if cfg.is_moe(layer_id) else
+        self.self_attn = Attention(cfg, layer_id, parallel.tp, dtype)
+        self.is_moe = cfg.is_moe(layer_id)
+        self.mlp = (MoE(cfg, parallel, dtype) if self.is_moe else
                     DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
-                             cfg.swiglu_limit, tp, dtype))
+                             cfg.swiglu_limit, parallel.tp, dtype))
 
     def forward(self, x, residual, cos, sin, meta):
         """Pre-norm residual block in (delta, residual) form: returns this layer's MLP output and
@@ -41,7 +42,7 @@ class DecoderLayer(nn.Module):
         h, residual = add_rms_norm(x, residual, self.input_layernorm)
         h = self.self_attn(h, cos, sin, meta)
         h, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
-        return self.mlp(h), residual
+        return (self.mlp(h, meta.dp_padded_tokens) if self.is_moe else self.mlp(h)), residual
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
@@ -56,38 +57,90 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
     return norm(s), s
 
 
-class VocabEmbedding(nn.Module):
-    """Embedding table, replicated on every rank (vocab parallelism is a later optimisation)."""
+class VocabParallelEmbedding(nn.Module):
+    """This TP rank's rows [start, start + num_real) of a [vocab, hidden] table: ceil(V / TP) rows
+    per rank, the last rank's tail zero-padded. A lookup gives zeros for ids another rank owns,
+    and the all-reduce adds the one rank that owns each id."""
 
-    def __init__(self, vocab: int, hidden: int, dtype):
+    def __init__(self, vocab: int, hidden: int, tp: GroupInfo, dtype):
         super().__init__()
-        self.weight = attach_loader(make_param((vocab, hidden), dtype), replicated_loader, [None])
+        self.tp, self.vocab = tp, vocab
+        self.rows = -(-vocab // tp.size)
+        self.start = tp.rank * self.rows
+        self.num_real = max(0, min(vocab - self.start, self.rows))
+        self.weight = attach_loader(make_param((self.rows, hidden), dtype), self._load, [None])
+
+    def _load(self, param, full: torch.Tensor, shard_id=None) -> None:
+        check_shape(full, (self.vocab, param.shape[1]), "vocabulary-parallel weight")
+        param.data[:self.num_real].copy_(full[self.start:self.start + self.num_real])
+        param.data[self.num_real:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids]
+        """ids: [T] -> [T, hidden]."""
+        if self.tp.size == 1:
+            return self.weight[ids]
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_real)                    # [T]
+        rows = self.weight[local.clamp(0, self.rows - 1)]                  # [T, hidden]
+        return self.tp.all_reduce(torch.where(inside[:, None], rows, torch.zeros_like(rows)))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output head, split by vocabulary rows like the embedding. `local_logits` is this
+    rank's fp32 slice (padding columns -inf); `gather` assembles the full [N, V] logits on every
+    rank; `greedy` finds the argmax from each rank's best (value, id) without moving logits."""
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> fp32 [N, rows]."""
+        logits = linear(hidden, self.weight).float()
+        if self.num_real < self.rows:
+            logits[:, self.num_real:] = float("-inf")
+        return logits
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """[N, rows] per rank -> [N, V]."""
+        if self.tp.size == 1:
+            return local
+        n = local.shape[0]
+        full = self.tp.all_gather(local).view(self.tp.size, n, self.rows)  # [TP, N, rows]
+        return full.permute(1, 0, 2).reshape(n, self.tp.size * self.rows)[:, :self.vocab]
+
+    def greedy(self, local: torch.Tensor) -> torch.Tensor:
+        """[N, rows] per rank -> argmax ids [N] int64 over the whole vocabulary; the lowest id
+        among equal maxima, as a full-vocabulary argmax gives."""
+        best = local.argmax(dim=-1)                                         # [N]
+        if self.tp.size == 1:
+            return best
+        value = local.gather(1, best[:, None])                              # [N, 1]
+        pairs = torch.cat([value, (best + self.start).to(torch.float32)[:, None]], dim=1)  # [N, 2]
+        every = self.tp.all_gather(pairs).view(self.tp.size, -1, 2)        # [TP, N, 2]
+        winner = every[..., 0].argmax(dim=0)                                # [N]: first max rank
+        return every[..., 1].gather(0, winner[None, :])[0].to(torch.int64)
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: M3Config, tp: TPInfo, dtype):
+    def __init__(self, cfg: M3Config, parallel: ParallelInfo, dtype):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel.tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
 
 
 class MiniMaxM3ForCausalLM(nn.Module):
-    """MiniMax-M3 text backbone + head for one TP rank.
+    """MiniMax-M3 text backbone + head for one rank.
 
     `forward(input_ids [T], positions [T], meta)` -> final hidden states [T, H]; the caches must
-    have been bound with `bind_kv_caches`. `compute_logits(hidden [N, H])` -> fp32 [N, V].
+    have been bound with `bind_kv_caches`. `compute_logits(hidden [N, H])` -> fp32 [N, V] on
+    every rank (a collective under TP); `lm_head.local_logits` / `gather` / `greedy` split it.
     """
 
-    def __init__(self, cfg: M3Config, tp: TPInfo = TPInfo(), dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, cfg: M3Config, parallel: ParallelInfo = ParallelInfo(),
+                 dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        self.cfg, self.tp, self.dtype = cfg, tp, dtype
-        self.model = TextModel(cfg, tp, dtype)
-        self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.cfg, self.parallel, self.tp, self.dtype = cfg, parallel, parallel.tp, dtype
+        self.model = TextModel(cfg, parallel, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel.tp, dtype)
 
     @property
     def attention_layers(self) -> list[Attention]:
@@ -110,4 +163,4 @@ class MiniMaxM3ForCausalLM(nn.Module):
         return add_rms_norm(x, residual, m.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.gather(self.lm_head.local_logits(hidden))

@@ -6,7 +6,6 @@ Block size 16 with top-4 blocks, so prompts of a few hundred tokens exercise blo
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -94,14 +93,11 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def default_model_dir(seed: int = 0) -> Path:
-    """The embedded tiny model, built on first use into a cache folder keyed by the package
-    sources (the tokenizer is trained on them) and the seed."""
-    root = Path(os.environ.get("M3SERVE_CACHE", Path.home() / ".cache" / "m3serve"))
-    pkg = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for f in sorted(pkg.rglob("*.py")):
-        digest.update(f.read_bytes())
-    path = root / f"tiny-{seed}-{digest.hexdigest()[:12]}"
+    """The embedded tiny model, built on first use into its cache folder
+    (`files.tiny_model_cache_dir`)."""
+    from m3serve.model.files import tiny_model_cache_dir
+
+    path = tiny_model_cache_dir(seed)
     if not (path / "model.safetensors").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_tiny(tmp, seed)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from m3serve.core.core_client import EngineError, EngineOverloaded
+from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded
 from m3serve.serving.chat_template import load_chat_template
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
 from m3serve.serving.openai import chat, completions
@@ -126,6 +126,10 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def _overloaded(_, e: EngineOverloaded):
         return _error(503, f"server overloaded: {e}", headers={"Retry-After": str(config.retry_after_s)})
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_, e: EngineDeadError):
+        return _error(503, str(e), headers={"Retry-After": str(config.retry_after_s)})
+
     @app.exception_handler(EngineError)
     async def _engine_error(_, e: EngineError):
         return _error(500, str(e))
@@ -150,6 +154,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @app.get("/health")
     async def health():
+        if "ctx" in holder and not client.is_healthy():   # started, then lost the engine
+            return _error(503, f"the engine is not running: {client.dead_reason}")
         return Response(status_code=200)
 
     @app.get("/ready")
@@ -205,14 +211,17 @@ def run_server(args) -> None:
     the app starts and stopped with it."""
     import uvicorn
 
-    from m3serve.cli import engine_kwargs
     from m3serve.config import EngineConfig
     from m3serve.core.core_client import EngineCoreClient, engine_config_for_process
-    from m3serve.llm import load_tokenizer, model_directory
+    from m3serve.engine_args import engine_kwargs
+    from m3serve.model.files import load_tokenizer, model_directory
     from m3serve.serving.server_args import server_config
 
     server = server_config(args)
     engine = EngineConfig.from_kwargs(**engine_kwargs(args))
+    if engine.parallel.node_rank > 0:     # another host of a multi-node engine: no API here
+        from m3serve.core.engine_group import run_headless
+        raise SystemExit(run_headless(engine))
     model_dir = model_directory(engine.model.model)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
     client = EngineCoreClient(engine_config_for_process(engine, model_dir), server.engine_ready_timeout_s)

@@ -1,15 +1,12 @@
-"""CUDA graphs for pure-decode steps: the model forward and the logits of a batch padded to one
-of the capture sizes, replayed with inputs copied into static buffers (stable addresses).
+"""CUDA graphs of pure-decode steps: the forward, this rank's logits and the argmax of a batch
+padded to one of the capture sizes, captured over the runner's `StepBuffers` (stable addresses)
+and replayed after the step's inputs are staged there.
 
-Padding rows are dummy one-token requests on the null page (slot -1: nothing is written), so no
-kernel needs to know about padding. Kernel launch shapes are fixed at capture by the host-side
-bounds (max_query_len = 1, max_seq_len = max_model_len).
-
-Inputs travel in two host-to-device copies per step from pinned staging buffers (int64: token
-ids, positions, slots; int32: sequence lengths then the block table), whose device twins the
-graphs read in place. The graph also takes the argmax of the logits, so a greedy step reads back
-only [n] token ids. The staging buffers are rewritten by the next step, which is safe because
-every step waits for its sampled tokens before the next one is prepared.
+Padding rows are one-token requests on the null page (block 0), so no kernel needs to know
+about padding. Kernel launch shapes are fixed at capture by the host-side bounds
+(max_query_len = 1, max_seq_len = max_model_len). Positions and slots are computed inside the
+graph from the staged sequence lengths and block table. Collectives of the forward (TP
+all-reduces, the vocabulary-parallel argmax, the DP exchange of the MoE layers) are captured too.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ import time
 
 import torch
 
-from m3serve.layers.attention_metadata import AttentionMetadata
+from m3serve.worker.attn_metadata import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -29,53 +26,42 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, sizes: list[int], block_size: int, max_model_len: int, device):
-        self.model, self.sizes = model, sorted(sizes)
-        self.block_size, self.max_model_len = block_size, max_model_len
-        bmax = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
-        pinned = torch.device(device).type == "cuda"
-        self._host64 = torch.zeros(3, bmax, dtype=torch.int64, pin_memory=pinned)   # ids, pos, slot
-        self._host32 = torch.zeros(bmax * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
-        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
-        self._np_seq = self._np32[:bmax]
-        self._np_table = self._np32[bmax:].reshape(bmax, max_blocks)
-        self._np64[2].fill(-1)
-        self._np_seq.fill(1)
-        self._dev64 = self._host64.to(device)
-        self._dev32 = self._host32.to(device)
-        self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
-        self.seq_lens = self._dev32[:bmax]
-        self.block_tables = self._dev32[bmax:].view(bmax, max_blocks)
-        self.query_start_loc = torch.arange(bmax + 1, dtype=torch.int32, device=device)
-        # per size: (graph, fp32 logits [b, V], argmax token ids [b])
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, model, buffers: StepBuffers, sizes: list[int], max_model_len: int,
+                 dp_exchange: bool = False):
+        self.model, self.buffers, self.sizes = model, buffers, sorted(sizes)
+        self.max_model_len = max_model_len
+        self.dp_exchange = dp_exchange     # MoE layers exchange tokens with other DP replicas
+        # per size: (graph, final hidden [b, H], this rank's fp32 logits [b, V_local], argmax [b])
+        self.graphs: dict[int, tuple] = {}
         # per graph: the MoE layers' expert-id buffers it writes (for the measured expert count)
         self.expert_ids: dict[int, list[torch.Tensor]] = {}
-        self.moe_layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        self.moe_layers = [layer.mlp for layer in model.model.layers if layer.is_moe]
         self.capture_seconds = 0.0
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
-            query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[1] * b, block_size=self.block_size,
-            max_query_len=1, max_seq_len=self.max_model_len)
+    def forward(self, b: int, seq_lens_cpu: list[int] | None = None):
+        """The captured work for batch size b: (hidden [b, H], local logits [b, V_local],
+        greedy ids [b]). Kernels read the lengths on the device; `seq_lens_cpu` serves the
+        reference ops, which read them on the host (tests replaying the graph eagerly on CPU)."""
+        ids, positions, meta = self.buffers.inputs(
+            b, b, True, list(range(b + 1)), seq_lens_cpu or [1] * b, max_query_len=1,
+            max_seq_len=self.max_model_len, dp_padded_tokens=b if self.dp_exchange else 0)
+        hidden = self.model(ids, positions, meta)
+        local = self.model.lm_head.local_logits(hidden)
+        return hidden, local, self.model.lm_head.greedy(local)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, input_batch) -> None:
         start = time.perf_counter()
+        self.buffers.stage(None, input_batch, pad_to=self.sizes[-1])   # all rows padding
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):                 # largest first: later ones reuse its pool
-            meta = self._meta(b)
             for _ in range(2):                         # warm-up: compile kernels, settle allocator
-                self.model.compute_logits(self.model(self.input_ids[:b], self.positions[:b], meta))
+                self.forward(b)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.compute_logits(self.model(self.input_ids[:b], self.positions[:b], meta))
-                greedy = logits.argmax(dim=-1)
-            self.graphs[b] = (graph, logits, greedy)
+                outputs = self.forward(b)
+            self.graphs[b] = (graph, *outputs)
             self.expert_ids[b] = [m.last_expert_ids for m in self.moe_layers]
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
@@ -88,22 +74,12 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            block_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for n requests -> (fp32 logits [n, V], argmax ids [n]): views of
-        static buffers, valid until the next replay."""
-        n = len(ids)
-        b = self.padded_size(n)
-        graph, logits, greedy = self.graphs[b]
-        h64, seq, table = self._np64, self._np_seq, self._np_table
-        h64[0, :n], h64[1, :n], h64[2, :n], seq[:n] = ids, positions, slots, seq_lens
-        for i, blocks in enumerate(block_ids):
-            table[i, :len(blocks)] = blocks
-        if n < b:                                       # padding rows: null page, no writes
-            h64[2, n:b], seq[n:b], table[n:b] = -1, 1, 0
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+    def replay(self, b: int, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay the size-b graph over the staged inputs -> (hidden [n, H], local logits
+        [n, V_local], argmax [n]) of the first n = num_reqs rows: views of static buffers,
+        valid until the next replay."""
+        graph, hidden, logits, greedy = self.graphs[b]
         graph.replay()
         for m, ids_buf in zip(self.moe_layers, self.expert_ids[b]):
-            m.last_expert_ids = ids_buf[:n]
-        return logits[:n], greedy[:n]
+            m.last_expert_ids = ids_buf[:num_reqs]
+        return hidden[:num_reqs], logits[:num_reqs], greedy[:num_reqs]

@@ -1,59 +1,60 @@
-"""The model runner: applies each `SchedulerOutput` to its persistent per-request state, builds
-the flattened batch (token ids, positions, slot mapping, block tables, query/context lengths),
-runs the model against the paged caches and samples one token per scheduled request.
+"""The model runner of one rank: `execute_model(scheduler_output)` = apply the diff to the
+persistent input batch -> stage the step's inputs (one copy) -> forward (CUDA-graph replay for
+pure decode, eager otherwise) -> sample (the driver rank only) -> `ModelRunnerOutput`.
+
+Every rank of a TP group runs the same steps on the same batch state and takes the same
+decisions (graph or eager, argmax or full logits, which prompt logprobs), so the collectives
+inside line up; only the driver (TP rank 0) samples and returns tokens. Sampled tokens reach
+the other ranks as the next step's `new_token_ids`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from m3serve.layers.attention_metadata import AttentionMetadata
-from m3serve.sampling_params import SamplingParams
-from m3serve.worker.sampler import Sampler, SamplingMetadata, compute_logprobs, make_generator
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None
-    output_token_ids: list[int] = field(default_factory=list)
-
-
-def _plain_greedy(state: CachedRequestState) -> bool:
-    """Argmax gives exactly the sampler's answer: greedy, no logprobs, no penalties, and no stop
-    token masked by an unmet min_tokens."""
-    p = state.sampling_params
-    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and len(state.output_token_ids) >= p.min_tokens)
-
+from m3serve.worker.attn_metadata import StepBuffers
+from m3serve.worker.cuda_graphs import DecodeGraphs
+from m3serve.worker.input_batch import InputBatch, ScheduledBatch
+from m3serve.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
 
 # per position: (token id, its logprob, its rank, top-n ids, top-n logprobs)
 LogprobEntry = tuple[int, float, int, list[int], list[float]]
 
 
+@dataclass
+class DPStep:
+    """What the DP replicas agreed on for one step, so their MoE exchanges line up: the
+    largest token and request counts among them, and whether every one is a pure decode."""
+    num_tokens: int
+    num_reqs: int
+    all_decode: bool
+
+
 class ModelRunner:
-    """Owns the model and its KV caches on one device (one TP rank)."""
+    """Owns the model, its KV caches and the input batch on one device."""
 
     def __init__(self, model, block_size: int, num_blocks: int, device: torch.device,
+                 max_model_len: int, max_num_reqs: int, max_num_tokens: int,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
-                 seed: int = 0):
+                 seed: int = 0, is_driver: bool = True):
         self.model, self.cfg = model, model.cfg
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.device = device
+        self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
+        self.max_model_len = max_model_len
+        self.is_driver = is_driver
         self.vocab_size = self.cfg.vocab_size
-        self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.batch = InputBatch(max_model_len, block_size, device, capacity=max_num_reqs,
+                                make_generators=is_driver)
+        self.buffers = StepBuffers(max_num_reqs, max_num_tokens, self.batch.max_blocks, block_size, device)
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed)) if is_driver else None
         self.kv_cache_dtype = kv_cache_dtype or model.dtype
         self.index_cache_dtype = index_cache_dtype or model.dtype
-        self.graphs = None  # DecodeGraphs, set by the worker when CUDA graphs are on
+        self.dp_exchange = model.parallel.dp.active
+        self.graphs: DecodeGraphs | None = None
+        self.record_selections: list | None = None   # tests: sparse layers append their choices
+        self.hidden: torch.Tensor | None = None      # the last step's final hidden states
         self.num_graph_steps = self.num_eager_steps = 0
         self._allocate_caches()
 
@@ -71,105 +72,104 @@ class ModelRunner:
                 a.k_scale = torch.ones(1, dtype=torch.float32, device=self.device)
                 a.v_scale = torch.ones(1, dtype=torch.float32, device=self.device)
 
-    # ------------------------------------------------------------ state updates
-
-    def _apply(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for req_id in so.preempted_req_ids:
-            if req_id in self.requests:
-                self.requests[req_id].block_ids = []
-        for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            gen = None
-            if params.seed is not None and not params.is_greedy:
-                gen = make_generator(params.seed, self.device)
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.prompt_token_ids), params, list(new.block_ids),
-                new.num_computed_tokens, gen)
-        c = so.scheduled_cached_reqs
-        for i, req_id in enumerate(c.req_ids):
-            state = self.requests[req_id]
-            state.output_token_ids.extend(c.new_token_ids[i])
-            blocks = c.new_block_ids[i] or []
-            if c.resumed_from_preemption[i]:
-                state.block_ids = list(blocks)
-            else:
-                state.block_ids.extend(blocks)
-            state.num_computed_tokens = c.num_computed_tokens[i]
+    def capture_cuda_graphs(self, sizes: list[int]) -> None:
+        self.graphs = DecodeGraphs(self.model, self.buffers, sizes, self.max_model_len, self.dp_exchange)
+        self.graphs.capture(self.batch)
 
     # ------------------------------------------------------------ the step
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply(so)
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        states = [self.requests[r] for r in req_ids]
-        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-        bs = self.block_size
-        for state in states:
-            n = so.num_scheduled_tokens[state.req_id]
-            start = state.num_computed_tokens
-            ids.extend(self._tokens(state, start, start + n, so.scheduled_spec_decode_tokens.get(state.req_id)))
-            blocks = state.block_ids
-            for p in range(start, start + n):
-                positions.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-        dev = self.device
-        is_decode = len(ids) == len(states)
-        greedy = None
-        if self.graphs is not None and is_decode and self.graphs.padded_size(len(states)) is not None:
-            hidden = None
-            self.num_graph_steps += 1
-            logits, greedy = self.graphs.run(ids, positions, slots, seq_lens, [s.block_ids for s in states])
-        else:
-            self.num_eager_steps += 1
-            width = max(len(s.block_ids) for s in states)
-            table = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in states],
-                                 dtype=torch.int32)
-            meta = AttentionMetadata(
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                block_tables=table.to(dev),
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, block_size=bs)
-            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
-            last = torch.tensor(qsl[1:], device=dev) - 1
-            logits = self.model.compute_logits(hidden[last])                    # [R, V] fp32
-        params = [s.sampling_params for s in states]
-        if all(_plain_greedy(s) for s in states):   # the common benchmark case: argmax only
-            sampled = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
-            logprobs = None
-        else:
-            sampling = SamplingMetadata.from_params(
-                params, [s.output_token_ids for s in states], [s.prompt_token_ids for s in states],
-                [s.generator for s in states], self.vocab_size, dev)
-            out = self.sampler(logits, sampling)
-            sampled = out.sampled_token_ids.tolist()
-            logprobs = self._sample_logprobs(out.logprobs, params) if out.logprobs is not None else None
-        prompt_logprobs = self._prompt_logprobs(states, so, hidden, qsl) if hidden is not None else {}
-        for state in states:
-            state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled],
+    def execute_model(self, so: SchedulerOutput, dp: DPStep | None = None) -> ModelRunnerOutput | None:
+        """One step. `dp` is set when the MoE layers exchange tokens with other DP replicas:
+        then a step without requests still runs a padding forward. Returns None on ranks that
+        do not sample."""
+        self.batch.apply(so)
+        if not so.num_scheduled_tokens:
+            if dp is not None:
+                self._forward(None, dp)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
+        batch = self.batch.schedule(so)
+        hidden, local, greedy = self._forward(batch, dp)
+        sampled, logprobs = self._sample(batch, local, greedy)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        self.batch.advance(batch)
+        if not self.is_driver:
+            return None
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[[t] for t in sampled],
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
-    @staticmethod
-    def _tokens(state: CachedRequestState, start: int, end: int, drafts: list[int] | None) -> list[int]:
-        """Tokens [start, end) of prompt + outputs (+ drafts) without copying the whole list."""
-        prompt, outputs = state.prompt_token_ids, state.output_token_ids
-        if end <= len(prompt):
-            return prompt[start:end]
-        tail = outputs + (drafts or [])
-        if start >= len(prompt):
-            return tail[start - len(prompt):end - len(prompt)]
-        return prompt[start:] + tail[:end - len(prompt)]
+    def forward_hidden(self, so: SchedulerOutput) -> torch.Tensor:
+        """Apply one step and return the final hidden states of all its tokens [T, H]
+        (eager, no sampling): the model seen through the engine's own batch path, for tests."""
+        with torch.inference_mode():
+            self.batch.apply(so)
+            batch = self.batch.schedule(so)
+            hidden = self._eager(batch, None)
+            self.batch.advance(batch)
+        return hidden
+
+    def _graph_size(self, batch: ScheduledBatch | None, dp: DPStep | None) -> int | None:
+        if self.graphs is None:
+            return None
+        if dp is not None:                      # the replicas decide together
+            return self.graphs.padded_size(dp.num_reqs) if dp.all_decode else None
+        return self.graphs.padded_size(batch.num_reqs) if batch.is_decode else None
+
+    def _forward(self, batch: ScheduledBatch | None, dp: DPStep | None):
+        """-> (final hidden states [T, H], local logits [R, V_local] of each request's last
+        token, argmax ids [R] or None when not computed yet)."""
+        b = self._graph_size(batch, dp)
+        if b is not None:
+            self.num_graph_steps += 1
+            self.buffers.stage(batch, self.batch, pad_to=b)
+            n = batch.num_reqs if batch is not None else 0
+            return self.graphs.replay(b, n)
+        self.num_eager_steps += 1
+        hidden = self._eager(batch, dp)
+        if batch is None:
+            return hidden, None, None
+        last = self.buffers.query_start_loc[1:batch.num_reqs + 1].long() - 1
+        return hidden, self.model.lm_head.local_logits(hidden[last]), None
+
+    def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None) -> torch.Tensor:
+        if batch is None:                       # a padding forward: one token on the null page
+            self.buffers.stage(None, self.batch, pad_to=1)
+            n, t, decode, qsl, seq = 1, 1, True, [0, 1], [1]
+        else:
+            self.buffers.stage(batch, self.batch)
+            n, t, decode = batch.num_reqs, batch.num_tokens, batch.is_decode
+            qsl, seq = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+        ids, positions, meta = self.buffers.inputs(
+            n, t, decode, qsl, seq, dp_padded_tokens=dp.num_tokens if dp is not None else 0,
+            record_selections=self.record_selections)
+        self.hidden = self.model(ids, positions, meta)
+        return self.hidden
+
+    # ------------------------------------------------------------ sampling
+
+    def _sample(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor | None):
+        """-> (sampled ids per request, logprobs per request or None); empty on non-drivers.
+        The logits gather and the distributed argmax are collectives: every rank calls them."""
+        head = self.model.lm_head
+        if self.batch.all_plain_greedy(batch.rows):   # the common benchmark case: argmax only
+            if greedy is None:
+                greedy = head.greedy(local)
+            return (greedy.tolist() if self.is_driver else []), None
+        logits = head.gather(local)                    # [R, V] fp32
+        if not self.is_driver:
+            return [], None
+        rows = batch.rows.tolist()
+        b = self.batch
+        params = [b.params[r] for r in rows]
+        sampling = SamplingMetadata.from_params(
+            params, [b.output_token_ids(r) for r in rows], [b.prompt_token_ids(r) for r in rows],
+            [b.generators[r] for r in rows], self.vocab_size, self.device)
+        out = self.sampler(logits, sampling)
+        logprobs = self._sample_logprobs(out.logprobs, params) if out.logprobs is not None else None
+        return out.sampled_token_ids.tolist(), logprobs
 
     @staticmethod
-    def _sample_logprobs(lp, params: list[SamplingParams]) -> list[list[LogprobEntry] | None]:
+    def _sample_logprobs(lp, params) -> list[list[LogprobEntry] | None]:
         rows = []
         top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
         tok, tok_lp, rank = lp.token_ids.tolist(), lp.token_logprobs.tolist(), lp.token_ranks.tolist()
@@ -181,24 +181,26 @@ class ModelRunner:
             rows.append([(tok[i], tok_lp[i], rank[i], top_ids[i][:k], top_lps[i][:k])])
         return rows
 
-    def _prompt_logprobs(self, states, so, hidden, qsl) -> dict[str, list[LogprobEntry]]:
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[str, list[LogprobEntry]]:
         """Logprobs of the prompt tokens this step's chunk predicts (position p predicts p + 1)."""
-        out = {}
-        for i, state in enumerate(states):
-            k = state.sampling_params.prompt_logprobs
+        out: dict[str, list[LogprobEntry]] = {}
+        b, qsl = self.batch, batch.query_start_loc
+        for i, row in enumerate(batch.rows.tolist()):
+            k = b.params[row].prompt_logprobs
             if k is None:
                 continue
-            start = state.num_computed_tokens
-            n = so.num_scheduled_tokens[state.req_id]
-            prompt = state.prompt_token_ids
-            end = min(start + n, len(prompt) - 1)             # last position that predicts a prompt token
+            start = int(batch.seq_lens[i] - batch.num_scheduled[i])
+            num_prompt = int(b.num_prompt_tokens[row])
+            end = min(int(batch.seq_lens[i]), num_prompt - 1)   # last position predicting a prompt token
             if end <= start:
-                out[state.req_id] = []
+                out[batch.req_ids[i]] = []
                 continue
-            logits = self.model.compute_logits(hidden[qsl[i]:qsl[i] + end - start])
-            targets = torch.tensor(prompt[start + 1:end + 1], device=logits.device)
+            logits = self.model.compute_logits(hidden[qsl[i]:qsl[i] + end - start])   # collective
+            if not self.is_driver:
+                continue
+            targets = torch.from_numpy(b.token_ids[row, start + 1:end + 1].astype(np.int64)).to(logits.device)
             lp = compute_logprobs(logits, targets, k)
-            out[state.req_id] = [
+            out[batch.req_ids[i]] = [
                 (t, v, r, ids[:k], vals[:k]) for t, v, r, ids, vals in zip(
                     lp.token_ids.tolist(), lp.token_logprobs.tolist(), lp.token_ranks.tolist(),
                     lp.top_token_ids.tolist(), lp.top_logprobs.tolist())]

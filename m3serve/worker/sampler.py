@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -60,8 +61,8 @@ class SamplingMetadata:
     def from_params(
         cls,
         params_list: list[SamplingParams],
-        output_token_ids: list[list[int]],
-        prompt_token_ids: list[list[int]],
+        output_token_ids,
+        prompt_token_ids,
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
@@ -116,12 +117,13 @@ class SamplingMetadata:
         )
 
 
-def _token_index(rows_of_ids: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten ragged per-row token lists into (row index, token id) tensors."""
-    rows = [row for row, ids in enumerate(rows_of_ids) for _ in ids]
-    flat = [t for ids in rows_of_ids for t in ids]
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(flat, dtype=torch.int64, device=device))
+def _token_index(rows_of_ids, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ragged per-row token id sequences (lists or arrays) into (row index, token id)
+    tensors, without a Python loop over tokens."""
+    arrays = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in rows_of_ids]
+    rows = np.repeat(np.arange(len(arrays), dtype=np.int64), [len(a) for a in arrays])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(rows).to(device), torch.from_numpy(flat).to(device)
 
 
 def _build_penalties(params_list, output_token_ids, prompt_token_ids, vocab_size, device):

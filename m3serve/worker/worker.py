@@ -1,40 +1,52 @@
-"""One worker = one device and one TP rank: loads the model, sizes and allocates the KV caches,
-and runs steps through its model runner. The engine core talks to it through `execute_model`.
+"""One worker = one rank on one device: loads this rank's model shard, says how many KV blocks
+fit in its memory, allocates the caches once the executor has settled the engine-wide block
+count (the minimum over ranks), captures the decode CUDA graphs, and runs steps through its
+model runner.
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from m3serve.config import EngineConfig
 from m3serve.core.kv_cache.specs import cache_group_specs, num_blocks_for_memory
-from m3serve.distributed import TPInfo
+from m3serve.distributed import ParallelInfo
 from m3serve.model.loader import load_model
-from m3serve.worker.model_runner import ModelRunner
+from m3serve.worker.model_runner import DPStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device of a rank: `auto` and `cuda` mean GPU number `local_rank` when there is one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     if name != "cpu" and not name.startswith("cuda"):
         raise ValueError(f"device: unsupported value {name!r} (auto, cpu, cuda)")
+    if name == "cuda":
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(f"rank needs GPU {local_rank}, but this host has {count} GPU(s)")
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_dir, tp: TPInfo = TPInfo(), progress: bool = True):
-        self.config = config
-        self.device = resolve_device(config.model.device)
+    def __init__(self, config: EngineConfig, model_dir, parallel: ParallelInfo = ParallelInfo(),
+                 device: torch.device | None = None, is_driver: bool = True, progress: bool = True):
+        self.config, self.parallel, self.is_driver = config, parallel, is_driver
+        self.device = device if device is not None else resolve_device(config.model.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.model, self.model_config, _ = load_model(
-            model_dir, dtype=config.model.dtype, tp=tp, device=self.device, progress=progress,
-            load_format=config.model.load_format, seed=config.model.seed,
+            model_dir, dtype=config.model.dtype, parallel=parallel, device=self.device,
+            progress=progress, load_format=config.model.load_format, seed=config.model.seed,
             quantization=config.model.quantization)
         cfg = self.model_config
         self.block_size = config.cache.block_size or cfg.index_block_size
@@ -42,27 +54,39 @@ class Worker:
             raise ValueError(f"block_size {self.block_size} must equal the model's sparse block size "
                              f"({cfg.index_block_size}): one KV block is one MSA block")
         fp8 = torch.float8_e4m3fn
-        kv_dtype = fp8 if config.cache.kv_cache_dtype != "auto" else self.model.dtype
-        index_dtype = fp8 if config.cache.index_cache_dtype != "auto" else self.model.dtype
-        specs = cache_group_specs(cfg, self.model.attention_layers[0].num_kv_heads, kv_dtype.itemsize,
-                                  index_dtype.itemsize)
-        self.num_blocks = num_blocks_for_memory(specs, self.block_size, self._kv_cache_bytes())
-        if self.num_blocks < 2:
+        self.kv_dtype = fp8 if config.cache.kv_cache_dtype != "auto" else self.model.dtype
+        self.index_dtype = fp8 if config.cache.index_cache_dtype != "auto" else self.model.dtype
+        self.cache_specs = cache_group_specs(cfg, self.model.attention_layers[0].num_kv_heads,
+                                             self.kv_dtype.itemsize, self.index_dtype.itemsize)
+        self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        self.runner: ModelRunner | None = None
+        self.num_blocks = 0
+
+    def available_blocks(self) -> int:
+        """KV blocks (both cache groups) that fit in this rank's budget."""
+        return num_blocks_for_memory(self.cache_specs, self.block_size, self._kv_cache_bytes())
+
+    def initialize(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` blocks of both cache groups and capture the decode graphs."""
+        if num_blocks < 2:
             raise ValueError(f"the KV cache budget ({self._kv_cache_bytes()} bytes) holds fewer than "
                              f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
-        self.runner = ModelRunner(self.model, self.block_size, self.num_blocks, self.device,
-                                  kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype,
-                                  seed=config.model.seed)
-        self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        config = self.config
+        sizes = []
         if self.device.type == "cuda" and not config.compilation.enforce_eager:
-            from m3serve.worker.cuda_graphs import DecodeGraphs, default_capture_sizes
-            sizes = config.compilation.cudagraph_capture_sizes or default_capture_sizes(
-                config.scheduler.max_num_seqs)
-            self.runner.graphs = DecodeGraphs(self.model, list(sizes), self.block_size,
-                                              self.max_model_len, self.device)
-            self.runner.graphs.capture()
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", self.num_blocks,
-                    self.block_size, (self.num_blocks - 1) * self.block_size, self.device)
+            from m3serve.worker.cuda_graphs import default_capture_sizes
+            sizes = list(config.compilation.cudagraph_capture_sizes
+                         or default_capture_sizes(config.scheduler.max_num_seqs))
+        max_reqs = max([config.scheduler.max_num_seqs, *sizes])
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(
+            self.model, self.block_size, num_blocks, self.device, self.max_model_len, max_reqs,
+            max(config.scheduler.max_num_batched_tokens, max_reqs), kv_cache_dtype=self.kv_dtype,
+            index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver)
+        if sizes:
+            self.runner.capture_cuda_graphs(sizes)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
+                    self.block_size, (num_blocks - 1) * self.block_size, self.device)
 
     def _kv_cache_bytes(self) -> int:
         cache = self.config.cache
@@ -79,5 +103,21 @@ class Worker:
                              f"{cache.gpu_memory_utilization}")
         return budget
 
-    def execute_model(self, scheduler_output):
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output, dp: DPStep | None = None):
+        return self.runner.execute_model(scheduler_output, dp)
+
+    def describe(self) -> dict:
+        """What this rank is and holds (for state reports and tests)."""
+        p, ex = self.parallel, None
+        moe = next((layer.mlp for layer in self.model.model.layers if layer.is_moe), None)
+        if moe is not None:
+            ex = moe.experts
+        return {
+            "pid": os.getpid(), "device": str(self.device),
+            "tp_rank": p.tp.rank, "tp_size": p.tp.size, "dp_rank": p.dp.rank, "dp_size": p.dp.size,
+            "expert_parallel": p.enable_expert_parallel,
+            "num_local_experts": ex.num_local if ex else 0, "first_expert": ex.first if ex else 0,
+            "expert_inter_local": ex.inter_local if ex else 0,
+            "vocab_rows": self.model.lm_head.rows, "num_blocks": self.num_blocks,
+            "num_batch_rows": self.runner.batch.num_rows if self.runner else 0,
+        }

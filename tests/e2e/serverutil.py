@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from m3serve.llm import load_tokenizer
+from m3serve.model.files import load_tokenizer
 from m3serve.protocol import CoreOutput, EngineReady, EngineStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

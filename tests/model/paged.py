@@ -1,63 +1,60 @@
-"""Test helper: run the serving model over whole sequences with a private paged cache."""
+"""Test helper: run the serving model over whole sequences through the engine's own model runner
+(persistent input batch, staged inputs, attention metadata built on the device), driven by
+hand-made `SchedulerOutput`s instead of a scheduler.
+"""
 from __future__ import annotations
 
 import torch
 
-from m3serve.layers.attention_metadata import AttentionMetadata
+from m3serve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from m3serve.sampling_params import SamplingParams
+from m3serve.worker.model_runner import ModelRunner
 
 
 class PagedRunner:
-    """Feeds one or more sequences through `model` chunk by chunk, each with its own block table.
+    """Feeds one or more sequences through `model` chunk by chunk, each with its own blocks.
 
     Pages are handed out in a scrambled order so that logical and physical block ids differ.
     """
 
-    def __init__(self, model, num_blocks: int = 256, seed: int = 0, device: str = "cpu"):
+    def __init__(self, model, num_blocks: int = 256, seed: int = 0, device: str = "cpu",
+                 max_model_len: int = 2048, max_tokens: int = 2048):
         cfg = model.cfg
         self.model, self.cfg, self.bs = model, cfg, cfg.index_block_size
-        g = model.model.layers[0].self_attn.num_kv_heads
-        dt = model.dtype
-        self.device = device
-        self.kv = [torch.zeros(2, num_blocks, self.bs, g, cfg.head_dim, dtype=dt, device=device)
-                   for _ in range(cfg.num_hidden_layers)]
-        self.idx = [torch.zeros(num_blocks, self.bs, cfg.index_head_dim, dtype=dt, device=device)
-                    if cfg.is_sparse(i) else None for i in range(cfg.num_hidden_layers)]
-        model.bind_kv_caches(self.kv, self.idx)
+        self.runner = ModelRunner(model, self.bs, num_blocks, torch.device(device), max_model_len,
+                                  max_num_reqs=16, max_num_tokens=max_tokens)
         # page 0 is the null page, as in the engine
         self.free = (1 + torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))).tolist()
-        self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
+        self.num_blocks: dict[int, int] = {}
+        self.hidden: torch.Tensor | None = None
 
     @torch.no_grad()
     def step(self, chunks: dict[int, list[int]], record: list | None = None) -> torch.Tensor:
         """chunks: seq id -> new token ids. Returns fp32 logits [total new tokens, V]."""
-        ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        new, cached = [], CachedRequestData.make_empty()
+        scheduled = {}
         for sid, toks in chunks.items():
             start = self.lens.get(sid, 0)
-            table = self.tables.setdefault(sid, [])
             end = start + len(toks)
-            while len(table) * self.bs < end:
-                table.append(self.free.pop())
-            for i, t in enumerate(toks):
-                p = start + i
-                ids.append(t)
-                pos.append(p)
-                slots.append(table[p // self.bs] * self.bs + p % self.bs)
+            have = self.num_blocks.get(sid, 0)
+            blocks = [self.free.pop() for _ in range(-(-end // self.bs) - have)]
+            self.num_blocks[sid] = have + len(blocks)
+            rid = f"seq{sid}"
+            if sid not in self.lens:
+                new.append(NewRequestData(rid, list(toks), SamplingParams(temperature=0.0), blocks, 0))
+            else:
+                cached.req_ids.append(rid)
+                cached.resumed_from_preemption.append(False)
+                cached.new_token_ids.append(list(toks))
+                cached.new_block_ids.append(blocks)
+                cached.num_computed_tokens.append(start)
+            scheduled[rid] = len(toks)
             self.lens[sid] = end
-            qsl.append(qsl[-1] + len(toks))
-            seq_lens.append(end)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_tables=bt.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens, block_size=self.bs, record_selections=record)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
-        self.hidden = hidden                      # final hidden states [T, H] of this step
-        return self.model.compute_logits(hidden)
+        so = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), {}, set(), set())
+        self.runner.record_selections = record
+        self.hidden = self.runner.forward_hidden(so)   # final hidden states [T, H] of this step
+        return self.model.compute_logits(self.hidden)
 
     def greedy(self, prompt: list[int], n: int, sid: int = 0) -> list[int]:
         logits = self.step({sid: prompt})

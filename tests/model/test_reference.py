@@ -1,7 +1,7 @@
 """The dense single-file oracle (`model/reference.py`) against the serving model."""
 import torch
 
-from m3serve.model.loader import canonicalize, iter_checkpoint, load_model, weight_files
+from m3serve.model.loader import canonicalize, iter_checkpoint, load_model, materialize, weight_files
 from m3serve.model.reference import ReferenceM3
 from paged import PagedRunner
 
@@ -10,7 +10,7 @@ def canonical_weights(model_dir) -> dict:
     out = {}
     for _, key, t in iter_checkpoint(weight_files(model_dir)):
         for name, tensor in canonicalize(key, t) or []:
-            out[name] = tensor.float()
+            out[name] = materialize(tensor).float()
     return out
 
 

@@ -22,11 +22,12 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, ids: list[int],
     try:
         import sys
         sys.path.insert(0, os.path.dirname(__file__))
-        from m3serve.distributed import TPInfo
+        from m3serve.distributed import GroupInfo, ParallelInfo
         from m3serve.model.loader import load_model
         from paged import PagedRunner
 
-        model, _, _ = load_model(model_dir, dtype="float32", tp=TPInfo(rank, world), progress=False)
+        tp = GroupInfo(rank, world, dist.group.WORLD)
+        model, _, _ = load_model(model_dir, dtype="float32", parallel=ParallelInfo(tp), progress=False)
         runner = PagedRunner(model)
         logits = torch.cat([runner.step({0: ids[:90]}), runner.step({0: ids[90:]}),
                             runner.step({0: [11]})])

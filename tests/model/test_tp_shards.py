@@ -1,9 +1,9 @@
-"""Tensor-parallel sharding: the tiny checkpoint loaded as 2 and 4 ranks in one process; every
-shard has its expected shape and the shards reassemble to the full weights."""
+"""Sharding: the tiny checkpoint loaded as 2 and 4 ranks in one process, with and without expert
+parallelism; every shard has its expected shape and the shards reassemble to the full weights."""
 import pytest
 import torch
 
-from m3serve.distributed import TPInfo
+from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.model.loader import load_model
 from test_reference import canonical_weights
 
@@ -13,14 +13,15 @@ def full(tiny_dir):
     return canonical_weights(tiny_dir)
 
 
-def shards(tiny_dir, tp):
-    return [dict(load_model(tiny_dir, dtype="float32", tp=TPInfo(r, tp), progress=False)[0].named_parameters())
+def shards(tiny_dir, tp, ep=False):
+    return [dict(load_model(tiny_dir, dtype="float32", parallel=ParallelInfo(GroupInfo(r, tp), enable_expert_parallel=ep),
+                            progress=False)[0].named_parameters())
             for r in range(tp)]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_shards_reassemble(tiny_dir, full, tp):
-    ranks = shards(tiny_dir, tp)
+@pytest.mark.parametrize("tp,ep", [(2, False), (4, False), (2, True), (4, True)])
+def test_shards_reassemble(tiny_dir, full, tp, ep):
+    ranks = shards(tiny_dir, tp, ep)
     cfg = load_model(tiny_dir, progress=False)[1]
     D, G, Hq = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
     kv_local = max(1, G // tp)
@@ -44,10 +45,18 @@ def test_shards_reassemble(tiny_dir, full, tp):
         o = torch.cat([r[p + "self_attn.o_proj.weight"] for r in ranks], dim=1)
         assert torch.equal(o, full[c + "self_attn.o_proj.weight"])
         if cfg.is_moe(i):
-            w13 = torch.cat([r[p + "mlp.experts.w13"] for r in ranks])
-            w2 = torch.cat([r[p + "mlp.experts.w2"] for r in ranks])
-            assert ranks[0][p + "mlp.experts.w13"].shape[0] == cfg.num_local_experts // tp
-            for e in range(cfg.num_local_experts):
+            E, I = cfg.num_local_experts, cfg.intermediate_size
+            if ep:   # whole experts, E / TP per rank
+                w13 = torch.cat([r[p + "mlp.experts.w13"] for r in ranks])
+                w2 = torch.cat([r[p + "mlp.experts.w2"] for r in ranks])
+                assert ranks[0][p + "mlp.experts.w13"].shape == (E // tp, 2 * I, cfg.hidden_size)
+            else:    # every expert, I / TP intermediate channels per rank (gate rows, then up rows)
+                il = I // tp
+                assert ranks[0][p + "mlp.experts.w13"].shape == (E, 2 * il, cfg.hidden_size)
+                w13 = torch.cat([torch.cat([r[p + "mlp.experts.w13"][:, :il] for r in ranks], dim=1),
+                                 torch.cat([r[p + "mlp.experts.w13"][:, il:] for r in ranks], dim=1)], dim=1)
+                w2 = torch.cat([r[p + "mlp.experts.w2"] for r in ranks], dim=2)
+            for e in range(E):
                 m = f"{c}block_sparse_moe.experts.{e}."
                 assert torch.equal(w13[e], torch.cat([full[m + "w1.weight"], full[m + "w3.weight"]]))
                 assert torch.equal(w2[e], full[m + "w2.weight"])
@@ -62,5 +71,7 @@ def test_shards_reassemble(tiny_dir, full, tp):
         assert torch.equal(torch.cat([w[half:] for w in gate_up]), full[src + "up_proj.weight"])
         down = torch.cat([r[mlp + "down_proj.weight"] for r in ranks], dim=1)
         assert torch.equal(down, full[src + "down_proj.weight"])
-    for r in ranks:
-        assert torch.equal(r["lm_head.weight"], full["lm_head.weight"])
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):   # vocabulary rows split
+        rows = -(-cfg.vocab_size // tp)
+        assert all(r[name].shape == (rows, cfg.hidden_size) for r in ranks)
+        assert torch.equal(torch.cat([r[name] for r in ranks])[:cfg.vocab_size], full[name])

@@ -1,49 +1,37 @@
-"""The host side of the decode CUDA graphs on CPU: pinned-staging layout, padding rows, the
+"""The host side of the decode CUDA graphs on CPU: the shared staging buffers, padding rows, the
 block-table rows left over from earlier (longer) requests, and the in-graph argmax. The graph is
-replaced by an eager forward over the same static buffers, so every input the model sees comes
-through the staging path; greedy outputs must equal the plain eager engine's."""
-from types import SimpleNamespace
-
+replaced by an eager run of exactly the captured function over the same staged buffers, so every
+input the model sees comes through the graph path; outputs must equal the plain eager engine's."""
 import pytest
-import torch
 
-from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
 from m3serve.worker.cuda_graphs import DecodeGraphs
 
 
 class EagerReplayGraphs(DecodeGraphs):
-    """DecodeGraphs whose 'graphs' run the model eagerly on the static device buffers."""
+    """DecodeGraphs whose 'replay' runs the captured function eagerly."""
 
-    def capture(self) -> None:
-        for b in self.sizes:
-            logits = torch.zeros(b, self.model.cfg.vocab_size)
-            greedy = torch.zeros(b, dtype=torch.int64)
+    def capture(self, input_batch) -> None:
+        self.buffers.stage(None, input_batch, pad_to=self.sizes[-1])
+        self.graphs = {b: None for b in self.sizes}
 
-            def replay(b=b, logits=logits, greedy=greedy):
-                seq = self.seq_lens[:b].tolist()
-                meta = AttentionMetadata(
-                    query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
-                    block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
-                    query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=seq, block_size=self.block_size)
-                out = self.model.compute_logits(self.model(self.input_ids[:b], self.positions[:b], meta))
-                logits.copy_(out)
-                greedy.copy_(out.argmax(dim=-1))
+    def replay(self, b: int, num_reqs: int):
+        hidden, local, greedy = self.forward(b, self.buffers.seq_lens[:b].tolist())
+        return hidden[:num_reqs], local[:num_reqs], greedy[:num_reqs]
 
-            self.graphs[b] = (SimpleNamespace(replay=replay), logits, greedy)
-            self.expert_ids[b] = []
+
+def graphed_llm(tiny_dir, **flags) -> LLM:
+    llm = LLM(model=str(tiny_dir), max_num_seqs=8, **flags)
+    runner = llm.engine.worker.runner
+    runner.graphs = EagerReplayGraphs(runner.model, runner.buffers, [1, 2, 4, 8], runner.max_model_len)
+    runner.graphs.capture(runner.batch)
+    return llm
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir):
-    plain = LLM(model=str(tiny_dir), max_num_seqs=8)
-    graphed = LLM(model=str(tiny_dir), max_num_seqs=8)
-    runner = graphed.engine.worker.runner
-    runner.graphs = EagerReplayGraphs(runner.model, [1, 2, 4, 8], runner.block_size,
-                                      graphed.engine.worker.max_model_len, torch.device("cpu"))
-    runner.graphs.capture()
-    return plain, graphed
+    return LLM(model=str(tiny_dir), max_num_seqs=8), graphed_llm(tiny_dir)
 
 
 def test_staged_decode_equals_eager(engines):
@@ -70,3 +58,20 @@ def test_staged_decode_sampled_path_uses_logits(engines):
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_prompt_logprobs_of_one_token_chunks_in_graph_steps(engines, tiny_dir):
+    """A step where every request computes one token is a graph step, also when that token is
+    a one-token chunk of a prompt that asked for prompt logprobs (a budget of one token per
+    step makes every prefill step one): the graph's hidden states serve them."""
+    plain, _ = engines
+    graphed = graphed_llm(tiny_dir, max_num_batched_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [9, 8, 7, 6, 5]}]
+    want = plain.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs
+    got = graphed.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs
+    assert len(got) == len(want) == 5 and got[0] is None
+    for a, b in zip(got[1:], want[1:]):
+        assert {k: round(v.logprob, 5) for k, v in a.items()} == {k: round(v.logprob, 5) for k, v in b.items()}
+    runner = graphed.engine.worker.runner
+    assert runner.num_graph_steps >= 6 and runner.num_eager_steps == 0

@@ -9,14 +9,13 @@ from m3serve.core.engine_core import EngineCore
 from m3serve.core.engine_proc import EngineLoop
 from m3serve.protocol import AddRequests, EngineCoreRequest
 from m3serve.sampling_params import SamplingParams
-from m3serve.worker.worker import Worker
+from m3serve.executor.uniproc import UniProcExecutor
 
 
 @pytest.fixture(scope="module")
 def loop(tiny_dir):
     config = EngineConfig.from_kwargs(model=str(tiny_dir), max_waiting_requests=3, max_num_seqs=2)
-    worker = Worker(config, tiny_dir, progress=False)
-    return EngineLoop(EngineCore(config, worker))
+    return EngineLoop(EngineCore(config, UniProcExecutor(config, tiny_dir, progress=False)))
 
 
 def _add(parent: str, num_children: int = 1, prompt=(5, 6, 7, 8), max_tokens: int = 3) -> AddRequests:

@@ -8,7 +8,7 @@ import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.core_client import EngineError
+from m3serve.core.core_client import EngineDeadError, EngineError
 from m3serve.serving.chat_template import render_chat
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, merge, sse, sse_error,
                                            usage_block)
@@ -164,5 +164,5 @@ async def _stream(header: dict, request: ChatCompletionRequest, stream, choices:
         if request.include_usage and state is not None:
             yield sse({**header, "choices": [], "usage": usage_block([state])})
     except EngineError as e:
-        yield sse_error(500, str(e))
+        yield sse_error(503 if isinstance(e, EngineDeadError) else 500, str(e))
     yield SSE_DONE

@@ -1,0 +1,14 @@
+"""Executors: how the engine core reaches its ranks. `uniproc` runs the one rank in-process;
+`multiproc` is a DP replica's leader rank, which drives its TP followers (`rank`) over the
+control channel (`control`) and keeps lock step with the other replicas; `supervisor` watches
+rank processes.
+
+Every executor offers: `model_config`, `block_size`, `num_blocks`, `needs_lockstep` (the engine
+loop must step every iteration, work or not), `execute_model(scheduler_output)`, `describe()`
+(one report per rank of the replica) and `shutdown()`.
+"""
+
+
+class ExecutorFailure(RuntimeError):
+    """The ranks can no longer run steps (a rank died, hung or a collective failed): fatal for
+    the engine, unlike an error in one request."""

@@ -1,0 +1,127 @@
+"""The executor of a multi-rank engine, living in a DP replica's leader rank (TP rank 0, where
+that replica's engine core runs).
+
+It spawns the replica's followers that live on this host, joins the world, and per step:
+agrees with the other replicas' leaders on the step's shape (when there are several: their MoE
+layers exchange tokens, so every replica runs a forward, a padding one when idle), broadcasts
+the `SchedulerOutput` to its followers, and runs its own shard. Only its sampled tokens come
+back. A follower that exits, stops its heartbeat, or a step that outlives the collective
+timeout, is fatal: `on_fatal(message naming the rank)` is called from the watch thread, and a
+step that fails raises `ExecutorFailure`.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+
+import torch
+import torch.distributed as dist
+
+from m3serve.config import EngineConfig
+from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from m3serve.distributed import destroy_rank_groups
+from m3serve.executor import ExecutorFailure
+from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
+from m3serve.executor.rank import agree_num_blocks, join_world, rank_report, run_follower
+from m3serve.executor.supervisor import Supervisor
+from m3serve.worker.model_runner import DPStep
+
+logger = logging.getLogger(__name__)
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, model_dir, rank: int, master_port: int, on_fatal,
+                 progress: bool = False):
+        self.config, self.rank, self.on_fatal = config, rank, on_fatal
+        self.layout = layout = config.parallel.layout
+        self.needs_lockstep = layout.dp > 1
+        self.global_busy = False          # whether any replica had work at the last agreement
+        self._step_started: float | None = None
+        ctx = multiprocessing.get_context("spawn")
+        self.beats = ctx.Array("d", layout.tp, lock=False)
+        timeout = config.parallel.distributed_timeout_seconds
+        self.supervisor = Supervisor(self._fatal, self.beats, extra_check=self._step_overdue)
+        self._timeout = timeout
+        node = layout.node_of(rank)
+        for r in layout.tp_group_ranks(layout.dp_rank(rank)):
+            if r == rank or layout.node_of(r) != node:
+                continue                  # followers on other hosts are started there
+            proc = ctx.Process(target=run_follower, name=f"m3serve-rank{r}", daemon=True,
+                               args=(config, str(model_dir), r, master_port, self.beats, layout.tp_rank(r)))
+            proc.start()
+            self.supervisor.watch(r, proc, layout.tp_rank(r))
+        self.supervisor.start()
+        from m3serve.worker.worker import Worker
+
+        self.groups, device = join_world(config, rank, master_port)
+        self.worker = Worker(config, model_dir, self.groups.parallel, device, is_driver=True,
+                             progress=progress)
+        self.num_blocks = agree_num_blocks(self.groups, self.worker)
+        self.model_config = self.worker.model_config
+        self.block_size = self.worker.block_size
+        self.channel = (ControlChannel(self.groups.tp_cpu, rank, layout.tp) if layout.tp > 1 else None)
+        logger.info("rank %d of %d: TP %d x DP %d%s, %d KV blocks", rank, layout.world_size, layout.tp,
+                    layout.dp, " with expert parallelism" if config.parallel.enable_expert_parallel
+                    else "", self.num_blocks)
+
+    # ------------------------------------------------------------ failure
+
+    def _step_overdue(self) -> str | None:
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self._timeout:
+            return (f"an engine step on rank {self.rank} has not finished after {self._timeout} s "
+                    f"(--distributed-timeout-seconds): a rank is stuck in a collective")
+        return None
+
+    def _fatal(self, message: str) -> None:
+        self.supervisor.terminate_all()
+        self.on_fatal(message)
+
+    # ------------------------------------------------------------ steps
+
+    def _agree(self, so: SchedulerOutput) -> DPStep | None:
+        """All replicas' leaders: the step's largest shape, or None when nobody has work."""
+        tokens, reqs = so.total_num_scheduled_tokens, len(so.num_scheduled_tokens)
+        shape = torch.tensor([int(tokens > 0), tokens, reqs, int(tokens != reqs)], dtype=torch.int64)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.groups.dp_leaders_cpu)
+        busy, tokens, reqs, mixed = shape.tolist()
+        self.global_busy = bool(busy)
+        if not busy:
+            return None
+        return DPStep(num_tokens=max(1, tokens), num_reqs=max(1, reqs), all_decode=not mixed)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            dp = self._agree(so) if self.needs_lockstep else None
+            if self.needs_lockstep and dp is None and not (so.finished_req_ids or so.preempted_req_ids):
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            self._step_started = time.monotonic()
+            if self.channel is not None:
+                self.channel.send(RunStep(so, dp))
+            return self.worker.execute_model(so, dp)
+        except Exception as e:
+            reason = self.supervisor.failure or f"{type(e).__name__}: {e}"
+            raise ExecutorFailure(f"rank {self.rank}: engine step failed: {reason}") from e
+        finally:
+            self._step_started = None
+
+    def describe(self) -> list[dict]:
+        """Reports of every rank of this replica, in TP order."""
+        mine = rank_report(self.worker, self.groups)
+        if self.channel is None:
+            return [mine]
+        self.channel.send(Describe())
+        return self.channel.gather_reports(mine)
+
+    def shutdown(self) -> None:
+        self.supervisor.stop()
+        try:
+            if self.channel is not None:
+                self.channel.send(Stop())
+        except Exception:
+            pass
+        for proc, _ in self.supervisor.procs.values():
+            proc.join(5)
+        self.supervisor.terminate_all()
+        destroy_rank_groups()

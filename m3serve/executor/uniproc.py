@@ -1,0 +1,24 @@
+"""The executor of a one-rank engine: the worker in this process, no process group."""
+from __future__ import annotations
+
+from m3serve.config import EngineConfig
+from m3serve.worker.worker import Worker
+
+
+class UniProcExecutor:
+    needs_lockstep = False
+
+    def __init__(self, config: EngineConfig, model_dir, progress: bool = True):
+        self.worker = Worker(config, model_dir, progress=progress)
+        self.worker.initialize(self.worker.available_blocks())
+        self.model_config = self.worker.model_config
+        self.block_size, self.num_blocks = self.worker.block_size, self.worker.num_blocks
+
+    def execute_model(self, scheduler_output):
+        return self.worker.execute_model(scheduler_output)
+
+    def describe(self) -> list[dict]:
+        return [{**self.worker.describe(), "rank": 0, "world_size": 1}]
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,110 @@
+"""One step's model inputs on the device: token ids and the attention metadata (query start
+offsets, sequence lengths, block tables; positions and slot mapping computed on the device).
+
+`StepBuffers` owns a pinned host staging buffer and its device twin, laid out as
+  [seq_lens (R) | query_start_loc (R + 1) | token_ids (T) | block_table (R x W)]   int32
+with fixed offsets, so the device views have stable addresses: eager steps and CUDA-graph
+replays read the same tensors, and a step's inputs travel in ONE host-to-device copy of the
+prefix that holds them. Rows past the step's requests are padding rows: a one-token request on
+the null page (block 0), which the graphs use to fill a captured batch size.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from m3serve.layers.attention_metadata import AttentionMetadata
+from m3serve.worker.input_batch import InputBatch, ScheduledBatch
+
+
+def positions_and_slots(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, num_tokens: int, block_size: int,
+                        one_token_each: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position [T] int64 and cache slot [T] int64 of every query token, on the device. The
+    queries of request r are the last tokens of its context of seq_lens[r] tokens."""
+    n = seq_lens.shape[0]
+    if one_token_each:
+        req = torch.arange(n, device=seq_lens.device)                          # [T = R]
+        positions = (seq_lens - 1).long()
+    else:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]                    # [R]
+        req = torch.repeat_interleave(torch.arange(n, device=seq_lens.device), q_lens,
+                                      output_size=num_tokens)                  # [T]
+        offset = torch.arange(num_tokens, device=seq_lens.device) - query_start_loc[:-1][req]
+        positions = (seq_lens - q_lens)[req].long() + offset
+    pages = block_tables[req, positions // block_size].long()
+    return positions, pages * block_size + positions % block_size
+
+
+class StepBuffers:
+    def __init__(self, max_reqs: int, max_tokens: int, max_blocks: int, block_size: int,
+                 device: torch.device):
+        self.max_reqs, self.max_tokens, self.max_blocks = max_reqs, max_tokens, max_blocks
+        self.block_size, self.device = block_size, device
+        R, T, W = max_reqs, max_tokens, max_blocks
+        self._seq, self._qsl, self._tok = 0, R, 2 * R + 1
+        self._bt = 2 * R + 1 + T
+        size = self._bt + R * W
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
+        self.np = self.host.numpy()
+        self.dev = self.host.to(device) if cuda else torch.zeros(size, dtype=torch.int32)
+        self.seq_lens = self.dev[self._seq:self._qsl]
+        self.query_start_loc = self.dev[self._qsl:self._tok]
+        self.token_ids = self.dev[self._tok:self._bt]
+        self.block_tables = self.dev[self._bt:].view(R, W)
+        # the host copy of the previous step may still be in flight when the next one is staged
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def stage(self, batch: ScheduledBatch | None, input_batch: InputBatch, pad_to: int = 0) -> int:
+        """Write a step's inputs (None: no requests) plus padding rows up to `pad_to` requests,
+        and start the copy to the device. Returns the number of rows staged."""
+        n = batch.num_reqs if batch is not None else 0
+        rows_total = max(n, pad_to)
+        t = batch.num_tokens if batch is not None else 0
+        tokens_total = t + (rows_total - n)
+        if rows_total > self.max_reqs or tokens_total > self.max_tokens:
+            raise RuntimeError(f"step of {rows_total} requests / {tokens_total} tokens exceeds the "
+                               f"input buffers ({self.max_reqs} / {self.max_tokens})")
+        if self._copied is not None:
+            self._copied.synchronize()
+        h = self.np
+        seq = h[self._seq:self._seq + rows_total]
+        qsl = h[self._qsl:self._qsl + rows_total + 1]
+        tok = h[self._tok:self._tok + tokens_total]
+        table = h[self._bt:self._bt + rows_total * self.max_blocks].reshape(rows_total, self.max_blocks)
+        if n:
+            seq[:n] = batch.seq_lens
+            qsl[:n + 1] = batch.query_start_loc
+            tok[:t] = batch.token_ids
+            np.take(input_batch.block_table, batch.rows, axis=0, out=table[:n])
+        else:
+            qsl[0] = 0
+        if rows_total > n:                  # padding: one token each, on the null page
+            seq[n:] = 1
+            qsl[n + 1:] = t + np.arange(1, rows_total - n + 1, dtype=np.int32)
+            tok[t:] = 0
+            table[n:, 0] = 0
+        end = self._bt + rows_total * self.max_blocks
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return rows_total
+
+    def inputs(self, num_reqs: int, num_tokens: int, one_token_each: bool,
+               query_start_loc_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int = 0,
+               max_seq_len: int = 0, dp_padded_tokens: int = 0,
+               record_selections: list | None = None):
+        """(token ids [T], positions [T], AttentionMetadata) over the staged device views; only
+        device work, so a CUDA graph can capture it."""
+        qsl = self.query_start_loc[:num_reqs + 1]
+        seq = self.seq_lens[:num_reqs]
+        tables = self.block_tables[:num_reqs]
+        positions, slots = positions_and_slots(qsl, seq, tables, num_tokens, self.block_size,
+                                               one_token_each)
+        meta = AttentionMetadata(
+            query_start_loc=qsl, seq_lens=seq, block_tables=tables, slot_mapping=slots,
+            query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
+            block_size=self.block_size, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            record_selections=record_selections, dp_padded_tokens=dp_padded_tokens)
+        return self.token_ids[:num_tokens], positions, meta

@@ -1,0 +1,229 @@
+"""The persistent input batch: one row per request the worker knows, kept across steps and
+updated from each `SchedulerOutput` diff.
+
+A row holds the request's token ids (prompt + accepted outputs, then this step's drafts past
+the end), how many of them have KV in the cache, its block-table row, and its sampling state
+(params, generator). Rows are dense (0 .. num_rows - 1): removing a request moves the last row
+into its place. A step's batch is the scheduled requests in the scheduler's order, as row
+indices (`ScheduledBatch`); everything per token is computed with numpy over those rows, never
+in a Python loop over tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m3serve.core.scheduler_output import SchedulerOutput
+from m3serve.sampling_params import SamplingParams
+from m3serve.worker.sampler import make_generator
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's requests, in scheduler order, as views over the batch's rows."""
+    req_ids: list[str]
+    rows: np.ndarray             # [R] int64 row of each scheduled request
+    num_scheduled: np.ndarray    # [R] int32 query tokens per request (drafts included)
+    seq_lens: np.ndarray         # [R] int32 context length after this step
+    query_start_loc: np.ndarray  # [R + 1] int32
+    positions: np.ndarray        # [T] int64 position of every query token
+    token_ids: np.ndarray        # [T] int32
+    is_decode: bool              # every request computes exactly one token
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+def _plain_params(p: SamplingParams) -> bool:
+    """Sampling reduces to argmax whatever the history: greedy, no logprobs, no penalties."""
+    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
+class InputBatch:
+    """Rows of every request this worker knows (running, or preempted and waiting to resume)."""
+
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device,
+                 capacity: int = 64, make_generators: bool = True):
+        self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.make_generators = make_generators   # only the rank that samples needs them
+        self.req_ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self.params: list[SamplingParams] = []
+        self.generators: list[torch.Generator | None] = []
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        old = getattr(self, "num_tokens", None)
+        self.capacity = capacity
+        # Zero-filled pages are only touched when written, so a wide row costs what it holds.
+        # +1 column: a verify step may hold its drafts past the longest context.
+        width = self.max_model_len + 1
+        fresh = {
+            "token_ids": np.zeros((capacity, width), dtype=np.int32),
+            "num_tokens": np.zeros(capacity, dtype=np.int32),         # prompt + accepted outputs
+            "num_prompt_tokens": np.zeros(capacity, dtype=np.int32),
+            "num_computed": np.zeros(capacity, dtype=np.int32),      # tokens with KV in the cache
+            "block_table": np.zeros((capacity, self.max_blocks), dtype=np.int32),
+            "num_blocks": np.zeros(capacity, dtype=np.int32),
+            "plain": np.zeros(capacity, dtype=bool),                  # `_plain_params`
+            "min_tokens": np.zeros(capacity, dtype=np.int32),
+        }
+        if old is not None:
+            n = self.num_rows
+            for name, arr in fresh.items():
+                if name == "token_ids":          # copy only what each row holds
+                    for row in range(n):
+                        arr[row, :old[row]] = self.token_ids[row, :old[row]]
+                else:
+                    arr[:n] = getattr(self, name)[:n]
+        for name, arr in fresh.items():
+            setattr(self, name, arr)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_ids)
+
+    # ---------------------------------------------------------------- rows
+
+    def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            block_ids: list[int], num_computed_tokens: int) -> None:
+        if req_id in self.index:
+            raise RuntimeError(f"request {req_id!r} is already in the input batch")
+        if self.num_rows == self.capacity:
+            self._alloc(2 * self.capacity)
+        row = self.num_rows
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:
+            raise RuntimeError(f"request {req_id!r}: {n} prompt tokens exceed max_model_len")
+        self.req_ids.append(req_id)
+        self.index[req_id] = row
+        self.token_ids[row, :n] = prompt_token_ids
+        self.num_tokens[row] = self.num_prompt_tokens[row] = n
+        self.num_computed[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self._set_blocks(row, block_ids, replace=True)
+        self.params.append(params)
+        self.plain[row] = _plain_params(params)
+        self.min_tokens[row] = params.min_tokens
+        gen = None
+        if self.make_generators and params.seed is not None and not params.is_greedy:
+            gen = make_generator(params.seed, self.device)
+        self.generators.append(gen)
+
+    def remove(self, req_id: str) -> None:
+        row = self.index.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_rows - 1
+        if row != last:                      # move the last row into the hole
+            moved = self.req_ids[last]
+            n = self.num_tokens[last]
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            for name in ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "plain",
+                         "min_tokens"):
+                arr = getattr(self, name)
+                arr[row] = arr[last]
+            self.block_table[row, :self.num_blocks[last]] = self.block_table[last, :self.num_blocks[last]]
+            self.req_ids[row], self.params[row], self.generators[row] = (
+                moved, self.params[last], self.generators[last])
+            self.index[moved] = row
+        self.req_ids.pop()
+        self.params.pop()
+        self.generators.pop()
+
+    def _set_blocks(self, row: int, block_ids: list[int] | None, replace: bool) -> None:
+        start = 0 if replace else int(self.num_blocks[row])
+        if block_ids:
+            end = start + len(block_ids)
+            if end > self.max_blocks:
+                raise RuntimeError(f"request {self.req_ids[row]!r}: {end} blocks exceed the "
+                                   f"{self.max_blocks} a max_model_len context needs")
+            self.block_table[row, start:end] = block_ids
+            self.num_blocks[row] = end
+        elif replace:
+            self.num_blocks[row] = 0
+
+    def apply(self, so: SchedulerOutput) -> None:
+        """Bring the rows up to date with one step's diff (see `SchedulerOutput`)."""
+        for req_id in so.finished_req_ids:
+            self.remove(req_id)
+        for req_id in so.preempted_req_ids:
+            row = self.index.get(req_id)
+            if row is not None:
+                self.num_blocks[row] = 0       # keeps its tokens for the resume
+        for new in so.scheduled_new_reqs:
+            self.add(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
+                     new.num_computed_tokens)
+        c = so.scheduled_cached_reqs
+        for i, req_id in enumerate(c.req_ids):
+            row = self.index[req_id]
+            new_tokens = c.new_token_ids[i]
+            if new_tokens:
+                n = int(self.num_tokens[row])
+                if n + len(new_tokens) > self.max_model_len:
+                    raise RuntimeError(f"request {req_id!r} grows past max_model_len")
+                self.token_ids[row, n:n + len(new_tokens)] = new_tokens
+                self.num_tokens[row] = n + len(new_tokens)
+            self._set_blocks(row, c.new_block_ids[i], replace=c.resumed_from_preemption[i])
+            self.num_computed[row] = c.num_computed_tokens[i]
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self, so: SchedulerOutput) -> ScheduledBatch:
+        """The step's batch (after `apply`): rows, query lengths, positions and token ids of
+        the scheduled requests, in the scheduler's order. Drafts are written past each row's
+        accepted tokens, where the step reads them."""
+        req_ids = list(so.num_scheduled_tokens)
+        index = self.index
+        rows = np.fromiter((index[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids))
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            row = index[req_id]
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n:n + len(drafts)] = drafts
+        start = self.num_computed[rows]                                    # [R]
+        seq_lens = (start + num_sched).astype(np.int32)
+        qsl = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=qsl[1:])
+        total = int(qsl[-1])
+        if total == len(req_ids):                                          # one token each
+            positions = start.astype(np.int64)
+            req_of_token = rows
+        else:
+            req = np.repeat(np.arange(len(req_ids)), num_sched)            # [T]
+            offsets = np.arange(total) - qsl[:-1][req]
+            positions = start[req].astype(np.int64) + offsets
+            req_of_token = rows[req]
+        token_ids = self.token_ids[req_of_token, positions]                # [T]
+        return ScheduledBatch(req_ids, rows, num_sched, seq_lens, qsl, positions, token_ids,
+                              is_decode=total == len(req_ids))
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After the step: its tokens' KV is in the cache."""
+        self.num_computed[batch.rows] = batch.seq_lens
+
+    # ---------------------------------------------------------------- sampling views
+
+    def all_plain_greedy(self, rows: np.ndarray) -> bool:
+        """Argmax gives exactly the sampler's answer for every row: plain greedy params, and no
+        stop token masked by an unmet min_tokens."""
+        out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        return bool(self.plain[rows].all() and (out >= self.min_tokens[rows]).all())
+
+    def output_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]]
+
+    def prompt_token_ids(self, row: int) -> np.ndarray:
+        return self.token_ids[row, :self.num_prompt_tokens[row]]
+
+    def block_ids(self, row: int) -> np.ndarray:
+        return self.block_table[row, :self.num_blocks[row]]
