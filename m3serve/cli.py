@@ -1,4 +1,4 @@
-"""The `m3serve` command: generate | serve | bench serve | bench sweep | make-tiny.
+"""The `m3serve` command: generate | serve | plan | bench serve | bench sweep | make-tiny.
 
 Engine flags are generated from the config dataclasses (`--max-num-seqs` <-> `max_num_seqs`),
 with vLLM's names, so the CLI, `LLM(**kwargs)` and the server accept the same options.
@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+    from m3serve import plan as plan_mod
+    pl = sub.add_parser("plan", help="weights and KV cache per GPU for a parallel layout, without loading weights")
+    plan_mod.add_cli_args(pl)
+    pl.set_defaults(func=lambda a: (plan_mod.main(a), 0)[1])
+
     tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
@@ -86,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     mr = bench_sub.add_parser("make-realshape", help="write a real-shape L-layer config dir (serve it with --load-format dummy)")
     mr.add_argument("dir")
     mr.add_argument("--layers", type=int, default=4)
+    mr.add_argument("--dense-layers", type=int, default=1,
+                    help="leading dense layers (the real MiniMax-M3: --layers 60 --dense-layers 3)")
     mr.set_defaults(func=cmd_make_realshape)
     return parser
 
@@ -93,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_make_realshape(args) -> int:
     from m3serve.bench.realshape import write_realshape_dir
 
-    print(f"wrote {write_realshape_dir(args.dir, args.layers)}")
+    print(f"wrote {write_realshape_dir(args.dir, args.layers, args.dense_layers)}")
     return 0
 
 

@@ -9,7 +9,7 @@ import dataclasses
 
 from m3serve.config import engine_fields
 
-_SHORT = {"tensor_parallel_size": ["-tp"]}
+_SHORT = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"]}
 
 
 def _flag_type(f: dataclasses.Field):

@@ -19,6 +19,7 @@ from m3serve.config import EngineConfig
 from m3serve.model.config import load_config
 from m3serve.model.files import load_tokenizer, model_directory
 from m3serve.outputs import RequestOutput
+from m3serve.plan import check_layout
 from m3serve.protocol import EngineCoreRequest, EngineState
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.chat_template import load_chat_template, render_chat
@@ -35,6 +36,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = model_directory(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)
+        check_layout(load_config(self.model_dir), config.parallel)
         self.core = self.worker = self.client = None
         if config.parallel.uses_processes:
             from m3serve.core.core_client import engine_config_for_process
@@ -135,7 +137,8 @@ class LLMEngine:
         return [EngineState(query_id=0, dp_rank=0, num_running=core.scheduler.num_running,
                             num_waiting=core.scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
                             num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
-                            ranks=core.executor.describe())]
+                            ranks=core.executor.describe(), num_preemptions=core.scheduler.num_preemptions,
+                            prefix_cache_hits=kv.prefix_cache_hits)]
 
     def shutdown(self) -> None:
         if self.client is not None:

@@ -120,6 +120,8 @@ class EngineState(msgspec.Struct, tag="state"):
     num_usable_blocks: int
     integrity_error: str | None
     ranks: list[dict[str, Any]]
+    num_preemptions: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

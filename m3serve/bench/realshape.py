@@ -13,10 +13,14 @@ import shutil
 from pathlib import Path
 
 
-def realshape_config_dict(num_layers: int, max_position_embeddings: int = 1048576) -> dict:
-    if num_layers < 2:
-        raise ValueError(f"--layers must be >= 2 (one dense + sparse layers), got {num_layers}")
-    lay = [0] + [1] * (num_layers - 1)
+def realshape_config_dict(num_layers: int, max_position_embeddings: int = 1048576,
+                          dense_layers: int = 1) -> dict:
+    """Dense attention + dense MLP in the first `dense_layers` layers, MSA + MoE after them (the
+    real model: 60 layers, 3 dense)."""
+    if not 1 <= dense_layers < num_layers:
+        raise ValueError(f"--layers {num_layers} must exceed --dense-layers {dense_layers} >= 1 "
+                         f"(dense layers, then sparse ones)")
+    lay = [0] * dense_layers + [1] * (num_layers - dense_layers)
     text = {
         "architectures": ["MiniMaxM3SparseForCausalLM"], "hidden_size": 6144, "intermediate_size": 3072,
         "dense_intermediate_size": 12288, "shared_intermediate_size": 3072, "num_hidden_layers": num_layers,
@@ -36,7 +40,7 @@ def realshape_config_dict(num_layers: int, max_position_embeddings: int = 104857
             "torch_dtype": "bfloat16", "text_config": text}
 
 
-def write_realshape_dir(out_dir: str | Path, num_layers: int) -> Path:
+def write_realshape_dir(out_dir: str | Path, num_layers: int, dense_layers: int = 1) -> Path:
     """config.json (real shapes, L layers) + the tiny model's tokenizer files, its vocabulary
     widened to the real size (see `_widen_vocab`) so that every token the model can emit has
     text, as with a real checkpoint (streaming and ITL measure per text chunk)."""
@@ -44,7 +48,7 @@ def write_realshape_dir(out_dir: str | Path, num_layers: int) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raw = realshape_config_dict(num_layers)
+    raw = realshape_config_dict(num_layers, dense_layers=dense_layers)
     tiny = default_model_dir()
     tiny_text = json.loads((tiny / "config.json").read_text())["text_config"]
     raw["text_config"]["bos_token_id"] = tiny_text["bos_token_id"]

@@ -101,7 +101,8 @@ class EngineLoop:
             query_id=query_id, dp_rank=self.dp_rank, num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
             num_usable_blocks=kv.num_usable_blocks, integrity_error=self.core.integrity_error(),
-            ranks=self.core.executor.describe())
+            ranks=self.core.executor.describe(), num_preemptions=scheduler.num_preemptions,
+            prefix_cache_hits=kv.prefix_cache_hits)
 
 
 def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
@@ -150,6 +151,7 @@ def _report_fatal(output_addr: str, dp_rank: int, message: str) -> None:
         sock.connect(output_addr)
         sock.send(protocol.encode(protocol.EngineDead(message, dp_rank=dp_rank)))
         sock.close(linger=2000)
+        context.term()                            # waits (up to the linger) until it is sent
     finally:
         os._exit(1)
 

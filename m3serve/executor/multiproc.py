@@ -30,6 +30,18 @@ from m3serve.worker.model_runner import DPStep
 logger = logging.getLogger(__name__)
 
 
+def _check_devices(config: EngineConfig, per_node: int) -> None:
+    device = config.model.device
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return
+    count = torch.cuda.device_count()
+    if per_node > count:
+        p = config.parallel
+        raise ValueError(f"{per_node} ranks per host (tensor_parallel_size {p.tensor_parallel_size} x "
+                         f"data_parallel_size {p.data_parallel_size} / nnodes {p.nnodes}) need "
+                         f"{per_node} GPUs, but this host has {count}")
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_dir, rank: int, master_port: int, on_fatal,
                  progress: bool = False):
@@ -38,6 +50,7 @@ class MultiprocExecutor:
         self.needs_lockstep = layout.dp > 1
         self.global_busy = False          # whether any replica had work at the last agreement
         self._step_started: float | None = None
+        _check_devices(config, layout.per_node)
         ctx = multiprocessing.get_context("spawn")
         self.beats = ctx.Array("d", layout.tp, lock=False)
         timeout = config.parallel.distributed_timeout_seconds

@@ -214,7 +214,9 @@ def run_server(args) -> None:
     from m3serve.config import EngineConfig
     from m3serve.core.core_client import EngineCoreClient, engine_config_for_process
     from m3serve.engine_args import engine_kwargs
+    from m3serve.model.config import load_config
     from m3serve.model.files import load_tokenizer, model_directory
+    from m3serve.plan import check_layout
     from m3serve.serving.server_args import server_config
 
     server = server_config(args)
@@ -223,6 +225,7 @@ def run_server(args) -> None:
         from m3serve.core.engine_group import run_headless
         raise SystemExit(run_headless(engine))
     model_dir = model_directory(engine.model.model)
+    check_layout(load_config(model_dir), engine.parallel)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
     client = EngineCoreClient(engine_config_for_process(engine, model_dir), server.engine_ready_timeout_s)
     app = build_app(client, load_tokenizer(model_dir), model_dir, server, name)

@@ -149,24 +149,39 @@ class ModelRunner:
 
     def _sample(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor | None):
         """-> (sampled ids per request, logprobs per request or None); empty on non-drivers.
-        The logits gather and the distributed argmax are collectives: every rank calls them."""
-        head = self.model.lm_head
-        if self.batch.all_plain_greedy(batch.rows):   # the common benchmark case: argmax only
+        The logits gather and the distributed argmax are collectives: every rank calls them.
+
+        Only requests whose context is complete after this step are sampled: a partial prefill
+        chunk's token would be discarded, and drawing it would advance a seeded request's
+        generator by a number of draws that depends on how its prompt was chunked."""
+        head, b = self.model.lm_head, self.batch
+        done = batch.seq_lens >= b.num_tokens[batch.rows]                 # [R]
+        rows = batch.rows[done]
+        if b.all_plain_greedy(rows):                  # the common benchmark case: argmax only
             if greedy is None:
                 greedy = head.greedy(local)
             return (greedy.tolist() if self.is_driver else []), None
         logits = head.gather(local)                    # [R, V] fp32
         if not self.is_driver:
             return [], None
-        rows = batch.rows.tolist()
-        b = self.batch
-        params = [b.params[r] for r in rows]
+        sampled = [0] * batch.num_reqs                 # partial chunks: a placeholder, discarded
+        logprobs = [None] * batch.num_reqs
+        if not len(rows):
+            return sampled, None
+        index = np.flatnonzero(done)
+        row_list = rows.tolist()
+        params = [b.params[r] for r in row_list]
         sampling = SamplingMetadata.from_params(
-            params, [b.output_token_ids(r) for r in rows], [b.prompt_token_ids(r) for r in rows],
-            [b.generators[r] for r in rows], self.vocab_size, self.device)
-        out = self.sampler(logits, sampling)
-        logprobs = self._sample_logprobs(out.logprobs, params) if out.logprobs is not None else None
-        return out.sampled_token_ids.tolist(), logprobs
+            params, [b.output_token_ids(r) for r in row_list], [b.prompt_token_ids(r) for r in row_list],
+            [b.generators[r] for r in row_list], self.vocab_size, self.device)
+        out = self.sampler(logits[torch.from_numpy(index).to(logits.device)], sampling)
+        for i, token in zip(index.tolist(), out.sampled_token_ids.tolist()):
+            sampled[i] = token
+        if out.logprobs is None:
+            return sampled, None
+        for i, entry in zip(index.tolist(), self._sample_logprobs(out.logprobs, params)):
+            logprobs[i] = entry
+        return sampled, logprobs
 
     @staticmethod
     def _sample_logprobs(lp, params) -> list[list[LogprobEntry] | None]:

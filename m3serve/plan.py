@@ -1,0 +1,209 @@
+"""Deployment arithmetic without loading weights (and without torch): whether a parallel layout
+fits the model's shapes (`check_layout`, run before any process starts), and `m3serve plan`:
+weight bytes per GPU, KV-cache bytes per token per GPU (replicated KV heads counted), and how
+many tokens and concurrent requests fit.
+
+The counts follow the engine's own sharding (layers/linear.py, layers/moe.py,
+model/minimax_m3.py): q heads, o, gate/up/down split over TP; KV and index-query heads split,
+or replicated once TP exceeds their count; the index-key head, norms and router replicated;
+embedding and lm_head split by vocabulary rows (ceil(V / TP) per rank); routed experts split
+over all DP x TP ranks (whole experts with expert parallelism, else each expert's
+intermediate channels). `--quantization fp8` stores every linear weight in one byte plus an
+fp32 scale per output row; embedding, lm_head, norms and the fp32 router stay as they are.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from m3serve.config import ParallelConfig
+from m3serve.model.config import M3Config
+
+GIB = 1 << 30
+H200_MEMORY_GIB = 143771 / 1024       # what an H200 reports (143,771 MiB)
+ACTIVATION_HEADROOM = 2 << 30         # what the worker keeps free beside the KV cache
+
+
+def _kv_heads_per_rank(heads: int, tp: int) -> int:
+    return heads // tp if tp <= heads else 1
+
+
+def check_layout(cfg: M3Config, parallel: ParallelConfig) -> None:
+    """ValueError naming the numbers when the layout cannot shard this model."""
+    tp, moe = parallel.tensor_parallel_size, parallel.world_size
+    problems = []
+    if cfg.num_attention_heads % tp:
+        problems.append(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                        f"tensor_parallel_size={tp}")
+    for name, heads in (("num_key_value_heads", cfg.num_key_value_heads),
+                        ("index_n_heads", cfg.index_n_heads)):
+        if heads and (heads % tp if tp <= heads else tp % heads):
+            problems.append(f"{name}={heads} and tensor_parallel_size={tp}: one must divide the other")
+    for name, size in (("dense_intermediate_size", cfg.dense_intermediate_size),
+                       ("shared_intermediate_size", cfg.shared_intermediate_size)):
+        if size % tp:
+            problems.append(f"{name}={size} is not divisible by tensor_parallel_size={tp}")
+    if parallel.enable_expert_parallel:
+        if cfg.num_local_experts % moe:
+            problems.append(
+                f"expert parallelism over {moe} ranks (tensor x data parallel) needs "
+                f"num_local_experts={cfg.num_local_experts} divisible by {moe}"
+                + (f": only {cfg.num_local_experts} experts for {moe} ranks"
+                   if cfg.num_local_experts < moe else ""))
+    elif cfg.intermediate_size % moe:
+        problems.append(f"the MoE layers are split over {moe} ranks (tensor x data parallel), but "
+                        f"intermediate_size={cfg.intermediate_size} is not divisible by {moe}; "
+                        f"use --enable-expert-parallel or another layout")
+    if problems:
+        raise ValueError("impossible parallel layout: " + "; ".join(problems))
+
+
+@dataclass
+class Plan:
+    weight_bytes: dict[str, int]     # per GPU, by part
+    kv_bytes_per_token: dict[str, int]   # per GPU: "main", "index"
+    kv_heads_per_rank: int
+
+    @property
+    def total_weight_bytes(self) -> int:
+        return sum(self.weight_bytes.values())
+
+    @property
+    def total_kv_bytes_per_token(self) -> int:
+        return sum(self.kv_bytes_per_token.values())
+
+
+def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = None,
+         kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto", dtype_bytes: int = 2) -> Plan:
+    """Bytes of one rank (every rank holds the same amount)."""
+    check_layout(cfg, parallel)
+    tp, moe = parallel.tensor_parallel_size, parallel.world_size
+    H, D, Di = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim
+    fp8 = quantization in ("fp8", "fp8_per_channel")
+
+    def linear(rows: int, cols: int) -> int:     # one linear weight [rows, cols] of this rank
+        return rows * cols + 4 * rows if fp8 else rows * cols * dtype_bytes
+
+    kv_local = _kv_heads_per_rank(cfg.num_key_value_heads, tp)
+    idx_local = _kv_heads_per_rank(cfg.index_n_heads, tp)
+    q_local = cfg.num_attention_heads // tp
+    vocab_rows = -(-cfg.vocab_size // tp)
+    if parallel.enable_expert_parallel:
+        experts, inter = cfg.num_local_experts // moe, cfg.intermediate_size
+    else:
+        experts, inter = cfg.num_local_experts, cfg.intermediate_size // moe
+    parts = {"embed_tokens": vocab_rows * H * dtype_bytes, "lm_head": vocab_rows * H * dtype_bytes,
+             "attention": 0, "indexer": 0, "dense_mlp": 0, "routed_experts": 0,
+             "shared_expert": 0, "router": 0, "norms": H * dtype_bytes}
+    for i in range(cfg.num_hidden_layers):
+        parts["norms"] += (2 * H + 2 * D) * dtype_bytes
+        parts["attention"] += linear((q_local + 2 * kv_local) * D, H) + linear(H, q_local * D)
+        if cfg.is_sparse(i):
+            # index_q and index_k live in the fused qkv weight: one scale per row as well
+            parts["indexer"] += linear((idx_local + 1) * Di, H)
+            parts["norms"] += 2 * Di * dtype_bytes
+        if cfg.is_moe(i):
+            E = cfg.num_local_experts
+            parts["router"] += (E * H + E) * 4
+            parts["routed_experts"] += experts * (linear(2 * inter, H) + linear(H, inter))
+            s = cfg.shared_intermediate_size // tp
+            parts["shared_expert"] += linear(2 * s, H) + linear(H, s)
+        else:
+            d = cfg.dense_intermediate_size // tp
+            parts["dense_mlp"] += linear(2 * d, H) + linear(H, d)
+    kv_b = 1 if kv_cache_dtype != "auto" else dtype_bytes
+    idx_b = 1 if index_cache_dtype != "auto" else dtype_bytes
+    kv = {"main": cfg.num_hidden_layers * 2 * kv_local * D * kv_b,
+          "index": len(cfg.sparse_layer_ids) * Di * idx_b}
+    return Plan(parts, kv, kv_local)
+
+
+def capacity(p: Plan, cfg: M3Config, gpu_memory_bytes: int, gpu_memory_utilization: float,
+             max_model_len: int, block_size: int) -> dict:
+    """How many KV tokens fit on each GPU (every rank of a replica holds the same tokens), and
+    how many requests of max_model_len tokens that is per DP replica."""
+    budget = int(gpu_memory_bytes * gpu_memory_utilization) - p.total_weight_bytes - ACTIVATION_HEADROOM
+    per_block = p.total_kv_bytes_per_token * block_size
+    blocks = max(0, budget // per_block - 1) if budget > 0 else 0       # block 0 is the null block
+    tokens = blocks * block_size
+    blocks_per_request = -(-max_model_len // block_size)
+    return {"kv_budget_bytes": max(0, budget), "kv_blocks": blocks, "kv_tokens": tokens,
+            "max_model_len": max_model_len,
+            "concurrent_requests": blocks // blocks_per_request if blocks_per_request else 0,
+            "fits": budget > 0 and blocks >= blocks_per_request}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="checkpoint directory or hub id (only config.json is read)")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument("--quantization", default=None, choices=("fp8", "fp8_per_channel"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
+    parser.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="request length for the concurrency figure (default: the model's maximum)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=H200_MEMORY_GIB,
+                        help=f"memory of one GPU (default: an H200's, {H200_MEMORY_GIB:.1f} GiB)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args) -> dict:
+    from m3serve.model.config import load_config
+    from m3serve.model.files import resolve_model_dir
+
+    cfg = load_config(resolve_model_dir(args.model, config_only=True))
+    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                              data_parallel_size=args.data_parallel_size,
+                              enable_expert_parallel=args.enable_expert_parallel)
+    p = plan(cfg, parallel, args.quantization, args.kv_cache_dtype, args.index_cache_dtype)
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    fit = capacity(p, cfg, int(args.gpu_memory_gib * GIB), args.gpu_memory_utilization, max_len,
+                   cfg.index_block_size)
+    result = {"model": args.model, "tensor_parallel_size": parallel.tensor_parallel_size,
+              "data_parallel_size": parallel.data_parallel_size,
+              "enable_expert_parallel": parallel.enable_expert_parallel, "gpus": parallel.world_size,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+              "weights_per_gpu_bytes": p.total_weight_bytes, "weights_per_gpu": p.weight_bytes,
+              "kv_heads_per_gpu": p.kv_heads_per_rank,
+              "kv_bytes_per_token_per_gpu": p.total_kv_bytes_per_token,
+              "kv_bytes_per_token_per_gpu_by_cache": p.kv_bytes_per_token,
+              "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
+              **fit}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(_render(result, cfg))
+    return result
+
+
+def _render(r: dict, cfg: M3Config) -> str:
+    ep = ", expert parallel" if r["enable_expert_parallel"] else ""
+    lines = [f"{r['model']}: TP {r['tensor_parallel_size']} x DP {r['data_parallel_size']}{ep} "
+             f"= {r['gpus']} GPUs, weights {r['quantization'] or 'as stored'}, KV {r['kv_cache_dtype']}",
+             f"  weights per GPU: {r['weights_per_gpu_bytes'] / GIB:.2f} GiB"]
+    for part, n in r["weights_per_gpu"].items():
+        if n:
+            lines.append(f"    {part:<15} {n / GIB:8.3f} GiB")
+    replicated = (" (KV heads replicated: "
+                  f"{cfg.num_key_value_heads} heads over TP {r['tensor_parallel_size']})"
+                  if r["tensor_parallel_size"] > cfg.num_key_value_heads else "")
+    kv = r["kv_bytes_per_token_per_gpu_by_cache"]
+    lines.append(f"  KV cache per token per GPU: {r['kv_bytes_per_token_per_gpu']:,} B "
+                 f"(main {kv['main']:,} + index {kv['index']:,}){replicated}")
+    if r["kv_budget_bytes"] <= 0:
+        lines.append(f"  DOES NOT FIT: the weights alone exceed {r['gpu_memory_utilization']:.0%} of "
+                     f"{r['gpu_memory_gib']:.1f} GiB per GPU (less 2 GiB for activations)")
+        return "\n".join(lines)
+    lines.append(f"  KV budget per GPU: {r['kv_budget_bytes'] / GIB:.2f} GiB -> {r['kv_tokens']:,} "
+                 f"tokens of KV per replica (GPU memory {r['gpu_memory_gib']:.1f} GiB x "
+                 f"{r['gpu_memory_utilization']}, less weights and 2 GiB for activations)")
+    if r["fits"]:
+        lines.append(f"  {r['concurrent_requests']} concurrent requests of {r['max_model_len']:,} "
+                     f"tokens per replica, {r['concurrent_requests'] * r['data_parallel_size']} in all")
+    else:
+        lines.append(f"  DOES NOT FIT one request of {r['max_model_len']:,} tokens "
+                     f"(set --max-model-len lower)")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""The tiny model through the `LLM` API at TP 2 and 4, EP 2 and 4, and DP 2 + EP 2, each a set
+of gloo CPU processes: the same tokens as one in-process rank for a chunked, preempted batch
+with seeded sampling and a prefix hit; rank processes laid out as the flags say; every rank
+clean afterwards. A killed rank ends the engine with an error that names it."""
+import threading
+import time
+
+import pytest
+
+from m3serve.llm import LLM
+from m3serve.sampling_params import SamplingParams
+from workload import check_ranks, engine_flags, run
+
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "tp4": dict(tensor_parallel_size=4),
+    "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "ep4": dict(tensor_parallel_size=4, enable_expert_parallel=True),
+    "dp2-ep2": dict(data_parallel_size=2, enable_expert_parallel=True),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    llm = LLM(str(tiny_dir), **engine_flags())
+    out = run(llm)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_equals_one_rank(tiny_dir, reference, name):
+    flags = LAYOUTS[name]
+    tp, dp = flags.get("tensor_parallel_size", 1), flags.get("data_parallel_size", 1)
+    # each replica gets half the batch: a smaller pool makes it preempt too
+    llm = LLM(str(tiny_dir), **engine_flags(tp, num_blocks=12 if dp > 1 else 14), **flags)
+    try:
+        assert llm.engine.core is None          # the engine runs in its own processes
+        assert run(llm) == reference
+        states = llm.engine.engine_states()
+        check_ranks(states, tp, dp, flags.get("enable_expert_parallel", False))
+        assert sum(s.num_preemptions for s in states) > 0
+        assert sum(s.prefix_cache_hits for s in states) >= 32
+    finally:
+        llm.shutdown()
+
+
+def test_mp_backend_at_one_rank(tiny_dir, reference):
+    """`distributed_executor_backend="mp"` runs even one rank as an engine process."""
+    llm = LLM(str(tiny_dir), distributed_executor_backend="mp", **engine_flags())
+    try:
+        assert llm.engine.core is None
+        assert run(llm) == reference
+        check_ranks(llm.engine.engine_states(), 1, 1, False)
+    finally:
+        llm.shutdown()
+
+
+def test_killed_rank_is_named_and_ends_the_engine(tiny_dir):
+    import os
+    import signal
+
+    from m3serve.core.sync_client import EngineFailed
+
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, dtype="float32")
+    follower = next(r for r in llm.engine.engine_states()[0].ranks if r["rank"] == 1)["pid"]
+    threading.Timer(2.0, os.kill, (follower, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(EngineFailed, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                     SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 20
+    with pytest.raises(EngineFailed):
+        llm.generate(["again"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.client.engines is None     # every engine process is gone

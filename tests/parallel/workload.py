@@ -1,0 +1,64 @@
+"""The workload every parallel layout must reproduce token for token: a batch that is chunked
+(64-token budget) and preempted (a 14-block pool), seeded sampling beside greedy requests, and
+a prefix-cache hit; plus the per-rank checks that the flags were honoured and that every rank
+gave all its KV blocks and batch rows back."""
+from m3serve.sampling_params import SamplingParams
+
+PROMPT_LENS = (5, 37, 80, 150, 9, 120)
+NUM_BLOCKS = 14
+
+
+def prompts(lens=PROMPT_LENS, seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 2000, (n,), generator=g).tolist() for n in lens]
+
+
+def engine_flags(tensor_parallel_size: int = 1, num_blocks: int = NUM_BLOCKS) -> dict:
+    """Chunking and a pool of `num_blocks` blocks on every rank (fp32 tiny model: 5 layers of 2
+    KV heads of 32 channels, split over TP up to 2 heads; 3 sparse layers of 32 index channels)."""
+    kv_heads = 2 if tensor_parallel_size == 1 else 1
+    bytes_per_token = 5 * 2 * kv_heads * 32 * 4 + 3 * 32 * 4
+    return dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
+                kv_cache_memory=num_blocks * 16 * bytes_per_token)
+
+
+def run(llm) -> list[list[int]]:
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    wave1 = [{"prompt_token_ids": p} for p in prompts()]
+    shared = prompts((40,), seed=5)[0]
+    tail = prompts((21,), seed=6)[0]
+    wave2 = [{"prompt_token_ids": shared}, {"prompt_token_ids": prompts((30,), seed=7)[0]},
+             {"prompt_token_ids": prompts((50,), seed=8)[0]}]
+    params2 = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
+               SamplingParams(temperature=1.0, top_k=50, seed=8, max_tokens=10, ignore_eos=True)]
+    wave3 = [{"prompt_token_ids": shared + tail}]       # 32 of its tokens are cached by wave 2
+    outs = llm.generate(wave1, greedy, use_tqdm=False)
+    outs += llm.generate(wave2, params2, use_tqdm=False)
+    outs += llm.generate(wave3, greedy, use_tqdm=False)
+    assert outs[-1].num_cached_tokens == 32
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_ranks(states, tp: int, dp: int, ep: bool, num_experts: int = 8, inter: int = 32) -> None:
+    """The engine really runs tp x dp rank processes laid out as asked, and is idle and clean."""
+    ranks = [r for s in states for r in s.ranks]
+    assert len(states) == dp and len(ranks) == tp * dp
+    assert len({r["pid"] for r in ranks}) == tp * dp
+    assert sorted(r["rank"] for r in ranks) == list(range(tp * dp))
+    for r in ranks:
+        assert r["world_size"] == tp * dp and r["tp_size"] == tp and r["dp_size"] == dp
+        assert r["tp_rank"] == r["rank"] % tp and r["dp_rank"] == r["rank"] // tp
+        assert r["vocab_rows"] == -(-2048 // tp)
+        if ep:
+            assert r["num_local_experts"] == num_experts // (tp * dp) and r["expert_inter_local"] == inter
+        else:
+            assert r["num_local_experts"] == num_experts and r["expert_inter_local"] == inter // (tp * dp)
+    if ep:
+        assert sorted(r["first_expert"] for r in ranks) == [i * num_experts // (tp * dp) for i in range(tp * dp)]
+    for s in states:
+        assert s.integrity_error is None
+        assert s.num_running == s.num_waiting == 0
+        assert s.num_free_blocks == s.num_usable_blocks
+        assert all(r["num_batch_rows"] == 0 for r in s.ranks)

@@ -1,0 +1,129 @@
+"""`m3serve plan` for the real 60-layer MiniMax-M3: weights and KV bytes per GPU at TP 4 and TP 8
+against numbers computed by hand from the spec's parameter table (§10.1) and KV table (§5), and
+the planner's per-rank counts against the shards the engine really builds (meta device)."""
+import json
+
+import pytest
+import torch
+
+from m3serve.bench.realshape import realshape_config_dict
+from m3serve.config import ParallelConfig
+from m3serve.model.config import parse_config
+from m3serve.plan import GIB, H200_MEMORY_GIB, capacity, check_layout, plan
+
+# spec §10.1, per component (parameters)
+EMBED = LM_HEAD = 1_229_193_216
+Q = O = 64 * 128 * 6144                       # q_proj, o_proj of one layer
+K = V = 4 * 128 * 6144                        # k_proj, v_proj (4 KV heads)
+assert Q + K + V + O == 106_954_752           # the table's attention row
+INDEX_Q, INDEX_K = 4 * 128 * 6144, 128 * 6144
+assert INDEX_Q + INDEX_K == 3_932_160
+DENSE_MLP = 226_492_416
+EXPERT = SHARED = 56_623_104
+ROUTER = 786_560                              # fp32
+NORMS = 773_376
+assert EMBED + LM_HEAD + 60 * (Q + K + V + O) + 57 * (INDEX_Q + INDEX_K) + 3 * DENSE_MLP \
+    + 57 * (128 * EXPERT + SHARED + ROUTER) + NORMS == 426_174_572_928     # total text
+
+
+@pytest.fixture(scope="module")
+def real():
+    return parse_config(realshape_config_dict(60, dense_layers=3))
+
+
+def hand_bf16_bytes(tp: int) -> int:
+    """One rank's bf16 bytes: q/o/MLPs/experts/vocab split by TP (experts over TP without EP or
+    with it: 1/TP either way), KV and index-query heads split until TP = 4 heads and replicated
+    beyond, index-key head, router and norms replicated."""
+    kv_share = 4 // tp if tp <= 4 else 1       # KV heads per rank
+    attention = (Q + O) // tp + (K + V) * kv_share // 4
+    indexer = INDEX_Q * kv_share // 4 + INDEX_K
+    params = (EMBED + LM_HEAD) // tp + 60 * attention + 57 * indexer + 3 * DENSE_MLP // tp \
+        + 57 * (128 * EXPERT + SHARED) // tp + NORMS
+    return 2 * params + 4 * 57 * ROUTER
+
+
+@pytest.mark.parametrize("tp,ep", [(4, False), (8, False), (8, True)])
+def test_weights_per_gpu_bf16(real, tp, ep):
+    p = plan(real, ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep))
+    assert p.total_weight_bytes == hand_bf16_bytes(tp)
+
+
+def test_weights_per_gpu_fp8_tp8(real):
+    """FP8: every linear element one byte plus one fp32 scale per output row of this rank."""
+    rows_attn = (8 + 2) * 128 + 6144                     # qkv rows (1 KV head each), o rows
+    rows_index = 2 * 128                                  # index_q (1 head) + index_k
+    rows_dense = 2 * 12288 // 8 + 6144
+    rows_expert = 2 * 3072 // 8 + 6144
+    scales = 4 * (60 * rows_attn + 57 * rows_index + 3 * rows_dense + 57 * (129 * rows_expert))
+    elements = 60 * ((Q + O) // 8 + (K + V) // 4) + 57 * (INDEX_Q // 4 + INDEX_K) \
+        + 3 * DENSE_MLP // 8 + 57 * (128 * EXPERT + SHARED) // 8
+    bf16_kept = 2 * ((EMBED + LM_HEAD) // 8 + NORMS) + 4 * 57 * ROUTER
+    p = plan(real, ParallelConfig(tensor_parallel_size=8), quantization="fp8")
+    assert p.total_weight_bytes == elements + scales + bf16_kept
+
+
+def test_kv_bytes_per_token(real):
+    # spec §5: 137,472 B per token at TP 1 (bf16), 76,032 with an fp8 main cache and bf16 index
+    assert plan(real, ParallelConfig()).total_kv_bytes_per_token == 137_472
+    assert plan(real, ParallelConfig(), kv_cache_dtype="fp8").total_kv_bytes_per_token == 76_032
+    # TP 4 and TP 8: one KV head per rank (replicated at TP 8), the index key head on every rank
+    for tp in (4, 8):
+        p = plan(real, ParallelConfig(tensor_parallel_size=tp))
+        assert p.kv_bytes_per_token == {"main": 60 * 2 * 1 * 128 * 2, "index": 57 * 128 * 2}
+        assert p.total_kv_bytes_per_token == 45_312
+
+
+def test_capacity_on_h200s(real):
+    mem = int(H200_MEMORY_GIB * GIB)
+    p = plan(real, ParallelConfig(tensor_parallel_size=8))
+    fit = capacity(p, real, mem, 0.9, 8192 + 1024 + 256, 128)
+    budget = int(mem * 0.9) - hand_bf16_bytes(8) - (2 << 30)
+    assert fit["kv_tokens"] == (budget // (45_312 * 128) - 1) * 128
+    assert fit["concurrent_requests"] == (budget // (45_312 * 128) - 1) // 74     # 9472 tokens = 74 blocks
+    tp4_bf16 = capacity(plan(real, ParallelConfig(tensor_parallel_size=4)), real, mem, 0.9, 9472, 128)
+    assert not tp4_bf16["fits"] and tp4_bf16["kv_budget_bytes"] == 0   # 199 GiB of weights per GPU
+
+
+@pytest.mark.parametrize("kwargs", [dict(tensor_parallel_size=3),
+                                    dict(tensor_parallel_size=2, data_parallel_size=128, enable_expert_parallel=True)])
+def test_impossible_layouts_name_the_numbers(real, kwargs):
+    with pytest.raises(ValueError) as e:
+        check_layout(real, ParallelConfig(**kwargs))
+    msg = str(e.value)
+    assert ("num_attention_heads=64" in msg and "tensor_parallel_size=3" in msg) or \
+           ("num_local_experts=128" in msg and "256 ranks" in msg)
+
+
+def _meta_bytes(cfg, tp: int, dp: int, ep: bool, rank: int, dp_rank: int) -> int:
+    from m3serve.distributed import GroupInfo, ParallelInfo
+    from m3serve.model.minimax_m3 import MiniMaxM3ForCausalLM
+
+    parallel = ParallelInfo(GroupInfo(rank, tp), GroupInfo(dp_rank, dp), ep)
+    with torch.device("meta"):
+        model = MiniMaxM3ForCausalLM(cfg, parallel, torch.bfloat16)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 1, False), (2, 1, False), (8, 1, False), (8, 1, True),
+                                      (2, 2, True), (4, 2, False)])
+def test_plan_equals_the_shards_the_engine_builds(tp, dp, ep):
+    cfg = parse_config(realshape_config_dict(4))
+    p = plan(cfg, ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep))
+    for rank in {0, tp - 1}:
+        assert _meta_bytes(cfg, tp, dp, ep, rank, dp - 1) == p.total_weight_bytes
+
+
+def test_plan_command(tmp_path, capsys):
+    from m3serve.bench.realshape import write_realshape_dir
+    from m3serve.cli import main
+
+    d = write_realshape_dir(tmp_path / "m3", 60, dense_layers=3)
+    assert main(["plan", str(d), "-tp", "8", "--max-model-len", "9472", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights_per_gpu_bytes"] == hand_bf16_bytes(8)
+    assert out["kv_bytes_per_token_per_gpu"] == 45_312 and out["fits"]
+    assert main(["plan", str(d), "-tp", "4"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["plan", str(d), "-tp", "3"]) == 2
+    assert "num_attention_heads=64" in capsys.readouterr().err
