@@ -23,22 +23,52 @@ def engine_flags(tensor_parallel_size: int = 1, num_blocks: int = NUM_BLOCKS) ->
                 kv_cache_memory=num_blocks * 16 * bytes_per_token)
 
 
-def run(llm) -> list[list[int]]:
+def waves() -> list[list[tuple[list[int], SamplingParams]]]:
+    """Three waves of (prompt ids, params): the batch; a greedy request beside two seeded
+    samplers; a request whose first 32 tokens wave 2 has cached."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    wave1 = [{"prompt_token_ids": p} for p in prompts()]
     shared = prompts((40,), seed=5)[0]
-    tail = prompts((21,), seed=6)[0]
-    wave2 = [{"prompt_token_ids": shared}, {"prompt_token_ids": prompts((30,), seed=7)[0]},
-             {"prompt_token_ids": prompts((50,), seed=8)[0]}]
-    params2 = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
-               SamplingParams(temperature=1.0, top_k=50, seed=8, max_tokens=10, ignore_eos=True)]
-    wave3 = [{"prompt_token_ids": shared + tail}]       # 32 of its tokens are cached by wave 2
-    outs = llm.generate(wave1, greedy, use_tqdm=False)
-    outs += llm.generate(wave2, params2, use_tqdm=False)
-    outs += llm.generate(wave3, greedy, use_tqdm=False)
+    wave2 = [(shared, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+             (prompts((30,), seed=7)[0],
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)),
+             (prompts((50,), seed=8)[0],
+              SamplingParams(temperature=1.0, top_k=50, seed=8, max_tokens=10, ignore_eos=True))]
+    return [[(p, greedy) for p in prompts()], wave2, [(shared + prompts((21,), seed=6)[0], greedy)]]
+
+
+def run(llm) -> list[list[int]]:
+    """The waves through the offline API -> token ids per request."""
+    outs = []
+    for wave in waves():
+        outs += llm.generate([{"prompt_token_ids": p} for p, _ in wave], [q for _, q in wave],
+                             use_tqdm=False)
     assert outs[-1].num_cached_tokens == 32
+    run.texts = [o.outputs[0].text for o in outs]
     return [o.outputs[0].token_ids for o in outs]
+
+
+def run_http(url: str) -> list[str]:
+    """The waves through a server's /v1/completions (each wave's requests at once) -> texts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def complete(prompt, params):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "ignore_eos": True, "seed": params.seed}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    texts = []
+    with ThreadPoolExecutor(8) as pool:
+        for wave in waves():
+            for answer in list(pool.map(lambda pq: complete(*pq), wave)):
+                texts.append(answer["choices"][0]["text"])
+            if len(wave) == 1:
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    return texts
 
 
 def check_ranks(states, tp: int, dp: int, ep: bool, num_experts: int = 8, inter: int = 32) -> None:

@@ -1,0 +1,133 @@
+"""`m3serve serve` with several ranks (gloo CPU processes): TP 2 and DP 2 + EP 2 answer the
+workload with the texts one in-process rank gives; a killed rank turns the server not-ready
+and every request into a 503 within seconds, with the rank named; and one engine spread over
+two "hosts" (two launchers on 127.0.0.1: --nnodes 2 --node-rank 0/1) answers the same."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from m3serve.llm import LLM
+from serverutil import REPO_ROOT, LiveServer, free_port
+from workload import engine_flags, run, run_http
+
+
+def _server_flags(tp: int, num_blocks: int) -> list[str]:
+    f = engine_flags(tp, num_blocks)
+    return ["--dtype", "float32", "--max-num-batched-tokens", str(f["max_num_batched_tokens"]),
+            "--max-num-seqs", str(f["max_num_seqs"]), "--kv-cache-memory", str(f["kv_cache_memory"])]
+
+
+@pytest.fixture(scope="module")
+def reference_texts(tiny_dir):
+    run(LLM(str(tiny_dir), **engine_flags()))
+    return run.texts
+
+
+def _wait_idle(server) -> dict:
+    deadline = time.time() + 30
+    while True:
+        m = server.metrics()
+        if m["m3serve:num_requests_running"] == 0 and m["m3serve:kv_cache_usage_perc"] == 0:
+            return m
+        assert time.time() < deadline, m
+        time.sleep(0.2)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Rank processes (spawned by multiprocessing) under `pid`, depth first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and b"multiprocessing.spawn" in _cmdline(entry):
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_tp2_server_then_a_killed_rank(tiny_dir, tmp_path, reference_texts):
+    srv = LiveServer(tiny_dir, "-tp", "2", *_server_flags(2, 14), log_path=tmp_path / "tp2.log")
+    try:
+        assert run_http(srv.url) == reference_texts
+        m = _wait_idle(srv)
+        assert m["m3serve:num_preemptions_total"] > 0 and m["m3serve:prefix_cache_hits_total"] >= 32
+        engine = next(p for p in _descendants(srv.proc.pid)
+                      if _descendants(p))            # the engine process has the follower under it
+        follower = _descendants(engine)[0]
+        os.kill(follower, signal.SIGKILL)
+        deadline = time.time() + 15
+        while httpx.get(srv.url + "/ready", timeout=5).status_code != 503:
+            assert time.time() < deadline, "the server stayed ready after a rank died"
+            time.sleep(0.2)
+        health = httpx.get(srv.url + "/health", timeout=5)
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 503 and r.headers.get("retry-after")
+        assert srv.proc.poll() is None                 # still answering, nothing hangs
+        deadline = time.time() + 15
+        while _descendants(srv.proc.pid):
+            assert time.time() < deadline, "rank processes outlived the engine"
+            time.sleep(0.2)
+    finally:
+        srv.stop()
+
+
+def test_dp2_ep2_server(tiny_dir, tmp_path, reference_texts):
+    srv = LiveServer(tiny_dir, "-dp", "2", "--enable-expert-parallel", *_server_flags(1, 12),
+                     log_path=tmp_path / "dp2.log")
+    try:
+        assert run_http(srv.url) == reference_texts
+        m = _wait_idle(srv)
+        assert m["m3serve:num_preemptions_total"] > 0
+    finally:
+        srv.stop()
+    assert "Traceback" not in (tmp_path / "dp2.log").read_text()
+
+
+def test_four_hosts(tiny_dir, tmp_path, reference_texts):
+    """TP 2 x DP 2 over four launchers, one rank each: node 0 runs the API and replica 0's
+    leader, node 1 that leader's follower, node 2 replica 1's leader (its engine reaches the API
+    over TCP) and node 3 that one's follower."""
+    master, rpc = free_port(), free_port()
+    common = ["--nnodes", "4", "--master-addr", "127.0.0.1", "--master-port", str(master),
+              "--data-parallel-rpc-port", str(rpc), "-tp", "2", "-dp", "2", "--enable-expert-parallel",
+              *_server_flags(2, 14)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    logs = [open(tmp_path / f"node{n}.log", "wb") for n in (1, 2, 3)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "m3serve", "serve", str(tiny_dir), "--node-rank", str(n),
+                               *common], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+             for n, log in zip((1, 2, 3), logs)]
+    try:
+        srv = LiveServer(tiny_dir, "--node-rank", "0", *common, log_path=tmp_path / "node0.log")
+        try:
+            assert run_http(srv.url) == reference_texts
+            _wait_idle(srv)
+        finally:
+            srv.stop()
+        for n, node in zip((1, 2, 3), nodes):      # the others end when node 0 shuts the engine down
+            assert node.wait(timeout=30) == 0, (tmp_path / f"node{n}.log").read_text()[-3000:]
+    finally:
+        for node, log in zip(nodes, logs):
+            if node.poll() is None:
+                node.kill()
+            log.close()
