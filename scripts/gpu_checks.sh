@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
-#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | serve L QUANT CONCS PPC | profile L B ISL | vllm
+#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | serve L QUANT CONCS PPC | profile L B ISL | vllm
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
@@ -18,6 +18,18 @@ case "${1:-tests}" in
     step offline_L$L${3:+_$3}${TAG:-} timeout ${TMO:-420} python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
       --points ${POINTS:-1024:1,8,32 8192:4,16,64} --osl ${OSL:-64} --max-model-len 9472 \
       --max-num-seqs ${MAXSEQS:-64} --max-num-batched-tokens 16384 ${3:+--quantization $3} ;;
+  executor)
+    # the uni-process executor against the multiprocess one at world size 1 (engine process,
+    # NCCL world of one), L = 4 real shapes, twice each, interleaved
+    python -m m3serve bench make-realshape /tmp/rs4 --layers 4 > /dev/null
+    for run in 1 2; do
+      for backend in uni mp; do
+        step executor_${backend}_$run timeout ${TMO:-300} python -m m3serve bench offline --model /tmp/rs4 \
+          --load-format dummy --points ${POINTS:-1024:1,8} --osl ${OSL:-128} --max-model-len 9472 \
+          --max-num-seqs 8 --max-num-batched-tokens 16384 --cudagraph-capture-sizes 1,2,4,8 \
+          --distributed-executor-backend $backend
+      done
+    done ;;
 esac
 # serve L QUANT CONCURRENCIES PROMPTS_PER_CONC: the real server on a real-shape L-layer model
 # (dummy weights) and the 8K/1K sweep through `m3serve bench sweep`.

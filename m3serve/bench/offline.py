@@ -29,13 +29,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _expert_ids(llm) -> list[torch.Tensor | None]:
-    """Copies of each MoE layer's last expert choices [T, K] (graph buffers are overwritten)."""
-    layers = [layer.mlp for layer in llm.engine.worker.model.model.layers if hasattr(layer.mlp, "gate")]
+    """Copies of each MoE layer's last expert choices [T, K] (graph buffers are overwritten);
+    none when the engine runs in its own processes."""
+    if llm.engine.worker is None:
+        return []
+    layers = [layer.mlp for layer in llm.engine.worker.model.model.layers if layer.is_moe]
     return [m.last_expert_ids.clone() if m.last_expert_ids is not None else None for m in layers]
 
 
 def _count(ids: torch.Tensor | None) -> float:
     return float(torch.unique(ids).numel()) if ids is not None else 0.0
+
+
+def _expected_experts(cfg, tokens: int) -> list[float]:
+    """E x (1 - (1 - k/E)^tokens) per MoE layer: distinct experts of balanced random routing."""
+    E, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    n = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    return [E * (1 - (1 - k / E) ** tokens)] * n
 
 
 def main(args) -> list[dict]:
@@ -49,8 +59,12 @@ def main(args) -> list[dict]:
     t0 = time.time()
     llm = LLM(**engine_kwargs(args))
     cfg = llm.engine.model_config
+    in_process = llm.engine.worker is not None
     print(json.dumps({"startup_s": round(time.time() - t0, 1), "layers": cfg.num_hidden_layers,
-                      "device": str(llm.engine.worker.device)}), flush=True)
+                      "executor": "uni (in-process)" if in_process else
+                      f"mp ({llm.engine.config.parallel.world_size} rank process(es))",
+                      "device": str(llm.engine.worker.device) if in_process else "rank processes"}),
+          flush=True)
     fp8 = llm.engine.config.model.quantization == "fp8"
     wbytes, peak = (1.0, FP8_TFLOPS) if fp8 else (2.0, BF16_TFLOPS)
     kvbytes = 1.0 if llm.engine.config.cache.kv_cache_dtype.startswith("fp8") else 2.0
@@ -85,14 +99,14 @@ def main(args) -> list[dict]:
         for i, pr in enumerate(batch):
             eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone())
         first, last, ntok = {}, {}, {}
-        runner = eng.worker.runner
+        runner = eng.worker.runner if in_process else None
         decode_steps, expert_ids = [], []
         while eng.has_unfinished_requests():
-            graph_before, t_step = runner.num_graph_steps, time.perf_counter()
-            full = eng.core.scheduler.num_running == bs
+            graph_before, t_step = runner.num_graph_steps if runner else 0, time.perf_counter()
+            full = runner is not None and eng.core.scheduler.num_running == bs
             changed = eng.step()
             now = time.perf_counter()
-            if runner.num_graph_steps > graph_before and full:
+            if full and runner.num_graph_steps > graph_before:
                 decode_steps.append(now - t_step)
                 if len(decode_steps) % 8 == 1:   # async copies; counted after the run
                     expert_ids.append(_expert_ids(llm))
@@ -107,7 +121,9 @@ def main(args) -> list[dict]:
         tpot_peer = (total - prefill) / args.osl
         seen = [[_count(ids) for ids in step] for step in expert_ids] or [
             [_count(ids) for ids in _expert_ids(llm)]]
-        experts = [sum(col) / len(col) for col in zip(*seen)]
+        # without a measured count (engine processes) the roofline assumes the balanced-routing
+        # expectation of distinct experts per layer for bs tokens x top-k
+        experts = [sum(col) / len(col) for col in zip(*seen)] or _expected_experts(cfg, bs)
         decode_steps.sort()
         floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts,
                                                   weight_bytes=wbytes, kv_bytes=kvbytes))
@@ -123,7 +139,9 @@ def main(args) -> list[dict]:
                "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),
                                                 round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
                "jit_compiles_measured": compiled_variants() - jit_before,
-               "graph_steps": runner.num_graph_steps, "eager_steps": runner.num_eager_steps}
+               "graph_steps": runner.num_graph_steps if runner else None,
+               "eager_steps": runner.num_eager_steps if runner else None,
+               "experts_measured": bool(expert_ids) or in_process}
         results.append(row)
         print(json.dumps(row), flush=True)
     return results

@@ -18,7 +18,7 @@ class PagedRunner:
     """
 
     def __init__(self, model, num_blocks: int = 256, seed: int = 0, device: str = "cpu",
-                 max_model_len: int = 2048, max_tokens: int = 2048):
+                 max_model_len: int = 8192, max_tokens: int = 8192):
         cfg = model.cfg
         self.model, self.cfg, self.bs = model, cfg, cfg.index_block_size
         self.runner = ModelRunner(model, self.bs, num_blocks, torch.device(device), max_model_len,

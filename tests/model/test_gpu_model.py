@@ -31,6 +31,27 @@ def test_tiny_greedy_gpu_equals_cpu_reference(tiny_dir):
     torch.cuda.empty_cache()
 
 
+def test_tiny_greedy_mp_executor_on_one_gpu(tiny_dir):
+    """The multiprocess executor at world size 1: an engine process joining a one-rank NCCL
+    world, CUDA graphs captured there; greedy tokens equal the CPU reference's."""
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+    from test_engine import prompts
+
+    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150, 9, 120))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in cpu.generate(ps, params, use_tqdm=False)]
+    mp = LLM(model=str(tiny_dir), dtype="float32", device="cuda", max_num_batched_tokens=48,
+             kv_cache_memory=1 << 28, distributed_executor_backend="mp", cudagraph_capture_sizes="1,2,4,8")
+    try:
+        assert [o.outputs[0].token_ids for o in mp.generate(ps, params, use_tqdm=False)] == want
+        (state,) = mp.engine.engine_states()
+        assert state.ranks[0]["device"] == "cuda:0" and state.num_free_blocks == state.num_usable_blocks
+    finally:
+        mp.shutdown()
+
+
 def test_realshape_l4_triton_matches_reference_ops(tmp_path):
     from m3serve.bench.realshape import write_realshape_dir
     from m3serve.layers.dispatch import reference_ops

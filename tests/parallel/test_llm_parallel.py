@@ -73,3 +73,26 @@ def test_killed_rank_is_named_and_ends_the_engine(tiny_dir):
     with pytest.raises(EngineFailed):
         llm.generate(["again"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.engine.client.engines is None     # every engine process is gone
+
+
+def test_frozen_rank_is_named_and_ends_the_engine(tiny_dir):
+    """A rank that stops (SIGSTOP: alive, but it never answers again) misses its heartbeats."""
+    import os
+    import signal
+
+    from m3serve.core.sync_client import EngineFailed
+
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, dtype="float32")
+    follower = next(r for r in llm.engine.engine_states()[0].ranks if r["rank"] == 1)["pid"]
+    threading.Timer(1.0, os.kill, (follower, signal.SIGSTOP)).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(EngineFailed, match=r"rank 1 \(pid \d+\) stopped responding"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                         SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - start < 30
+    finally:
+        try:
+            os.kill(follower, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -96,7 +96,7 @@ def test_dp2_ep2_server(tiny_dir, tmp_path, reference_texts):
     srv = LiveServer(tiny_dir, "-dp", "2", "--enable-expert-parallel", *_server_flags(1, 12),
                      log_path=tmp_path / "dp2.log")
     try:
-        assert run_http(srv.url) == reference_texts
+        assert run_http(srv.url, data_parallel=True) == reference_texts
         m = _wait_idle(srv)
         assert m["m3serve:num_preemptions_total"] > 0
     finally:
@@ -120,7 +120,7 @@ def test_four_hosts(tiny_dir, tmp_path, reference_texts):
     try:
         srv = LiveServer(tiny_dir, "--node-rank", "0", *common, log_path=tmp_path / "node0.log")
         try:
-            assert run_http(srv.url) == reference_texts
+            assert run_http(srv.url, data_parallel=True) == reference_texts
             _wait_idle(srv)
         finally:
             srv.stop()
