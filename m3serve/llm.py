@@ -71,7 +71,10 @@ class LLMEngine:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]).ids
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, cache_salt: str | None = None) -> RequestState:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, cache_salt: str | None = None,
+                    defer_admission: bool = False) -> RequestState:
+        """Submit one request; ValueError if it is refused. With engine processes,
+        `defer_admission` leaves the verdict to `settle()` (one round trip for a batch)."""
         text, ids = self.encode_prompt(prompt)
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -83,10 +86,17 @@ class LLMEngine:
             requests.append(EngineCoreRequest(seq.request_id, ids, seq.params, self.eos_token_id,
                                               arrival_time=time.time(), cache_salt=cache_salt))
         self.front.add_requests(requests)
+        if self.client is not None and not defer_admission:
+            self.client.settle()
         self.states[request_id] = state
         for i, seq in enumerate(state.sequences):
             self._children[seq.request_id] = (state, i)
         return state
+
+    def settle(self) -> None:
+        """Verdicts of deferred admissions: ValueError for the first refused one."""
+        if self.client is not None:
+            self.client.settle()
 
     def abort_request(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
@@ -176,8 +186,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = uuid.uuid4().hex
-                self.engine.add_request(rid, prompt, p.clone())
+                self.engine.add_request(rid, prompt, p.clone(), defer_admission=True)
                 ids.append(rid)
+            self.engine.settle()
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -97,7 +97,8 @@ def main(args) -> list[dict]:
         batch = prompts()
         sync(); started = time.perf_counter()
         for i, pr in enumerate(batch):
-            eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone())
+            eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone(), defer_admission=True)
+        eng.settle()
         first, last, ntok = {}, {}, {}
         runner = eng.worker.runner if in_process else None
         decode_steps, expert_ids = [], []

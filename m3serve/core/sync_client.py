@@ -41,6 +41,7 @@ class SyncEngineClient:
         self.dead_reason: str | None = None
         self._outputs: list[protocol.CoreOutput] = []
         self._results: dict[str, protocol.AddResult] = {}
+        self._pending: dict[str, list[str]] = {}       # parent id -> child ids awaiting a verdict
         self._states: dict[int, dict[int, protocol.EngineState]] = {}
         self._query_ids = itertools.count()
         self.engines.start()
@@ -65,22 +66,33 @@ class SyncEngineClient:
     # ------------------------------------------------------------ requests
 
     def add_requests(self, requests: list[protocol.EngineCoreRequest]) -> None:
-        """Admit the children of one request on the least loaded replica, all or none;
-        ValueError when the engine refuses them."""
+        """Send the children of one request to the least loaded replica, admitted all or none;
+        the verdict is awaited by `settle` (so a batch of requests costs one round trip)."""
         parent_id = requests[0].request_id
         replica = self.book.choose()
         ids = [r.request_id for r in requests]
         self.book.place(replica, ids)
+        self._pending[parent_id] = ids
         self._send(replica, protocol.AddRequests(parent_id, requests))
-        while parent_id not in self._results:
+
+    def settle(self) -> None:
+        """Wait for the verdicts of every request sent; ValueError naming the first refused
+        one (the refused hold nothing in the engine)."""
+        while any(parent not in self._results for parent in self._pending):
             self._receive()
-        result = self._results.pop(parent_id)
-        if result.kind != "ok":
-            for rid in ids:
-                self.book.release(rid)
-            if result.kind == "invalid":
-                raise ValueError(result.message)
-            raise RuntimeError(f"the engine refused request {parent_id}: {result.message}")
+        refused = []
+        for parent, ids in self._pending.items():
+            result = self._results.pop(parent)
+            if result.kind != "ok":
+                for rid in ids:
+                    self.book.release(rid)
+                refused.append(result)
+        self._pending.clear()
+        if refused:
+            first = refused[0]
+            if first.kind == "invalid":
+                raise ValueError(first.message)
+            raise RuntimeError(f"the engine refused request {first.parent_id}: {first.message}")
 
     def abort_requests(self, request_ids) -> None:
         for replica, ids in self.book.by_replica(request_ids).items():
@@ -94,6 +106,7 @@ class SyncEngineClient:
     def step(self) -> list[protocol.CoreOutput]:
         """The outputs that arrived since the last call, waiting for at least one while any
         request is unfinished."""
+        self.settle()
         while not self._outputs and self.book.owner:
             self._receive()
         outputs, self._outputs = self._outputs, []

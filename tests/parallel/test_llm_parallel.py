@@ -51,6 +51,10 @@ def test_mp_backend_at_one_rank(tiny_dir, reference):
     try:
         assert llm.engine.core is None
         assert run(llm) == reference
+        # admissions are pipelined: a refused request in a batch still raises, nothing stays
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 5000}],
+                         SamplingParams(max_tokens=4), use_tqdm=False)
         check_ranks(llm.engine.engine_states(), 1, 1, False)
     finally:
         llm.shutdown()
