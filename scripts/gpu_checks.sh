@@ -22,7 +22,7 @@ case "${1:-tests}" in
     # the uni-process executor against the multiprocess one at world size 1 (engine process,
     # NCCL world of one), L = 4 real shapes, twice each, interleaved
     python -m m3serve bench make-realshape /tmp/rs4 --layers 4 > /dev/null
-    for run in 1 2; do
+    for run in ${RUNS:-1 2}; do
       for backend in uni mp; do
         step executor_${backend}_$run timeout ${TMO:-300} python -m m3serve bench offline --model /tmp/rs4 \
           --load-format dummy --points ${POINTS:-1024:1,8} --osl ${OSL:-128} --max-model-len 9472 \

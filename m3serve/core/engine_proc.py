@@ -118,21 +118,22 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
         poller.poll(timeout)
         add_results, state_queries = [], []
         while True:
-            try:
-                message = protocol.decode_input(pull.recv(zmq.NOBLOCK))
+            try:     # a multipart message (a batch of admissions) arrives whole
+                parts = pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if isinstance(message, protocol.Shutdown):
-                return
-            if isinstance(message, protocol.AddRequests):
-                add_results.append(loop.add(message))
-            elif isinstance(message, protocol.AbortRequests):
-                loop.abort(message.request_ids)
-            elif isinstance(message, protocol.StatsQuery):
-                push.send(protocol.encode(CoreOutputs(stats=loop.stats(), query_id=message.query_id,
-                                                      dp_rank=loop.dp_rank)))
-            elif isinstance(message, protocol.StateQuery):
-                state_queries.append(message.query_id)
+            for message in map(protocol.decode_input, parts):
+                if isinstance(message, protocol.Shutdown):
+                    return
+                if isinstance(message, protocol.AddRequests):
+                    add_results.append(loop.add(message))
+                elif isinstance(message, protocol.AbortRequests):
+                    loop.abort(message.request_ids)
+                elif isinstance(message, protocol.StatsQuery):
+                    push.send(protocol.encode(CoreOutputs(stats=loop.stats(), query_id=message.query_id,
+                                                          dp_rank=loop.dp_rank)))
+                elif isinstance(message, protocol.StateQuery):
+                    state_queries.append(message.query_id)
         outputs = loop.step() if (lockstep or loop.has_work()) else []
         if outputs or add_results:
             push.send(protocol.encode(CoreOutputs(outputs, add_results, loop.stats(),

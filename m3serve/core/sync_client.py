@@ -42,6 +42,7 @@ class SyncEngineClient:
         self._outputs: list[protocol.CoreOutput] = []
         self._results: dict[str, protocol.AddResult] = {}
         self._pending: dict[str, list[str]] = {}       # parent id -> child ids awaiting a verdict
+        self._outbox: dict[int, list[protocol.AddRequests]] = {}   # replica -> not yet sent
         self._states: dict[int, dict[int, protocol.EngineState]] = {}
         self._query_ids = itertools.count()
         self.engines.start()
@@ -66,18 +67,25 @@ class SyncEngineClient:
     # ------------------------------------------------------------ requests
 
     def add_requests(self, requests: list[protocol.EngineCoreRequest]) -> None:
-        """Send the children of one request to the least loaded replica, admitted all or none;
-        the verdict is awaited by `settle` (so a batch of requests costs one round trip)."""
+        """Place the children of one request on the least loaded replica, admitted all or
+        none. They are sent by `settle`, with every other request placed since, as one message
+        per replica: the replica admits the whole batch before its next step, as an in-process
+        engine would."""
         parent_id = requests[0].request_id
         replica = self.book.choose()
         ids = [r.request_id for r in requests]
         self.book.place(replica, ids)
         self._pending[parent_id] = ids
-        self._send(replica, protocol.AddRequests(parent_id, requests))
+        self._outbox.setdefault(replica, []).append(protocol.AddRequests(parent_id, requests))
 
     def settle(self) -> None:
-        """Wait for the verdicts of every request sent; ValueError naming the first refused
-        one (the refused hold nothing in the engine)."""
+        """Send the placed requests and wait for their verdicts; ValueError naming the first
+        refused one (the refused hold nothing in the engine)."""
+        if self.dead_reason is not None:
+            raise EngineFailed(self.dead_reason)
+        for replica, messages in self._outbox.items():
+            self.pushes[replica].send_multipart([protocol.encode(m) for m in messages], zmq.NOBLOCK)
+        self._outbox.clear()
         while any(parent not in self._results for parent in self._pending):
             self._receive()
         refused = []
@@ -95,6 +103,7 @@ class SyncEngineClient:
             raise RuntimeError(f"the engine refused request {first.parent_id}: {first.message}")
 
     def abort_requests(self, request_ids) -> None:
+        self.settle()
         for replica, ids in self.book.by_replica(request_ids).items():
             for rid in ids:
                 self.book.release(rid)
@@ -117,6 +126,7 @@ class SyncEngineClient:
 
     def states(self, timeout_s: float = 60.0) -> list[protocol.EngineState]:
         """Every replica's `EngineState`, in replica order."""
+        self.settle()
         query_id = next(self._query_ids)
         self._states[query_id] = {}
         for replica in range(self.book.dp_size):
