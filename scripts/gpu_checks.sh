@@ -31,6 +31,28 @@ case "${1:-tests}" in
       done
     done ;;
 esac
+# executor_serve: the same comparison through the server (bench serve at concurrency 1 and 8,
+# 1024 in / 256 out, fixed lengths), rounds interleaved
+if [ "${1:-}" = executor_serve ]; then
+  python -m m3serve bench make-realshape /tmp/rs4 --layers 4 > /dev/null
+  for run in ${RUNS:-1 2}; do
+    for backend in uni mp; do
+      log="$OUT/server_${backend}_$run.txt"
+      echo "\$ python -m m3serve serve /tmp/rs4 --load-format dummy --port 8012 --max-model-len 9472 --max-num-seqs 8 --cudagraph-capture-sizes 1,2,4,8 --distributed-executor-backend $backend" > "$log"
+      python -m m3serve serve /tmp/rs4 --load-format dummy --port 8012 --max-model-len 9472 --max-num-seqs 8 \
+        --cudagraph-capture-sizes 1,2,4,8 --distributed-executor-backend $backend >> "$log" 2>&1 &
+      srv=$!
+      for i in $(seq 1 240); do curl -sf http://127.0.0.1:8012/ready > /dev/null && break; sleep 1; done
+      for conc in ${CONCS:-1 8}; do
+        step serve_${backend}_${run}_c$conc timeout 200 python -m m3serve bench serve --base-url http://127.0.0.1:8012 \
+          --tokenizer /tmp/rs4 --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 \
+          --num-prompts $((conc * ${PPC:-4})) --num-warmups $conc --max-concurrency $conc --disable-tqdm \
+          --save-result --result-dir "$OUT/json" --result-filename ${backend}_${run}_c$conc.json
+      done
+      kill $srv; wait $srv 2>/dev/null
+    done
+  done
+fi
 # serve L QUANT CONCURRENCIES PROMPTS_PER_CONC: the real server on a real-shape L-layer model
 # (dummy weights) and the 8K/1K sweep through `m3serve bench sweep`.
 if [ "${1:-}" = serve ]; then
