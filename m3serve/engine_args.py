@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from m3serve import envs
 from m3serve.config import engine_fields
 
 _SHORT = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"]}
@@ -26,17 +27,21 @@ def _flag_type(f: dataclasses.Field):
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per engine field. The multi-node flags default to torchrun's variables when it
+    started this process (`envs.torchrun_defaults`)."""
     group = parser.add_argument_group("engine")
+    launched = envs.torchrun_defaults()
     for f in engine_fields():
         if f.name in skip:
             continue
         names = ["--" + f.name.replace("_", "-")] + _SHORT.get(f.name, [])
         kind = _flag_type(f)
+        default = launched.get(f.name, f.default)
         if kind is bool:
-            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         else:
-            group.add_argument(*names, dest=f.name, type=kind, default=f.default,
-                               help=f"(default: {f.default})")
+            group.add_argument(*names, dest=f.name, type=kind, default=default,
+                               help=f"(default: {default})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
