@@ -44,7 +44,7 @@ def write_realshape_dir(out_dir: str | Path, num_layers: int, dense_layers: int 
     """config.json (real shapes, L layers) + the tiny model's tokenizer files, its vocabulary
     widened to the real size (see `_widen_vocab`) so that every token the model can emit has
     text, as with a real checkpoint (streaming and ITL measure per text chunk)."""
-    from m3serve.model.tiny import default_model_dir
+    from m3serve.model.files import default_model_dir
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -56,26 +56,3 @@ def quantize_linear_(module: nn.Module) -> None:
     wq, scale = quantize_weight(module.weight.data)
     module.weight = nn.Parameter(wq, requires_grad=False)
     module.weight_scale = scale
-
-
-def quantize_model_fp8(model: nn.Module) -> int:
-    """Quantise every linear layer and the routed experts in place; returns the module count."""
-    from m3serve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                       RowParallelLinear)
-    from m3serve.layers.moe import Experts
-
-    count = 0
-    for _, module in model.named_modules():
-        if isinstance(module, (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                               RowParallelLinear)):
-            quantize_linear_(module)
-            count += 1
-        elif isinstance(module, Experts):
-            for name in ("w13", "w2"):
-                wq, scale = quantize_weight(getattr(module, name).data)
-                setattr(module, name, nn.Parameter(wq, requires_grad=False))
-                setattr(module, name + "_scale", scale)
-            count += 1
-    if model.lm_head.weight.is_cuda:
-        torch.cuda.empty_cache()
-    return count

@@ -7,6 +7,7 @@ checkpoint; building the tiny model on first use is the one place that does.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -44,15 +45,24 @@ def tiny_model_cache_dir(seed: int = 0) -> Path:
     return Path(envs.CACHE_DIR) / f"tiny-{seed}-{digest.hexdigest()[:12]}"
 
 
+def default_model_dir(seed: int = 0) -> Path:
+    """The embedded tiny model, built on first use (the build imports torch) into its cache
+    folder."""
+    path = tiny_model_cache_dir(seed)
+    if not (path / "model.safetensors").is_file():
+        from m3serve.model.tiny import make_tiny
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny(tmp, seed)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    return path
+
+
 def model_directory(model: str | None) -> Path:
-    """The checkpoint directory for `model` (None = the embedded tiny model, built on first use)."""
-    if model is None:
-        path = tiny_model_cache_dir()
-        if (path / "model.safetensors").is_file():
-            return path
-        from m3serve.model.tiny import default_model_dir
-        return default_model_dir()
-    return resolve_model_dir(model)
+    """The checkpoint directory for `model` (None = the embedded tiny model)."""
+    return default_model_dir() if model is None else resolve_model_dir(model)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

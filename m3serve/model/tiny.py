@@ -7,14 +7,12 @@ Block size 16 with top-4 blocks, so prompts of a few hundred tokens exercise blo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from m3serve.model.config import parse_config
-from m3serve.model.loader import canonical_shapes
+from m3serve.model.config import canonical_shapes, parse_config
 
 TINY_VOCAB = 2048
 
@@ -90,19 +88,3 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
         {"bos_token_id": raw["text_config"]["bos_token_id"],
          "eos_token_id": raw["text_config"]["eos_token_id"]}, indent=2) + "\n")
     return out
-
-
-def default_model_dir(seed: int = 0) -> Path:
-    """The embedded tiny model, built on first use into its cache folder
-    (`files.tiny_model_cache_dir`)."""
-    from m3serve.model.files import tiny_model_cache_dir
-
-    path = tiny_model_cache_dir(seed)
-    if not (path / "model.safetensors").is_file():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny(tmp, seed)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    return path

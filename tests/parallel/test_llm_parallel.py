@@ -9,15 +9,7 @@ import pytest
 
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
-from workload import check_ranks, engine_flags, run
-
-LAYOUTS = {
-    "tp2": dict(tensor_parallel_size=2),
-    "tp4": dict(tensor_parallel_size=4),
-    "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
-    "ep4": dict(tensor_parallel_size=4, enable_expert_parallel=True),
-    "dp2-ep2": dict(data_parallel_size=2, enable_expert_parallel=True),
-}
+from workload import LAYOUTS, check_ranks, engine_flags, layout_sizes, run
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +23,8 @@ def reference(tiny_dir):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_one_rank(tiny_dir, reference, name):
     flags = LAYOUTS[name]
-    tp, dp = flags.get("tensor_parallel_size", 1), flags.get("data_parallel_size", 1)
-    # each replica gets half the batch: a smaller pool makes it preempt too
-    llm = LLM(str(tiny_dir), **engine_flags(tp, num_blocks=12 if dp > 1 else 14), **flags)
+    tp, dp, blocks = layout_sizes(flags)
+    llm = LLM(str(tiny_dir), **engine_flags(tp, blocks), **flags)
     try:
         assert llm.engine.core is None          # the engine runs in its own processes
         assert run(llm) == reference

@@ -1,5 +1,5 @@
-"""`m3serve serve` with several ranks (gloo CPU processes): TP 2 and DP 2 + EP 2 answer the
-workload with the texts one in-process rank gives; a killed rank turns the server not-ready
+"""`m3serve serve` with several ranks (gloo CPU processes): TP 2 and 4, EP 2 and 4, DP 2 + EP 2
+answer the workload with the texts one in-process rank gives; a killed rank turns the server not-ready
 and every request into a 503 within seconds, with the rank named; and one engine spread over
 two "hosts" (two launchers on 127.0.0.1: --nnodes 2 --node-rank 0/1) answers the same."""
 import os
@@ -14,13 +14,21 @@ import pytest
 
 from m3serve.llm import LLM
 from serverutil import REPO_ROOT, LiveServer, free_port
-from workload import engine_flags, run, run_http
+from workload import LAYOUTS, engine_flags, layout_sizes, run, run_http
 
 
 def _server_flags(tp: int, num_blocks: int) -> list[str]:
     f = engine_flags(tp, num_blocks)
     return ["--dtype", "float32", "--max-num-batched-tokens", str(f["max_num_batched_tokens"]),
             "--max-num-seqs", str(f["max_num_seqs"]), "--kv-cache-memory", str(f["kv_cache_memory"])]
+
+
+def _layout_flags(flags: dict) -> list[str]:
+    out = []
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +72,25 @@ def _cmdline(entry: Path) -> bytes:
         return b""
 
 
-def test_tp2_server_then_a_killed_rank(tiny_dir, tmp_path, reference_texts):
-    srv = LiveServer(tiny_dir, "-tp", "2", *_server_flags(2, 14), log_path=tmp_path / "tp2.log")
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_server_equals_one_rank(tiny_dir, tmp_path, reference_texts, name):
+    flags = LAYOUTS[name]
+    tp, dp, blocks = layout_sizes(flags)
+    log = tmp_path / f"{name}.log"
+    srv = LiveServer(tiny_dir, *_layout_flags(flags), *_server_flags(tp, blocks), log_path=log)
     try:
-        assert run_http(srv.url) == reference_texts
+        assert run_http(srv.url, data_parallel=dp > 1) == reference_texts
         m = _wait_idle(srv)
         assert m["m3serve:num_preemptions_total"] > 0 and m["m3serve:prefix_cache_hits_total"] >= 32
+        assert len(_descendants(srv.proc.pid)) == tp * dp      # one process per rank
+    finally:
+        srv.stop()
+    assert "Traceback" not in log.read_text()
+
+
+def test_killed_rank_turns_the_server_unavailable(tiny_dir, tmp_path):
+    srv = LiveServer(tiny_dir, "-tp", "2", "--dtype", "float32", log_path=tmp_path / "kill.log")
+    try:
         engine = next(p for p in _descendants(srv.proc.pid)
                       if _descendants(p))            # the engine process has the follower under it
         follower = _descendants(engine)[0]
@@ -90,18 +111,6 @@ def test_tp2_server_then_a_killed_rank(tiny_dir, tmp_path, reference_texts):
             time.sleep(0.2)
     finally:
         srv.stop()
-
-
-def test_dp2_ep2_server(tiny_dir, tmp_path, reference_texts):
-    srv = LiveServer(tiny_dir, "-dp", "2", "--enable-expert-parallel", *_server_flags(1, 12),
-                     log_path=tmp_path / "dp2.log")
-    try:
-        assert run_http(srv.url, data_parallel=True) == reference_texts
-        m = _wait_idle(srv)
-        assert m["m3serve:num_preemptions_total"] > 0
-    finally:
-        srv.stop()
-    assert "Traceback" not in (tmp_path / "dp2.log").read_text()
 
 
 def test_four_hosts(tiny_dir, tmp_path, reference_texts):

@@ -7,6 +7,21 @@ from m3serve.sampling_params import SamplingParams
 PROMPT_LENS = (5, 37, 80, 150, 9, 120)
 NUM_BLOCKS = 14
 
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "tp4": dict(tensor_parallel_size=4),
+    "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "ep4": dict(tensor_parallel_size=4, enable_expert_parallel=True),
+    "dp2-ep2": dict(data_parallel_size=2, enable_expert_parallel=True),
+}
+
+
+def layout_sizes(flags: dict) -> tuple[int, int, int]:
+    """(tp, dp, blocks per rank): each DP replica gets half the batch, so a smaller pool makes
+    it preempt too."""
+    tp, dp = flags.get("tensor_parallel_size", 1), flags.get("data_parallel_size", 1)
+    return tp, dp, 12 if dp > 1 else NUM_BLOCKS
+
 
 def prompts(lens=PROMPT_LENS, seed=0):
     import torch

@@ -6,7 +6,7 @@ from tokenizers import Tokenizer
 
 from m3serve.bench.realshape import write_realshape_dir
 from m3serve.model.config import load_config
-from m3serve.model.tiny import default_model_dir
+from m3serve.model.files import default_model_dir
 
 
 def test_realshape_tokenizer_covers_the_vocabulary(tmp_path):
