@@ -115,10 +115,6 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.data_parallel_size
 
     @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
-
-    @property
     def layout(self) -> "RankLayout":
         return RankLayout(self.tensor_parallel_size, self.data_parallel_size, self.nnodes)
 

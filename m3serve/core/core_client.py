@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from m3serve import protocol
 from m3serve.config import EngineConfig
-from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook
+from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
 from m3serve.protocol import EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -97,11 +97,7 @@ class EngineCoreClient:
             self._task.cancel()
             self._task = None
         if self._engines is not None:
-            for push in self._pushes:
-                try:
-                    push.send(protocol.encode(protocol.Shutdown()), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+            send_shutdown(self._pushes)
             self._engines.stop()
             self._engines = None
         for sock in [*self._pushes, getattr(self, "_pull", None)]:
@@ -228,11 +224,7 @@ class EngineCoreClient:
         logger.error("%s", self.dead_reason)
         self._fail_all(self.dead_reason)
         if self._engines is not None:       # replicas in lock step cannot go on without it
-            for push in self._pushes:
-                try:
-                    push.send(protocol.encode(protocol.Shutdown()), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+            send_shutdown(self._pushes)
             await asyncio.to_thread(self._engines.stop, 2.0)
 
     def _answer(self, pending: dict, query_id: int, replica: int, answer) -> None:

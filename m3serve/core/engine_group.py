@@ -106,6 +106,19 @@ class EngineProcesses:
         self.procs.clear()
 
 
+def send_shutdown(pushes) -> None:
+    """Tell every replica to stop (each socket's send only queues; failures are ignored)."""
+    import zmq
+
+    from m3serve import protocol
+
+    for push in pushes:
+        try:
+            push.send(protocol.encode(protocol.Shutdown()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
 class ReplicaBook:
     """Which replica serves which sequence, the load per replica (requests are placed on the
     least loaded), readiness and the stats each replica last reported."""

@@ -13,7 +13,7 @@ import zmq
 
 from m3serve import protocol
 from m3serve.config import EngineConfig
-from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook
+from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
 
 _POLL_MS = 200
 
@@ -175,11 +175,7 @@ class SyncEngineClient:
         atexit.unregister(self.shutdown)
         if self.engines is None:
             return
-        for push in self.pushes:
-            try:
-                push.send(protocol.encode(protocol.Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        send_shutdown(self.pushes)
         self.engines.stop()
         self.engines = None
         for sock in [*self.pushes, self.pull]:

@@ -62,6 +62,16 @@ class LiveServer:
             out[name] = out.get(name, 0.0) + float(value)
         return out
 
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """Metrics once no sequence runs and no KV block is held."""
+        deadline = time.time() + timeout_s
+        while True:
+            metrics = self.metrics()
+            if metrics["m3serve:num_requests_running"] == 0 and metrics["m3serve:kv_cache_usage_perc"] == 0:
+                return metrics
+            assert time.time() < deadline, metrics
+            time.sleep(0.1)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -181,19 +181,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
             during = server.metrics()
             assert during["m3serve:num_requests_running"] == 1
             assert during["m3serve:kv_cache_usage_perc"] > 0
-    after = _wait_until_idle(server)
+    after = server.wait_idle(20)
     assert after["m3serve:request_success_total"] == before.get("m3serve:request_success_total", 0) + 1
     assert after["m3serve:generation_tokens_total"] < before["m3serve:generation_tokens_total"] + 3000
-
-
-def _wait_until_idle(server) -> dict:
-    deadline = time.time() + 20
-    while True:
-        metrics = server.metrics()
-        if metrics["m3serve:num_requests_running"] == 0 and metrics["m3serve:kv_cache_usage_perc"] == 0:
-            return metrics
-        assert time.time() < deadline, metrics
-        time.sleep(0.1)
 
 
 def test_non_streaming_client_gone_aborts(server):
@@ -201,7 +191,7 @@ def test_non_streaming_client_gone_aborts(server):
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
-    after = _wait_until_idle(server)
+    after = server.wait_idle(20)
     assert after["m3serve:generation_tokens_total"] < before["m3serve:generation_tokens_total"] + 3000
     assert after["m3serve:request_success_total"] == before.get("m3serve:request_success_total", 0) + 1
 

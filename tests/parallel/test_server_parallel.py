@@ -37,16 +37,6 @@ def reference_texts(tiny_dir):
     return run.texts
 
 
-def _wait_idle(server) -> dict:
-    deadline = time.time() + 30
-    while True:
-        m = server.metrics()
-        if m["m3serve:num_requests_running"] == 0 and m["m3serve:kv_cache_usage_perc"] == 0:
-            return m
-        assert time.time() < deadline, m
-        time.sleep(0.2)
-
-
 def _descendants(pid: int) -> list[int]:
     """Rank processes (spawned by multiprocessing) under `pid`, depth first."""
     children: dict[int, list[int]] = {}
@@ -80,7 +70,7 @@ def test_layout_server_equals_one_rank(tiny_dir, tmp_path, reference_texts, name
     srv = LiveServer(tiny_dir, *_layout_flags(flags), *_server_flags(tp, blocks), log_path=log)
     try:
         assert run_http(srv.url, data_parallel=dp > 1) == reference_texts
-        m = _wait_idle(srv)
+        m = srv.wait_idle()
         assert m["m3serve:num_preemptions_total"] > 0 and m["m3serve:prefix_cache_hits_total"] >= 32
         assert len(_descendants(srv.proc.pid)) == tp * dp      # one process per rank
     finally:
@@ -130,7 +120,7 @@ def test_four_hosts(tiny_dir, tmp_path, reference_texts):
         srv = LiveServer(tiny_dir, "--node-rank", "0", *common, log_path=tmp_path / "node0.log")
         try:
             assert run_http(srv.url, data_parallel=True) == reference_texts
-            _wait_idle(srv)
+            srv.wait_idle()
         finally:
             srv.stop()
         for n, node in zip((1, 2, 3), nodes):      # the others end when node 0 shuts the engine down

@@ -21,7 +21,7 @@ def test_vllm_flag_names():
                  "--distributed-executor-backend", "mp"]).parallel
     assert (p.tensor_parallel_size, p.data_parallel_size, p.enable_expert_parallel) == (8, 2, True)
     assert (p.nnodes, p.node_rank, p.master_addr, p.master_port) == (2, 1, "10.0.0.1", 29600)
-    assert p.world_size == 16 and p.ranks_per_node == 8 and p.uses_processes
+    assert p.world_size == 16 and p.layout.per_node == 8 and p.uses_processes
 
 
 def test_torchrun_variables_are_defaults(monkeypatch):
