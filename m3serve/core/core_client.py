@@ -50,6 +50,7 @@ class EngineCoreClient:
         self.book = ReplicaBook(config.parallel.data_parallel_size)
         self._queues: dict[str, asyncio.Queue] = {}        # child request id -> its parent's queue
         self._pending_adds: dict[str, asyncio.Future] = {}
+        self._outbox: dict[int, list[protocol.AddRequests]] = {}   # replica -> admissions to send
         # query id -> (future, answers so far by replica)
         self._pending_stats: dict[int, tuple[asyncio.Future, dict[int, EngineStats]]] = {}
         self._pending_states: dict[int, tuple[asyncio.Future, dict[int, protocol.EngineState]]] = {}
@@ -134,12 +135,12 @@ class EngineCoreClient:
         verdict = asyncio.get_running_loop().create_future()
         self._pending_adds[parent_id] = verdict
         try:
-            self._send(replica, protocol.AddRequests(parent_id, requests))
+            self._queue_add(replica, protocol.AddRequests(parent_id, requests))
             result: protocol.AddResult = await verdict
-        except zmq.ZMQError as e:
+        except EngineError:
             self._pending_adds.pop(parent_id, None)
             self._forget(ids)
-            raise EngineError(f"could not reach the engine: {e}") from None
+            raise
         except BaseException:
             self._pending_adds.pop(parent_id, None)
             self.abort(ids)
@@ -194,9 +195,31 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------------ internals
 
+    def _queue_add(self, replica: int, message: protocol.AddRequests) -> None:
+        """Admissions made in one turn of the event loop (the prompts of one request, or
+        requests arriving together) leave as one multipart message per replica, which the
+        engine admits before its next step."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush_adds)
+        self._outbox.setdefault(replica, []).append(message)
+
+    def _flush_adds(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for replica, messages in outbox.items():
+            try:
+                self._pushes[replica].send_multipart([protocol.encode(m) for m in messages], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                for m in messages:
+                    future = self._pending_adds.pop(m.parent_id, None)
+                    if future is not None and not future.done():
+                        future.set_exception(EngineError(f"could not reach the engine: {e}"))
+
     def _send(self, replica: int, message) -> None:
         # A sync PUSH socket: a send only queues, so aborts can go out from `finally` blocks
-        # of cancelled tasks without awaiting.
+        # of cancelled tasks without awaiting. Queued admissions go first, so that an abort
+        # never overtakes the admission it cancels.
+        if self._outbox:
+            self._flush_adds()
         self._pushes[replica].send(protocol.encode(message), zmq.NOBLOCK)
 
     async def _output_loop(self) -> None:

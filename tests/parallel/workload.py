@@ -82,8 +82,11 @@ def run_http(url: str, data_parallel: bool = False) -> list[str]:
     texts = []
     with ThreadPoolExecutor(8) as pool:
         for wave in waves():
-            for answer in list(pool.map(lambda pq: complete(*pq), wave)):
-                texts.append(answer["choices"][0]["text"])
+            if all(params == wave[0][1] for _, params in wave):   # one request, all its prompts
+                answer = complete([p for p, _ in wave], wave[0][1])
+                texts += [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+            else:                                                  # one request each, at once
+                texts += [a["choices"][0]["text"] for a in pool.map(lambda pq: complete(*pq), wave)]
             if len(wave) == 1 and not data_parallel:
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     return texts

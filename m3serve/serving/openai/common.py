@@ -57,19 +57,17 @@ def usage_block(states: list[RequestState]) -> dict:
 
 
 async def admit(streams: list[AsyncIterator[RequestState]]) -> list[AsyncIterator[RequestState]]:
-    """Advance each stream to its admission point (ServingEngine.generate's first yield), so an
-    engine refusal raises here, before any response is sent. On a refusal the streams already
-    admitted are closed (their requests aborted)."""
-    admitted = []
-    try:
-        for stream in streams:
-            await stream.__anext__()
-            admitted.append(stream)
-    except BaseException:
+    """Advance every stream to its admission point (ServingEngine.generate's first yield) at
+    once, so a request's prompts reach the engine together (one message) and an engine refusal
+    raises here, before any response is sent. On a refusal every stream is closed (their
+    requests aborted)."""
+    results = await asyncio.gather(*(stream.__anext__() for stream in streams), return_exceptions=True)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
         for stream in streams:
             await stream.aclose()
-        raise
-    return admitted
+        raise failure
+    return list(streams)
 
 
 class ClientDisconnected(Exception):
