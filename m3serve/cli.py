@@ -35,6 +35,12 @@ def cmd_serve(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
+    if args.draft is not None:
+        from m3serve.spec.tiny_drafts import make_draft
+
+        path = make_draft(args.dir, args.draft, args.target, seed=args.seed, weights=not args.no_weights)
+        print(f"wrote a random {args.draft} draft checkpoint to {path}")
+        return 0
     from m3serve.model.tiny import make_tiny
 
     path = make_tiny(args.dir, seed=args.seed)
@@ -72,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--draft", default=None, choices=("eagle3", "eagle3-gqa", "mtp"),
+                      help="write a random draft checkpoint for --target instead")
+    tiny.add_argument("--target", default=None, help="the target checkpoint the draft is sized for "
+                                                      "(default: the embedded tiny model)")
+    tiny.add_argument("--no-weights", action="store_true", help="config.json only (use --load-format dummy)")
     tiny.set_defaults(func=cmd_make_tiny)
 
     bench = sub.add_parser("bench", help="benchmarks")

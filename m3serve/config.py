@@ -188,6 +188,87 @@ class CompilationConfig:
             object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
 
 
+_SPEC_METHODS = ("eagle3", "mtp")
+_SPEC_NOT_APPLICABLE = ("attention_backend", "use_local_argmax_reduction")   # recipes set these
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` JSON (or `LLM(speculative_config={...})`), vLLM's keys:
+    method (eagle3 | mtp), model (the draft; MTP: default the target checkpoint),
+    num_speculative_tokens (k), draft_tensor_parallel_size (1 = the draft replicated on every
+    rank, or the target's TP), rejection_sample_method (standard | synthetic),
+    synthetic_acceptance_length (with synthetic: mean tokens emitted per verify step, 1..k+1).
+    The parsed values are the attributes below; None = speculation off."""
+    speculative_config: str | dict | None = None
+
+    def __post_init__(self):
+        raw = self.speculative_config
+        values = dict(method=None, model=None, num_speculative_tokens=0, draft_tensor_parallel_size=None,
+                      rejection_sample_method="standard", synthetic_acceptance_length=None,
+                      not_applicable={})
+        if raw is not None:
+            values.update(_parse_speculative(raw))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+def _parse_speculative(raw) -> dict:
+    import json
+
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not valid JSON ({e}): {raw!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {raw!r}")
+    raw = dict(raw)
+    known = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
+             "rejection_sample_method", "synthetic_acceptance_length")
+    unknown = sorted(set(raw) - set(known) - set(_SPEC_NOT_APPLICABLE))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {unknown} (known: {list(known)})")
+    out = {"not_applicable": {k: raw.pop(k) for k in _SPEC_NOT_APPLICABLE if k in raw}}
+    method = raw.get("method")
+    if method not in _SPEC_METHODS:
+        raise ValueError(f"speculative_config.method must be one of {list(_SPEC_METHODS)}, got {method!r}")
+    model = raw.get("model")
+    if method == "eagle3" and not model:
+        raise ValueError("speculative_config.model (the EAGLE3 draft: a directory or hub id) is required "
+                         "with method 'eagle3'")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"speculative_config.model must be a path or hub id, got {model!r}")
+    k = raw.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+    draft_tp = raw.get("draft_tensor_parallel_size")
+    if draft_tp is not None and (isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1):
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size must be a positive integer, "
+                         f"got {draft_tp!r}")
+    rule = raw.get("rejection_sample_method", "standard")
+    if rule not in ("standard", "synthetic"):
+        raise ValueError(f"speculative_config.rejection_sample_method must be 'standard' or 'synthetic', "
+                         f"got {rule!r}")
+    length = raw.get("synthetic_acceptance_length")
+    if rule == "synthetic":
+        if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1.0 <= length <= k + 1:
+            raise ValueError(f"speculative_config.synthetic_acceptance_length must be a number in "
+                             f"[1, num_speculative_tokens + 1 = {k + 1}] with rejection_sample_method "
+                             f"'synthetic', got {length!r}")
+        length = float(length)
+    elif length is not None:
+        raise ValueError("speculative_config.synthetic_acceptance_length needs rejection_sample_method "
+                         "'synthetic' (it is a benchmarking mode, never on by default)")
+    out.update(method=method, model=model, num_speculative_tokens=k, draft_tensor_parallel_size=draft_tp,
+               rejection_sample_method=rule, synthetic_acceptance_length=length)
+    return out
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -195,6 +276,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

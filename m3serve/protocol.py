@@ -96,6 +96,12 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     num_steps: int = 0
     num_step_errors: int = 0
+    # speculative decoding (zeros when off); synthetic acceptance is a benchmarking mode
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
+    spec_synthetic_acceptance: bool = False
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

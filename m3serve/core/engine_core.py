@@ -27,7 +27,8 @@ class EngineCore:
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.kv_manager = KVCacheManager(executor.num_blocks, executor.block_size,
                                          enable_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
+                                   config.speculative.num_speculative_tokens)
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:

@@ -179,8 +179,12 @@ class ReplicaBook:
         total = EngineStats()
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_usable_blocks",
                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
-                     "num_step_errors"):
+                     "num_step_errors", "spec_num_drafts", "spec_num_draft_tokens",
+                     "spec_num_accepted_tokens"):
             setattr(total, name, sum(getattr(s, name) for s in stats))
+        total.spec_accepted_per_position = [sum(col) for col in zip(*(s.spec_accepted_per_position
+                                                                      for s in stats))]
+        total.spec_synthetic_acceptance = any(s.spec_synthetic_acceptance for s in stats)
         if total.num_usable_blocks:
             total.kv_cache_usage = 1.0 - total.num_free_blocks / total.num_usable_blocks
         return total

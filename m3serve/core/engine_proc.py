@@ -88,12 +88,18 @@ class EngineLoop:
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.core.scheduler, self.core.kv_manager
+        spec = scheduler.spec_stats
         return EngineStats(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             num_usable_blocks=kv.num_usable_blocks, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
-            num_steps=self.core.num_steps, num_step_errors=self.num_step_errors)
+            num_steps=self.core.num_steps, num_step_errors=self.num_step_errors,
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
+            spec_synthetic_acceptance=self.core.config.speculative.rejection_sample_method == "synthetic"
+            and self.core.config.speculative.enabled)
 
     def state(self, query_id: int) -> protocol.EngineState:
         scheduler, kv = self.core.scheduler, self.core.kv_manager

@@ -16,6 +16,28 @@ from m3serve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, 
                                            NewRequestData, SchedulerOutput)
 
 
+class SpecDecodeStats:
+    """Counts of verified drafts since start (vLLM's spec-decode counters)."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_drafts = 0             # verify steps of a request that had drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_position[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step: 1 + accepted drafts per step."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class Scheduler:
     """Plain CPU scheduler; its only product is a `SchedulerOutput` per step.
 
@@ -23,7 +45,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
-                 max_model_len: int):
+                 max_model_len: int, num_speculative_tokens: int = 0):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -37,6 +59,10 @@ class Scheduler:
         # req_id -> how many of the request's tokens the worker has been sent.
         self._num_tokens_sent: dict[str, int] = {}
         self.num_preemptions = 0  # over the scheduler's lifetime (metrics, tests)
+        # Speculation: drafts come from the worker; every allocation keeps k slots ahead, where
+        # the draft writes its KV while proposing.
+        self.num_lookahead_tokens = num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens)
 
     # ---------------------------------------------------------------- admission and abort
 
@@ -141,7 +167,8 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                new_block_ids = self.kv_manager.allocate_slots(request, num_new)
+                new_block_ids = self.kv_manager.allocate_slots(
+                    request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_block_ids is not None:
                     break
                 # Preempted requests always come from the tail, past index i: never one that
@@ -171,7 +198,8 @@ class Scheduler:
             else:
                 hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            new_block_ids = self.kv_manager.allocate_slots(request, num_new, num_hit, hit_blocks)
+            new_block_ids = self.kv_manager.allocate_slots(request, num_new, num_hit, hit_blocks,
+                                                           num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -236,7 +264,8 @@ class Scheduler:
             i = index[req_id]
             new_token_ids: list[int] = []
             # A partial prefill chunk has no next token yet: its sample is discarded.
-            if request.num_computed_tokens >= request.num_tokens:
+            caught_up = request.num_computed_tokens >= request.num_tokens
+            if caught_up:
                 sampled = model_runner_output.sampled_token_ids[i]
                 drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
                 if not 1 <= len(sampled) <= len(drafts) + 1:
@@ -244,6 +273,8 @@ class Scheduler:
                                        f"{len(drafts)} drafts")
                 # Rejected drafts' KV is stale; recompute from the first rejected position.
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                if drafts:
+                    self.spec_stats.record(len(drafts), len(sampled) - 1)
                 for token_id in sampled:
                     request.append_output_token_ids([token_id])
                     new_token_ids.append(token_id)
@@ -252,6 +283,9 @@ class Scheduler:
                         request.status = status
                         break
             self.kv_manager.cache_blocks(request, request.num_computed_tokens)
+            if caught_up and model_runner_output.spec_token_ids is not None and not request.is_finished:
+                request.spec_token_ids = self._usable_drafts(
+                    request, model_runner_output.spec_token_ids[i])
 
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
             if new_token_ids or request.is_finished or prompt_logprobs is not None:
@@ -272,6 +306,14 @@ class Scheduler:
                 request = self.requests[req_id]
                 self._finish(request, request.status)
         return outputs
+
+    def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """Drafts past max_tokens or the context are never verified: dropped."""
+        room = self.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        return list(drafts[:max(0, room - 1)])
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """Stop rules after appending `token_id`; sets stop_reason for a user stop token.

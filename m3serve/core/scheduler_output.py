@@ -99,6 +99,9 @@ class ModelRunnerOutput:
     """Per request, opaque to the scheduler and passed through to the EngineCoreOutput."""
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
     """req_id -> prompt logprobs of this step's chunk; opaque, passed through."""
+    spec_token_ids: list[list[int]] | None = None
+    """Per request, the draft tokens proposed for its next step ([] = none); None when the
+    engine does not speculate."""
 
 
 @dataclass

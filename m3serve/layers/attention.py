@@ -68,10 +68,10 @@ class Attention(nn.Module):
     """Self-attention of one layer: fused q/k/v(/index) projection, per-head Gemma QK norm,
     partial NeoX RoPE, cache writes, dense or MSA block-sparse paged attention, o_proj."""
 
-    def __init__(self, cfg, layer_id: int, tp: GroupInfo, dtype: torch.dtype):
+    def __init__(self, cfg, layer_id: int, tp: GroupInfo, dtype: torch.dtype, sparse: bool | None = None):
         super().__init__()
         self.cfg = cfg
-        self.is_sparse = cfg.is_sparse(layer_id)
+        self.is_sparse = cfg.is_sparse(layer_id) if sparse is None else sparse
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // tp.size
         self.num_kv_heads = kv_head_range(cfg.num_key_value_heads, tp)[1]

@@ -1,4 +1,5 @@
-"""Gemma-style RMSNorm (`y = x / rms(x) * (1 + w)`, fp32 inside, one cast out)."""
+"""RMSNorm: the target's Gemma form (`y = x / rms(x) * (1 + w)`) and the standard form of the
+EAGLE3 draft (`y = x / rms(x) * w`); fp32 inside, one cast out."""
 from __future__ import annotations
 
 import torch
@@ -22,3 +23,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, self.weight, self.eps)
+
+
+class StandardRMSNorm(nn.Module):
+    """`x / rms(x) * w` (Llama), computed in fp32, cast to x's dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = attach_loader(make_param((dim,), dtype), replicated_loader, [None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return y.to(x.dtype)

@@ -222,40 +222,45 @@ def load_config(model_dir: str | Path) -> M3Config:
 
 def canonical_shapes(cfg: M3Config) -> dict[str, tuple[int, ...]]:
     """Every text-model tensor of a checkpoint, canonical name -> full (unsharded) shape."""
-    H, D = cfg.hidden_size, cfg.head_dim
+    H = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,),
               "lm_head.weight": (cfg.vocab_size, H)}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "post_attention_layernorm.weight"] = (H,)
-        a = p + "self_attn."
-        shapes[a + "q_proj.weight"] = (cfg.num_attention_heads * D, H)
-        shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * D, H)
-        shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * D, H)
-        shapes[a + "o_proj.weight"] = (H, cfg.num_attention_heads * D)
-        shapes[a + "q_norm.weight"] = (D,)
-        shapes[a + "k_norm.weight"] = (D,)
-        if cfg.is_sparse(i):
-            Di = cfg.index_head_dim
-            shapes[a + "index_q_proj.weight"] = (cfg.index_n_heads * Di, H)
-            shapes[a + "index_k_proj.weight"] = (Di, H)
-            shapes[a + "index_q_norm.weight"] = (Di,)
-            shapes[a + "index_k_norm.weight"] = (Di,)
-        if cfg.is_moe(i):
-            m, I, S = p + "block_sparse_moe.", cfg.intermediate_size, cfg.shared_intermediate_size
-            shapes[m + "gate.weight"] = (cfg.num_local_experts, H)
-            shapes[m + "e_score_correction_bias"] = (cfg.num_local_experts,)
-            shapes[m + "shared_experts.gate_proj.weight"] = (S, H)
-            shapes[m + "shared_experts.up_proj.weight"] = (S, H)
-            shapes[m + "shared_experts.down_proj.weight"] = (H, S)
-            for e in range(cfg.num_local_experts):
-                shapes[f"{m}experts.{e}.w1.weight"] = (I, H)
-                shapes[f"{m}experts.{e}.w3.weight"] = (I, H)
-                shapes[f"{m}experts.{e}.w2.weight"] = (H, I)
-        else:
-            Id = cfg.dense_intermediate_size
-            shapes[p + "mlp.gate_proj.weight"] = (Id, H)
-            shapes[p + "mlp.up_proj.weight"] = (Id, H)
-            shapes[p + "mlp.down_proj.weight"] = (H, Id)
+        shapes.update(layer_shapes(cfg, f"model.layers.{i}.", cfg.is_sparse(i), cfg.is_moe(i)))
+    return shapes
+
+
+def layer_shapes(cfg: M3Config, p: str, sparse: bool, moe: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors of one decoder layer under prefix `p` (canonical names, full shapes)."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    shapes = {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+    a = p + "self_attn."
+    shapes[a + "q_proj.weight"] = (cfg.num_attention_heads * D, H)
+    shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * D, H)
+    shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * D, H)
+    shapes[a + "o_proj.weight"] = (H, cfg.num_attention_heads * D)
+    shapes[a + "q_norm.weight"] = (D,)
+    shapes[a + "k_norm.weight"] = (D,)
+    if sparse:
+        Di = cfg.index_head_dim
+        shapes[a + "index_q_proj.weight"] = (cfg.index_n_heads * Di, H)
+        shapes[a + "index_k_proj.weight"] = (Di, H)
+        shapes[a + "index_q_norm.weight"] = (Di,)
+        shapes[a + "index_k_norm.weight"] = (Di,)
+    if moe:
+        m, I, S = p + "block_sparse_moe.", cfg.intermediate_size, cfg.shared_intermediate_size
+        shapes[m + "gate.weight"] = (cfg.num_local_experts, H)
+        shapes[m + "e_score_correction_bias"] = (cfg.num_local_experts,)
+        shapes[m + "shared_experts.gate_proj.weight"] = (S, H)
+        shapes[m + "shared_experts.up_proj.weight"] = (S, H)
+        shapes[m + "shared_experts.down_proj.weight"] = (H, S)
+        for e in range(cfg.num_local_experts):
+            shapes[f"{m}experts.{e}.w1.weight"] = (I, H)
+            shapes[f"{m}experts.{e}.w3.weight"] = (I, H)
+            shapes[f"{m}experts.{e}.w2.weight"] = (H, I)
+    else:
+        Id = cfg.dense_intermediate_size
+        shapes[p + "mlp.gate_proj.weight"] = (Id, H)
+        shapes[p + "mlp.up_proj.weight"] = (Id, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, Id)
     return shapes

@@ -204,13 +204,15 @@ def dummy_weights(cfg: M3Config, seed: int, device) -> Iterator[tuple[str, str, 
 
 
 def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
-                    progress: bool = True) -> None:
+                    progress: bool = True, expected: dict | None = None, to_param=None) -> None:
     """Copy this rank's shards of canonical tensors into `model`. `entries` yields
-    (file name, original name, [(canonical name, tensor or LazyTensor)]). Every tensor of the
-    configuration must arrive exactly once with its expected shape, and every parameter shard
-    must be filled, else a ValueError names the tensor and `source`."""
+    (file name, original name, [(canonical name, tensor or LazyTensor)]). Every tensor of
+    `expected` (default: the configuration's checkpoint tensors) must arrive exactly once with
+    its expected shape, and every parameter shard must be filled, else a ValueError names the
+    tensor and `source`. `to_param` maps a canonical name to (parameter name, shard id)."""
     params = dict(model.named_parameters())
-    expected = canonical_shapes(cfg)
+    expected = canonical_shapes(cfg) if expected is None else expected
+    to_param = to_param or canonical_to_param
     seen: dict[str, str] = {}
     loaded: dict[str, set] = {name: set() for name in params}
     bar = tqdm(desc="Loading weights", unit="tensor") if progress else None
@@ -224,7 +226,7 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
             if tuple(t.shape) != expected[cname]:
                 raise ValueError(f"wrong shape for {where}: {tuple(t.shape)}, expected {expected[cname]}")
             seen[cname] = file_name
-            pname, shard = canonical_to_param(cname)
+            pname, shard = to_param(cname)
             param = params[pname]
             if shard not in param.required_shards:
                 continue  # another rank's expert

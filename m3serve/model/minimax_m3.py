@@ -26,12 +26,15 @@ from m3serve.model.config import M3Config
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: M3Config, layer_id: int, parallel: ParallelInfo, dtype):
+    """One decoder layer; `sparse_moe` builds an MSA + MoE layer whatever the layer schedule
+    says (the MTP modules' layer)."""
+
+    def __init__(self, cfg: M3Config, layer_id: int, parallel: ParallelInfo, dtype, sparse_moe: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer_id, parallel.tp, dtype)
-        self.is_moe = cfg.is_moe(layer_id)
+        self.self_attn = Attention(cfg, layer_id, parallel.tp, dtype, sparse=True if sparse_moe else None)
+        self.is_moe = sparse_moe or cfg.is_moe(layer_id)
         self.mlp = (MoE(cfg, parallel, dtype) if self.is_moe else
                     DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
                              cfg.swiglu_limit, parallel.tp, dtype))
@@ -153,14 +156,23 @@ class MiniMaxM3ForCausalLM(nn.Module):
             attn.kv_cache, attn.index_cache = kv, idx
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, taps: tuple[int, ...] = ()):
+        """-> final hidden states [T, H]; with `taps` (layer ids, ascending) also the residual
+        stream entering each of those layers, concatenated: [T, len(taps) * H] (EAGLE3's input)."""
         m = self.model
         x = m.embed_tokens(input_ids)
         cos, sin = m.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer in m.layers:
+        streams = []
+        for i, layer in enumerate(m.layers):
+            if i in taps:
+                stream = x if residual is None else x + residual
+                streams += [stream] * taps.count(i)
             x, residual = layer(x, residual, cos, sin, meta)
-        return add_rms_norm(x, residual, m.norm)[0]
+        hidden = add_rms_norm(x, residual, m.norm)[0]
+        if not taps:
+            return hidden
+        return hidden, torch.cat(streams, dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.gather(self.lm_head.local_logits(hidden))

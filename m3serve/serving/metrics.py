@@ -44,10 +44,24 @@ class _EngineCollector:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Preemptions of running sequences.", s.num_preemptions),
+            ("spec_decode_num_drafts", "Verify steps of sequences that had draft tokens.", s.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
         ):
             counter = CounterMetricFamily(f"m3serve:{metric}", doc, labels=labels)
             counter.add_metric(name, value)
             yield counter
+        per_pos = CounterMetricFamily("m3serve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=labels + ["position"])
+        for pos, value in enumerate(s.spec_accepted_per_position):
+            per_pos.add_metric(name + [str(pos)], value)
+        yield per_pos
+        synthetic = GaugeMetricFamily("m3serve:spec_decode_synthetic_acceptance",
+                                      "1 when drafts are accepted by a fixed synthetic rule "
+                                      "(benchmarks only: outputs are not the model's).", labels=labels)
+        synthetic.add_metric(name, 1.0 if s.spec_synthetic_acceptance else 0.0)
+        yield synthetic
 
 
 class ServerMetrics:

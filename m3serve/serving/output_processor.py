@@ -52,29 +52,36 @@ class SequenceState:
         return self.finish_reason is not None
 
     def update(self, out: EngineCoreOutput) -> bool:
-        """Apply one engine output. Returns True when a stop string ended the sequence here
-        (the caller must then abort it in the engine core)."""
+        """Apply one engine output (one token, or an accepted run of several). Returns True
+        when a stop string ended the sequence here (the caller must then abort it in the
+        engine core); tokens after the one that completed the stop string are dropped, so a
+        run cuts exactly where one-token-at-a-time decoding would."""
         self.num_cached_tokens = out.num_cached_tokens
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(to_position_logprobs(e, self.tokenizer) for e in out.new_prompt_logprobs)
-        self.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs and self.logprobs is not None:
-            for entry in out.new_logprobs:
-                self.logprobs.append(to_position_logprobs(entry, self.tokenizer))
-                self.cumulative_logprob += entry[1]
-        checked = len(self.text)
-        self.text += self.detok.add_tokens(out.new_token_ids)
-        if out.finished:
-            self.text += self.detok.finish()
         stops = self.params.stop
-        if stops:
-            at = find_stop(self.text, stops, checked)
-            if at is not None:
-                matched = next(s for s in stops if self.text.startswith(s, at))
-                end = at + len(matched) if self.params.include_stop_str_in_output else at
-                self.text = self.text[:end]
-                self.finish_reason, self.stop_reason = "stop", matched
-                return not out.finished
+        tokens = out.new_token_ids
+        # one token at a time when a stop string could end the run inside it
+        pieces = [[t] for t in tokens] if stops and len(tokens) > 1 else [tokens]
+        for n, piece in enumerate(pieces):
+            self.token_ids.extend(piece)
+            if out.new_logprobs and self.logprobs is not None:
+                for entry in out.new_logprobs[n:n + len(piece)] if len(pieces) > 1 else out.new_logprobs:
+                    self.logprobs.append(to_position_logprobs(entry, self.tokenizer))
+                    self.cumulative_logprob += entry[1]
+            checked = len(self.text)
+            self.text += self.detok.add_tokens(piece)
+            last = n == len(pieces) - 1
+            if out.finished and last:
+                self.text += self.detok.finish()
+            if stops:
+                at = find_stop(self.text, stops, checked)
+                if at is not None:
+                    matched = next(s for s in stops if self.text.startswith(s, at))
+                    end = at + len(matched) if self.params.include_stop_str_in_output else at
+                    self.text = self.text[:end]
+                    self.finish_reason, self.stop_reason = "stop", matched
+                    return not (out.finished and last)
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return False

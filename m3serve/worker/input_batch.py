@@ -51,9 +51,11 @@ class InputBatch:
     """Rows of every request this worker knows (running, or preempted and waiting to resume)."""
 
     def __init__(self, max_model_len: int, block_size: int, device: torch.device,
-                 capacity: int = 64, make_generators: bool = True):
+                 capacity: int = 64, make_generators: bool = True, extra_positions: int = 0):
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
-        self.max_blocks = -(-max_model_len // block_size)
+        # a draft writes KV up to extra_positions past the context (its lookahead)
+        self.max_blocks = -(-(max_model_len + extra_positions) // block_size)
+        self.extra_positions = extra_positions
         self.make_generators = make_generators   # only the rank that samples needs them
         self.req_ids: list[str] = []
         self.index: dict[str, int] = {}
@@ -65,8 +67,8 @@ class InputBatch:
         old = getattr(self, "num_tokens", None)
         self.capacity = capacity
         # Zero-filled pages are only touched when written, so a wide row costs what it holds.
-        # +1 column: a verify step may hold its drafts past the longest context.
-        width = self.max_model_len + 1
+        # Extra columns: a verify step may hold its drafts past the longest context.
+        width = self.max_model_len + 1 + self.extra_positions
         fresh = {
             "token_ids": np.zeros((capacity, width), dtype=np.int32),
             "num_tokens": np.zeros(capacity, dtype=np.int32),         # prompt + accepted outputs

@@ -39,20 +39,25 @@ class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, device: torch.device,
                  max_model_len: int, max_num_reqs: int, max_num_tokens: int,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
-                 seed: int = 0, is_driver: bool = True):
+                 seed: int = 0, is_driver: bool = True, sample_everywhere: bool = False,
+                 extra_positions: int = 0):
         self.model, self.cfg = model, model.cfg
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         self.max_model_len = max_model_len
         self.is_driver = is_driver
         self.vocab_size = self.cfg.vocab_size
+        # every rank samples when speculating (the proposer starts from the emitted tokens)
+        samples = is_driver or sample_everywhere
         self.batch = InputBatch(max_model_len, block_size, device, capacity=max_num_reqs,
-                                make_generators=is_driver)
+                                make_generators=samples, extra_positions=extra_positions)
         self.buffers = StepBuffers(max_num_reqs, max_num_tokens, self.batch.max_blocks, block_size, device)
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed)) if is_driver else None
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed)) if samples else None
         self.kv_cache_dtype = kv_cache_dtype or model.dtype
         self.index_cache_dtype = index_cache_dtype or model.dtype
         self.dp_exchange = model.parallel.dp.active
         self.graphs: DecodeGraphs | None = None
+        self.proposer = None          # spec.proposer.Proposer when speculating (set by the worker)
+        self.rejection = None         # spec.rejection.RejectionSampler, with the proposer
         self.record_selections: list | None = None   # tests: sparse layers append their choices
         self.hidden: torch.Tensor | None = None      # the last step's final hidden states
         self.num_graph_steps = self.num_eager_steps = 0
@@ -89,6 +94,8 @@ class ModelRunner:
                 self._forward(None, dp)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         batch = self.batch.schedule(so)
+        if self.proposer is not None:
+            return self._speculative_step(so, batch, dp)
         hidden, local, greedy = self._forward(batch, dp)
         sampled, logprobs = self._sample(batch, local, greedy)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
@@ -131,7 +138,7 @@ class ModelRunner:
         last = self.buffers.query_start_loc[1:batch.num_reqs + 1].long() - 1
         return hidden, self.model.lm_head.local_logits(hidden[last]), None
 
-    def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None) -> torch.Tensor:
+    def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None, taps: tuple[int, ...] = ()) -> torch.Tensor:
         if batch is None:                       # a padding forward: one token on the null page
             self.buffers.stage(None, self.batch, pad_to=1)
             n, t, decode, qsl, seq = 1, 1, True, [0, 1], [1]
@@ -142,7 +149,9 @@ class ModelRunner:
         ids, positions, meta = self.buffers.inputs(
             n, t, decode, qsl, seq, dp_padded_tokens=dp.num_tokens if dp is not None else 0,
             record_selections=self.record_selections)
-        self.hidden = self.model(ids, positions, meta)
+        out = self.model(ids, positions, meta, taps)
+        self.hidden, self.step_taps = out if taps else (out, None)
+        self.step_inputs = (ids, positions, meta)
         return self.hidden
 
     # ------------------------------------------------------------ sampling
@@ -220,3 +229,98 @@ class ModelRunner:
                     lp.token_ids.tolist(), lp.token_logprobs.tolist(), lp.token_ranks.tolist(),
                     lp.top_token_ids.tolist(), lp.top_logprobs.tolist())]
         return out
+
+    # ------------------------------------------------------------ speculative decoding
+
+    def _speculative_step(self, so: SchedulerOutput, batch: ScheduledBatch, dp: DPStep | None):
+        """Verify each request's drafts (its last num_drafts + 1 positions get target logits),
+        then propose the next drafts. Every rank samples (same generators and draws), so every
+        rank knows the emitted tokens the proposer starts from."""
+        from m3serve.spec.proposer import StepForDraft
+
+        b, R = self.batch, batch.num_reqs
+        drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in batch.req_ids]
+        num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=R)
+        hidden = self._eager(batch, dp, self.proposer.taps)
+        self.num_eager_steps += 1
+        ends = batch.query_start_loc[1:].astype(np.int64)
+        rows_per_req = num_drafts + 1
+        row_start = np.cumsum(rows_per_req) - rows_per_req                  # [R] in `local`
+        logit_rows = np.repeat(ends - rows_per_req - row_start, rows_per_req) + np.arange(rows_per_req.sum())
+        local = self.model.lm_head.local_logits(hidden[torch.from_numpy(logit_rows).to(hidden.device)])
+        done = batch.seq_lens >= b.num_tokens[batch.rows]
+        emitted = self._verify(batch, local, row_start, num_drafts, drafts, done)
+        # the proposer's start: each request's last verified position and the token after it
+        num_emitted = np.fromiter((max(1, len(e)) for e in emitted), dtype=np.int64, count=R)
+        last_index = ends - 1 - num_drafts + (num_emitted - 1)
+        start_pos = batch.seq_lens.astype(np.int64) - batch.num_scheduled
+        last_token = [e[-1] if e else int(b.token_ids[row, batch.seq_lens[i]])
+                      for i, (e, row) in enumerate(zip(emitted, batch.rows.tolist()))]
+        ids, positions, meta = self.step_inputs
+        dev = hidden.device
+        step = StepForDraft(
+            input_ids=ids, positions=positions, meta=meta,
+            hidden=self.step_taps if self.proposer.taps else hidden,
+            last_index=torch.from_numpy(last_index).to(dev),
+            last_token=torch.tensor(last_token, dtype=torch.int64, device=dev),
+            last_position_cpu=(start_pos + last_index - batch.query_start_loc[:-1]).tolist(),
+            block_tables=self.buffers.block_tables[:R])
+        proposals = self.proposer.propose(step).tolist()
+        self.batch.advance(batch)
+        if not self.is_driver:
+            return None
+        spec = [proposals[i] if done[i] and self._can_draft(row, len(emitted[i])) else []
+                for i, row in enumerate(batch.rows.tolist())]
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[e or [0] for e in emitted],
+                                 spec_token_ids=spec)
+
+    def _can_draft(self, row: int, num_emitted: int) -> bool:
+        """Drafts are verified by the plain rule: no penalties, no logprobs, min_tokens met."""
+        b = self.batch
+        outputs = int(b.num_tokens[row] - b.num_prompt_tokens[row]) + num_emitted
+        p = b.params[row]
+        return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0 and outputs >= p.min_tokens)
+
+    def _verify(self, batch: ScheduledBatch, local: torch.Tensor, row_start: np.ndarray,
+                num_drafts: np.ndarray, drafts: list[list[int]], done: np.ndarray) -> list[list[int]]:
+        """-> emitted tokens per request ([] for partial prefill chunks)."""
+        b, head = self.batch, self.model.lm_head
+        rows = batch.rows.tolist()
+        emitted: list[list[int]] = [[] for _ in rows]
+        if b.all_plain_greedy(batch.rows[done]) and self.rejection.method == "standard":
+            target = head.greedy(local).tolist()                              # collective
+            for i, n in enumerate(num_drafts.tolist()):
+                if not done[i]:
+                    continue
+                t = target[row_start[i]:row_start[i] + n + 1]
+                kept = 0
+                while kept < n and drafts[i][kept] == t[kept]:
+                    kept += 1
+                emitted[i] = t[:kept + 1]
+            return emitted
+        logits = head.gather(local)                                          # [N, V], collective
+        plain = [i for i in range(len(rows)) if done[i] and num_drafts[i] == 0]
+        verify = [i for i in range(len(rows)) if done[i] and num_drafts[i] > 0]
+        dev = logits.device
+        if plain:
+            params = [b.params[rows[i]] for i in plain]
+            sampling = SamplingMetadata.from_params(
+                params, [b.output_token_ids(rows[i]) for i in plain], [b.prompt_token_ids(rows[i]) for i in plain],
+                [b.generators[rows[i]] for i in plain], self.vocab_size, dev)
+            out = self.sampler(logits[torch.tensor(row_start[plain], device=dev)], sampling)
+            for i, token in zip(plain, out.sampled_token_ids.tolist()):
+                emitted[i] = [token]
+        if verify:
+            params = [b.params[rows[i]] for i in verify]
+            sampling = SamplingMetadata.from_params(
+                params, [b.output_token_ids(rows[i]) for i in verify], [b.prompt_token_ids(rows[i]) for i in verify],
+                [b.generators[rows[i]] for i in verify], self.vocab_size, dev)
+            k = max(num_drafts[verify].max(), 1)
+            padded = torch.tensor([drafts[i] + [0] * (k - len(drafts[i])) for i in verify], dtype=torch.int64,
+                                  device=dev)
+            tokens, counts = self.rejection(logits, torch.tensor(row_start[verify], device=dev),
+                                            torch.tensor(num_drafts[verify], device=dev), padded, sampling)
+            for i, t, c in zip(verify, tokens.tolist(), counts.tolist()):
+                emitted[i] = t[:c]
+        return emitted

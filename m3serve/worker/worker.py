@@ -59,6 +59,13 @@ class Worker:
         self.cache_specs = cache_group_specs(cfg, self.model.attention_layers[0].num_kv_heads,
                                              self.kv_dtype.itemsize, self.index_dtype.itemsize)
         self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
+        self.proposer = None
+        spec = config.speculative
+        if spec.enabled:
+            from m3serve.spec.proposer import Proposer
+            self.proposer = Proposer(spec, self.model, cfg, model_dir, parallel, self.device,
+                                     config.model.load_format, config.model.seed, self.max_model_len)
+            self.cache_specs += self.proposer.cache_specs(self.kv_dtype.itemsize, self.index_dtype.itemsize)
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
 
@@ -73,7 +80,7 @@ class Worker:
                              f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
         config = self.config
         sizes = []
-        if self.device.type == "cuda" and not config.compilation.enforce_eager:
+        if self.device.type == "cuda" and not config.compilation.enforce_eager and self.proposer is None:
             from m3serve.worker.cuda_graphs import default_capture_sizes
             sizes = list(config.compilation.cudagraph_capture_sizes
                          or default_capture_sizes(config.scheduler.max_num_seqs))
@@ -82,7 +89,17 @@ class Worker:
         self.runner = ModelRunner(
             self.model, self.block_size, num_blocks, self.device, self.max_model_len, max_reqs,
             max(config.scheduler.max_num_batched_tokens, max_reqs), kv_cache_dtype=self.kv_dtype,
-            index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver)
+            index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
+            sample_everywhere=self.proposer is not None,
+            extra_positions=config.speculative.num_speculative_tokens)
+        if self.proposer is not None:
+            from m3serve.spec.rejection import RejectionSampler
+            spec = config.speculative
+            self.proposer.allocate_caches(num_blocks, self.block_size, self.kv_dtype, self.index_dtype)
+            self.runner.proposer = self.proposer
+            self.runner.rejection = RejectionSampler(
+                spec.rejection_sample_method, spec.synthetic_acceptance_length, spec.num_speculative_tokens,
+                torch.Generator(device=self.device).manual_seed(config.model.seed + 1))
         if sizes:
             self.runner.capture_cuda_graphs(sizes)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,

@@ -1,0 +1,103 @@
+"""MiniMax-M3's multi-token-prediction modules as a draft: module m = `enorm`, `hnorm`,
+`eh_proj` [H, 2H], one MSA + MoE decoder layer with its own KV and index caches, and
+`final_layernorm`; the target's embedding and head.
+
+Forward of module m at position t:
+  e = embed(token[t+1]) (0 at position 0); z = eh_proj(concat(enorm(e), hnorm(h_prev[t])));
+  h_new = layer(z) (the un-normalised residual output); logits = lm_head(final_layernorm(h_new)).
+h_prev is the target's final hidden state on the proposer's first pass, the previous step's
+h_new after it; draft step s uses module s mod num_mtp_modules, so only modules
+0 .. min(k, M) - 1 are loaded.
+
+Tensors `mtp.layers.{m}.*` come bundled in the target checkpoint (prefix
+`language_model.model.`) or in a standalone checkpoint (prefix `model.`, `model_type`
+"minimax_m3_mtp"); the layer's tensors use the target's names and sharding.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from m3serve.distributed import ParallelInfo
+from m3serve.layers.attention_metadata import AttentionMetadata
+from m3serve.layers.linear import ReplicatedLinear
+from m3serve.layers.norm import RMSNorm
+from m3serve.model.config import M3Config, layer_shapes
+
+_MTP = re.compile(r"^(?:language_model\.model\.|model\.)?mtp\.layers\.(\d+)\.(.+)$")
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: M3Config, parallel: ParallelInfo, dtype):
+        super().__init__()
+        from m3serve.model.minimax_m3 import DecoderLayer
+
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(H, eps, dtype)
+        self.hnorm = RMSNorm(H, eps, dtype)
+        self.final_layernorm = RMSNorm(H, eps, dtype)
+        self.eh_proj = ReplicatedLinear(2 * H, H, dtype)
+        self.layer = DecoderLayer(cfg, 0, parallel, dtype, sparse_moe=True)
+
+    def forward(self, embeds: torch.Tensor, h_prev: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """embeds: [T, H] of the next tokens; h_prev: [T, H] -> h_new [T, H]."""
+        embeds = torch.where((positions == 0)[:, None], torch.zeros_like(embeds), embeds)
+        z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(h_prev)], dim=-1))
+        x, residual = self.layer(z, None, cos, sin, meta)
+        return x + residual
+
+
+class MTPDraft(nn.Module):
+    """The loaded modules (`modules[i]` is module i)."""
+
+    def __init__(self, cfg: M3Config, num_modules: int, parallel: ParallelInfo, dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.modules_ = nn.ModuleList(MTPModule(cfg, parallel, dtype) for _ in range(num_modules))
+
+    @property
+    def attention_layers(self):
+        return [m.layer.self_attn for m in self.modules_]
+
+
+def mtp_shapes(cfg: M3Config, num_modules: int) -> dict[str, tuple[int, ...]]:
+    H = cfg.hidden_size
+    shapes = {}
+    for m in range(num_modules):
+        p = f"modules_.{m}."
+        shapes.update({p + "enorm.weight": (H,), p + "hnorm.weight": (H,),
+                       p + "final_layernorm.weight": (H,), p + "eh_proj.weight": (H, 2 * H)})
+        shapes.update(layer_shapes(cfg, f"modules_.{m}.layer.", sparse=True, moe=True))
+    return shapes
+
+
+def canonical_mtp_names(name: str, tensor, num_modules: int):
+    """A checkpoint tensor -> [(canonical name, tensor)] for a loaded module, [] for another
+    module, None for a tensor that is not MTP's."""
+    from m3serve.model.loader import canonicalize
+
+    match = _MTP.match(name)
+    if not match:
+        return None
+    m, rest = int(match.group(1)), match.group(2)
+    if m >= num_modules:
+        return []
+    p = f"modules_.{m}."
+    if rest.startswith("transformer_layer."):
+        # the target's layer naming, canonicalised as if it were layer m of the target
+        pairs = canonicalize(f"model.layers.{m}." + rest[len("transformer_layer."):], tensor) or []
+        return [(p + "layer." + c[len(f"model.layers.{m}."):], t) for c, t in pairs]
+    return [(p + rest, tensor)]
+
+
+def mtp_to_param(name: str) -> tuple[str, object]:
+    from m3serve.model.loader import canonical_to_param
+
+    m = re.match(r"^modules_\.(\d+)\.layer\.(.+)$", name)
+    if not m:
+        return name, None
+    param, shard = canonical_to_param(f"model.layers.0.{m.group(2)}")
+    return f"modules_.{m.group(1)}.layer.{param[len('model.layers.0.'):]}", shard

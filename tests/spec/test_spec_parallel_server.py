@@ -1,0 +1,116 @@
+"""Speculation through the other front ends: `LLM` with TP 2 and with DP 2 + EP 2 (gloo CPU
+processes; every rank samples and proposes the same drafts), and `m3serve serve
+--speculative-config` (greedy texts equal speculation off; spec-decode counters in /metrics;
+the synthetic mode flagged there and logged loudly)."""
+import json
+
+import httpx
+import pytest
+
+from m3serve.llm import LLM
+from m3serve.sampling_params import SamplingParams
+from test_spec_engine import _prompts
+from serverutil import LiveServer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "dp2-ep2"])
+def test_parallel_speculation_is_lossless(tiny_dir, drafts, plain, layout):
+    spec = {"method": "eagle3", "model": str(drafts["eagle3-gqa"]), "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_dir), dtype="float32", speculative_config=spec, **layout)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain[0]
+        for state in llm.engine.engine_states():
+            assert state.num_free_blocks == state.num_usable_blocks and state.integrity_error is None
+            assert all(r["num_batch_rows"] == 0 for r in state.ranks)
+    finally:
+        llm.shutdown()
+
+
+def test_server_speculation(tiny_dir, drafts, plain, tmp_path):
+    spec = json.dumps({"method": "eagle3", "model": str(drafts["eagle3"]), "num_speculative_tokens": 3,
+                       "attention_backend": "FLASH_ATTN"})
+    srv = LiveServer(tiny_dir, "--dtype", "float32", "--speculative-config", spec, log_path=tmp_path / "s.log")
+    try:
+        body = {"model": "tiny", "prompt": _prompts(), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        assert texts == plain[1]
+        m = srv.wait_idle()
+        assert m["m3serve:spec_decode_num_drafts_total"] > 0
+        assert m["m3serve:spec_decode_num_draft_tokens_total"] >= 3 * m["m3serve:spec_decode_num_drafts_total"] - 30
+        assert m["m3serve:spec_decode_synthetic_acceptance"] == 0
+    finally:
+        srv.stop()
+    log = (tmp_path / "s.log").read_text()
+    assert "not applicable here, ignored" in log and "attention_backend" in log
+
+
+def test_server_synthetic_acceptance_is_flagged(tiny_dir, drafts, tmp_path):
+    spec = json.dumps({"method": "eagle3", "model": str(drafts["eagle3-gqa"]), "num_speculative_tokens": 3,
+                       "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.78})
+    srv = LiveServer(tiny_dir, "--speculative-config", spec, log_path=tmp_path / "syn.log")
+    try:
+        body = {"model": "tiny", "prompt": [[5, 6, 7]] * 8, "max_tokens": 60, "ignore_eos": True}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        m = srv.wait_idle()
+        assert m["m3serve:spec_decode_synthetic_acceptance"] == 1
+        mean = 1 + m["m3serve:spec_decode_num_accepted_tokens_total"] / m["m3serve:spec_decode_num_drafts_total"]
+        assert 2.3 < mean < 3.3          # ~150 verify steps around 2.78
+    finally:
+        srv.stop()
+    assert "SYNTHETIC ACCEPTANCE" in (tmp_path / "syn.log").read_text()
+
+
+@pytest.mark.parametrize("bad,words", [
+    ('{"method": "medusa", "num_speculative_tokens": 3}', "method must be one of"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "model (the EAGLE3 draft"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2}', "needs rejection_sample_method"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
+     '"synthetic_acceptance_length": 4}', "[1, num_speculative_tokens + 1 = 3]"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "typo_key": 1}', "unknown key(s) ['typo_key']"),
+    ('not json', "not valid JSON"),
+])
+def test_bad_speculative_config(bad, words):
+    from m3serve.config import SpeculativeConfig
+
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig(bad)
+    assert words in str(e.value)
+
+
+def test_draft_checkpoint_errors_name_the_tensor(tiny_dir, drafts, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(drafts["eagle3"], broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["midlayer.self_attn.o_proj.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    save_file(tensors, str(broken / "model.safetensors"))
+    spec = {"method": "eagle3", "model": str(broken), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"wrong shape for tensor 'midlayer.self_attn.o_proj.weight' in model.safetensors"):
+        LLM(str(tiny_dir), speculative_config=spec)
+    del tensors["midlayer.self_attn.o_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"is missing tensor\(s\) \['layers.0.self_attn.o_proj.weight'\]"):
+        LLM(str(tiny_dir), speculative_config=spec)
+    tensors["midlayer.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'midlayer.extra.weight'"):
+        LLM(str(tiny_dir), speculative_config=spec)
