@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from m3serve.engine_args import add_engine_args, engine_kwargs
 
@@ -40,6 +41,14 @@ def cmd_make_tiny(args) -> int:
 
         path = make_draft(args.dir, args.draft, args.target, seed=args.seed, weights=not args.no_weights)
         print(f"wrote a random {args.draft} draft checkpoint to {path}")
+        if args.train_steps:
+            if not args.draft.startswith("eagle3"):
+                raise ValueError("--train-steps distils EAGLE3 drafts only")
+            from m3serve.model.files import model_directory
+            from m3serve.spec.distill import distill_eagle3
+            report = distill_eagle3(path, Path(args.target) if args.target else model_directory(None),
+                                    args.train_steps, seed=args.seed)
+            print(f"distilled it from the target's greedy outputs: {report}")
         return 0
     from m3serve.model.tiny import make_tiny
 
@@ -83,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--target", default=None, help="the target checkpoint the draft is sized for "
                                                       "(default: the embedded tiny model)")
     tiny.add_argument("--no-weights", action="store_true", help="config.json only (use --load-format dummy)")
+    tiny.add_argument("--train-steps", type=int, default=0,
+                      help="EAGLE3: distil the draft from the target's greedy outputs for this many epochs")
     tiny.set_defaults(func=cmd_make_tiny)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -128,6 +128,9 @@ class EngineState(msgspec.Struct, tag="state"):
     ranks: list[dict[str, Any]]
     num_preemptions: int = 0
     prefix_cache_hits: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

@@ -41,6 +41,28 @@ def _count(ids: torch.Tensor | None) -> float:
     return float(torch.unique(ids).numel()) if ids is not None else 0.0
 
 
+def _spec_counts(llm) -> tuple[int, int, int] | None:
+    """(verify steps with drafts, draft tokens, accepted tokens) so far; None without drafts."""
+    if not llm.engine.config.speculative.enabled:
+        return None
+    if llm.engine.core is not None:
+        st = llm.engine.core.scheduler.spec_stats
+        return st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens
+    states = llm.engine.engine_states()
+    return (sum(s.spec_num_drafts for s in states), sum(s.spec_num_draft_tokens for s in states),
+            sum(s.spec_num_accepted_tokens for s in states))
+
+
+def _spec_figures(llm, before) -> dict:
+    """Mean acceptance length (tokens per verify step) of the measured runs."""
+    after = _spec_counts(llm)
+    if before is None or after is None:
+        return {}
+    drafts, tokens, accepted = (a - b for a, b in zip(after, before))
+    return {"spec_verify_steps": drafts, "spec_draft_tokens": tokens,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
+
+
 def _expected_experts(cfg, tokens: int) -> list[float]:
     """E x (1 - (1 - k/E)^tokens) per MoE layer: distinct experts of balanced random routing."""
     E, k = cfg.num_local_experts, cfg.num_experts_per_tok
@@ -88,6 +110,7 @@ def main(args) -> list[dict]:
         llm.generate(prompts(), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
                      use_tqdm=False)
         jit_before = compiled_variants()
+        spec_before = _spec_counts(llm)
         batch = prompts()
         sync(); a = time.perf_counter()
         llm.generate(batch, one, use_tqdm=False)
@@ -142,7 +165,8 @@ def main(args) -> list[dict]:
                "jit_compiles_measured": compiled_variants() - jit_before,
                "graph_steps": runner.num_graph_steps if runner else None,
                "eager_steps": runner.num_eager_steps if runner else None,
-               "experts_measured": bool(expert_ids) or in_process}
+               "experts_measured": bool(expert_ids) or in_process,
+               **_spec_figures(llm, spec_before)}
         results.append(row)
         print(json.dumps(row), flush=True)
     return results

@@ -285,9 +285,11 @@ async def benchmark(*, api_url: str, model: str, requests: list[SampleRequest],
             raise RuntimeError(f"all {len(warm)} warm-up requests failed; first error: "
                                f"{warm[0].error}")
     pbar = None if disable_tqdm else tqdm(total=len(requests), desc="requests")
+    spec_before = await spec_decode_counters(api_url, headers or {})
     start = time.perf_counter()
     records = await _run_requests(target, requests, offsets, max_concurrency, pbar)
     duration = time.perf_counter() - start
+    spec_after = await spec_decode_counters(api_url, headers or {})
     if pbar is not None:
         pbar.close()
     result = compute_metrics(records, duration, percentiles=percentiles,
@@ -300,9 +302,58 @@ async def benchmark(*, api_url: str, model: str, requests: list[SampleRequest],
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
         "burstiness": burstiness,
     })
+    if spec_before is not None and spec_after is not None:
+        result.update(spec_decode_summary(spec_before, spec_after))
     if show_summary:
         print_summary(result, percentiles, percentile_metrics)
     return result
+
+
+_SPEC_PREFIXES = ("m3serve:spec_decode_", "vllm:spec_decode_")
+
+
+async def spec_decode_counters(api_url: str, headers: dict) -> dict | None:
+    """The server's spec-decode counters from its Prometheus /metrics (our names or vLLM's),
+    summed over label sets; per-position counts under "per_pos". None when the server reports
+    none (speculation off) or has no /metrics."""
+    import httpx
+
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(api_url)
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            text = (await client.get(f"{parts.scheme}://{parts.netloc}/metrics", headers=headers)).text
+    except httpx.HTTPError:
+        return None
+    out: dict = {"per_pos": {}}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(_SPEC_PREFIXES):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0].split("spec_decode_", 1)[1].removesuffix("_total")
+        if name == "num_accepted_tokens_per_pos":
+            pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+        else:
+            out[name] = out.get(name, 0.0) + float(value)
+    return out if "num_drafts" in out else None
+
+
+def spec_decode_summary(before: dict, after: dict) -> dict:
+    """The run's spec-decode figures from two counter snapshots (vLLM bench serve's names)."""
+    def diff(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafts, tokens, accepted = diff("num_drafts"), diff("num_draft_tokens"), diff("num_accepted_tokens")
+    positions = sorted(after["per_pos"])
+    return {"spec_decode_num_drafts": int(drafts), "spec_decode_num_draft_tokens": int(tokens),
+            "spec_decode_num_accepted_tokens": int(accepted),
+            "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
+            "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_acceptance_per_position": [
+                (after["per_pos"][p] - before["per_pos"].get(p, 0.0)) / drafts if drafts else 0.0
+                for p in positions]}
 
 
 def print_summary(result: dict, percentiles=DEFAULT_PERCENTILES,
@@ -344,6 +395,15 @@ def print_summary(result: dict, percentiles=DEFAULT_PERCENTILES,
         for p in percentiles:
             key = percentile_key(p)
             row(f"{key.upper()} {short} (ms):", result[f"{key}_{name}_ms"])
+    if result.get("spec_decode_num_drafts"):
+        print("{:-^60}".format("Speculative Decoding"))
+        row("Acceptance rate (%):", result["spec_decode_acceptance_rate"] * 100)
+        row("Acceptance length:", result["spec_decode_acceptance_length"])
+        row("Drafts:", result["spec_decode_num_drafts"], "")
+        row("Draft tokens:", result["spec_decode_num_draft_tokens"], "")
+        row("Accepted tokens:", result["spec_decode_num_accepted_tokens"], "")
+        for pos, rate in enumerate(result["spec_decode_acceptance_per_position"]):
+            row(f"Acceptance at position {pos}:", rate, ".3f")
     print("=" * 60)
 
 

@@ -108,7 +108,9 @@ class EngineLoop:
             num_waiting=scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
             num_usable_blocks=kv.num_usable_blocks, integrity_error=self.core.integrity_error(),
             ranks=self.core.executor.describe(), num_preemptions=scheduler.num_preemptions,
-            prefix_cache_hits=kv.prefix_cache_hits)
+            prefix_cache_hits=kv.prefix_cache_hits, spec_num_drafts=scheduler.spec_stats.num_drafts,
+            spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens)
 
 
 def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:

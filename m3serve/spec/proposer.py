@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from m3serve.core.kv_cache.specs import CacheGroupSpec

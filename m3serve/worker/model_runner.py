@@ -105,15 +105,16 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[[t] for t in sampled],
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
-    def forward_hidden(self, so: SchedulerOutput) -> torch.Tensor:
-        """Apply one step and return the final hidden states of all its tokens [T, H]
-        (eager, no sampling): the model seen through the engine's own batch path, for tests."""
+    def forward_hidden(self, so: SchedulerOutput, taps: tuple[int, ...] = ()):
+        """Apply one step and return the final hidden states of all its tokens [T, H] (with
+        `taps`: also the tapped streams [T, len(taps) * H]), eager, no sampling: the model seen
+        through the engine's own batch path, for tests and draft distillation."""
         with torch.inference_mode():
             self.batch.apply(so)
             batch = self.batch.schedule(so)
-            hidden = self._eager(batch, None)
+            hidden = self._eager(batch, None, taps)
             self.batch.advance(batch)
-        return hidden
+        return (hidden, self.step_taps) if taps else hidden
 
     def _graph_size(self, batch: ScheduledBatch | None, dp: DPStep | None) -> int | None:
         if self.graphs is None:
