@@ -24,6 +24,10 @@ _PREFILL_WARPS = 8
 _PREFILL_STAGES = 3
 # Sparse multi-token batches: query tiles over the union of their blocks (False = per-token).
 _SPARSE_PREFILL_TILED = True
+# Steps whose queries are at most this many tokens per request (decode; the verify step of
+# speculative decoding, k + 1 tokens) run one program per token with split-K over the context,
+# so long contexts stay parallel; longer queries take the tiled prefill kernel.
+TOKEN_KERNEL_MAX_QUERY = 8
 _PROGRAMS_PER_SM = 2          # split-K aims for this many programs per SM
 _MIN_KEYS_PER_SPLIT = 256     # below this the partial-output traffic outweighs the parallelism
 _MAX_SPLITS = 64
@@ -350,7 +354,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
               out.stride(0), out.stride(1), block_tables.stride(0))
     sparse = block_ids is not None
-    if max_query_len <= 1 or (sparse and not _SPARSE_PREFILL_TILED):
+    if max_query_len <= TOKEN_KERNEL_MAX_QUERY or (sparse and not _SPARSE_PREFILL_TILED):
         block_n = min(bs, _DECODE_BLOCK_N)
         if sparse:
             topk = block_ids.shape[2]

@@ -140,7 +140,7 @@ def distill_eagle3(draft_dir: Path, target_dir: Path, steps: int, seed: int = 0,
 def _save_eagle3(draft, draft_ids: torch.Tensor, cfg, path: Path) -> None:
     from safetensors.torch import save_file
 
-    H, D = cfg.hidden_size, cfg.head_dim
+    D = cfg.head_dim
     q_rows, kv_rows = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
     w = {n: p.detach().to(torch.bfloat16) for n, p in draft.named_parameters() if p.dtype.is_floating_point}
     qkv = w.pop("qkv_proj.weight")

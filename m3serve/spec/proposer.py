@@ -45,6 +45,7 @@ class Proposer:
         self.method, self.k = spec.method, spec.num_speculative_tokens
         self.target, self.target_cfg, self.device = target, target_cfg, device
         self.max_model_len = max_model_len
+        self.block_size = target_cfg.index_block_size
         draft_tp = spec.draft_tensor_parallel_size or parallel.tp.size
         if draft_tp not in (1, parallel.tp.size):
             raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 or the target's "
@@ -113,27 +114,37 @@ class Proposer:
         such as partial prefill chunks, get tokens that the caller discards)."""
         next_ids = torch.roll(step.input_ids.long(), -1)
         next_ids[step.last_index] = step.last_token
+        token, prev = self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index)
+        return self.draft_steps(token, prev, step.positions[step.last_index], step.block_tables,
+                                step.last_position_cpu)
+
+    def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   hidden: torch.Tensor, last_index: torch.Tensor):
+        """The draft over every token of the step (writing its KV) -> (first draft token [R],
+        the draft hidden state at each request's last verified position [R, H])."""
         embeds = self._embed(next_ids)
         head = self.target.lm_head
-        rotary = self.target.model.rotary
         if self.method == "eagle3":
-            out, prenorm = self.draft(embeds, self.draft.combine(step.hidden), step.positions, step.meta)
-            tokens = [self.draft.next_tokens(out[step.last_index], head)]
-            prev = prenorm[step.last_index]
-        else:
-            module = self.draft.modules_[0]
-            cos, sin = rotary.cos_sin(step.positions, embeds.dtype)
-            h_new = module(embeds, step.hidden, step.positions, cos, sin, step.meta)
-            last = h_new[step.last_index]
-            tokens = [head.greedy(head.local_logits(module.final_layernorm(last)))]
-            prev = last
-        R = step.last_index.shape[0]
-        positions = step.positions[step.last_index]
-        cpu_positions = list(step.last_position_cpu)
+            out, prenorm = self.draft(embeds, self.draft.combine(hidden), positions, meta)
+            return self.draft.next_tokens(out[last_index], head), prenorm[last_index]
+        module = self.draft.modules_[0]
+        cos, sin = self.target.model.rotary.cos_sin(positions, embeds.dtype)
+        last = module(embeds, hidden, positions, cos, sin, meta)[last_index]
+        return head.greedy(head.local_logits(module.final_layernorm(last))), last
+
+    def draft_steps(self, token: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor,
+                    block_tables: torch.Tensor, cpu_positions: list[int] | None = None) -> torch.Tensor:
+        """k - 1 one-token draft steps from (token, hidden state, position) per request ->
+        drafts [R, k]. `cpu_positions` (positions on the host) bound the reference ops; without
+        them (CUDA graphs) the kernels run to the context limit."""
+        head = self.target.lm_head
+        rotary = self.target.model.rotary
+        tokens = [token]
         for i in range(1, self.k):
             positions = positions + 1
-            cpu_positions = [p + 1 for p in cpu_positions]
-            meta = self._decode_meta(positions, step.block_tables, cpu_positions)
+            if cpu_positions is not None:
+                cpu_positions = [p + 1 for p in cpu_positions]
+            meta = self._decode_meta(positions, block_tables, cpu_positions)
             embeds = self._embed(tokens[-1])
             if self.method == "eagle3":
                 out, prev = self.draft(embeds, prev, positions, meta)
@@ -143,20 +154,19 @@ class Proposer:
                 cos, sin = rotary.cos_sin(positions, embeds.dtype)
                 prev = module(embeds, prev, positions, cos, sin, meta)
                 tokens.append(head.greedy(head.local_logits(module.final_layernorm(prev))))
-        return torch.stack(tokens, dim=1) if R else torch.zeros(0, self.k, dtype=torch.int64)
+        return torch.stack(tokens, dim=1)
 
     def _decode_meta(self, positions: torch.Tensor, block_tables: torch.Tensor,
-                     cpu_positions: list[int]) -> AttentionMetadata:
-        R = positions.shape[0]
+                     cpu_positions: list[int] | None) -> AttentionMetadata:
+        R, bs = positions.shape[0], self.block_size
         seq_lens = (positions + 1).to(torch.int32)
         qsl = torch.arange(R + 1, dtype=torch.int32, device=positions.device)
-        _, slots = positions_and_slots(qsl, seq_lens, block_tables, R,
-                                       self.target.model.layers[0].self_attn.kv_cache.shape[2], True)
+        _, slots = positions_and_slots(qsl, seq_lens, block_tables, R, bs, True)
+        seq_cpu = [p + 1 for p in cpu_positions] if cpu_positions is not None else [1] * R
+        max_seq = max(seq_cpu, default=1) if cpu_positions is not None else self.max_model_len + self.k
         return AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables,
                                  slot_mapping=slots, query_start_loc_cpu=list(range(R + 1)),
-                                 seq_lens_cpu=[p + 1 for p in cpu_positions],
-                                 block_size=self.target.model.layers[0].self_attn.kv_cache.shape[2],
-                                 max_query_len=1, max_seq_len=max(cpu_positions, default=0) + 1)
+                                 seq_lens_cpu=seq_cpu, block_size=bs, max_query_len=1, max_seq_len=max_seq)
 
 
 # ---------------------------------------------------------------- loading

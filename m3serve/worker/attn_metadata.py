@@ -56,13 +56,16 @@ class StepBuffers:
         # the host copy of the previous step may still be in flight when the next one is staged
         self._copied = torch.cuda.Event() if cuda else None
 
-    def stage(self, batch: ScheduledBatch | None, input_batch: InputBatch, pad_to: int = 0) -> int:
-        """Write a step's inputs (None: no requests) plus padding rows up to `pad_to` requests,
-        and start the copy to the device. Returns the number of rows staged."""
+    def stage(self, batch: ScheduledBatch | None, input_batch: InputBatch, pad_to: int = 0,
+              pad_query_len: int = 1) -> int:
+        """Write a step's inputs (None: no requests) plus padding rows up to `pad_to` requests
+        (`pad_query_len` tokens each), and start the copy to the device. Returns the number of
+        rows staged."""
         n = batch.num_reqs if batch is not None else 0
         rows_total = max(n, pad_to)
         t = batch.num_tokens if batch is not None else 0
-        tokens_total = t + (rows_total - n)
+        q = pad_query_len
+        tokens_total = t + (rows_total - n) * q
         if rows_total > self.max_reqs or tokens_total > self.max_tokens:
             raise RuntimeError(f"step of {rows_total} requests / {tokens_total} tokens exceeds the "
                                f"input buffers ({self.max_reqs} / {self.max_tokens})")
@@ -80,9 +83,9 @@ class StepBuffers:
             np.take(input_batch.block_table, batch.rows, axis=0, out=table[:n])
         else:
             qsl[0] = 0
-        if rows_total > n:                  # padding: one token each, on the null page
-            seq[n:] = 1
-            qsl[n + 1:] = t + np.arange(1, rows_total - n + 1, dtype=np.int32)
+        if rows_total > n:                  # padding: q tokens each, on the null page
+            seq[n:] = q
+            qsl[n + 1:] = t + q * np.arange(1, rows_total - n + 1, dtype=np.int32)
             tok[t:] = 0
             table[n:, 0] = 0
         end = self._bt + rows_total * self.max_blocks

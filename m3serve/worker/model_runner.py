@@ -57,6 +57,7 @@ class ModelRunner:
         self.dp_exchange = model.parallel.dp.active
         self.graphs: DecodeGraphs | None = None
         self.proposer = None          # spec.proposer.Proposer when speculating (set by the worker)
+        self.spec_graphs = None       # worker.spec_graphs.SpecDecodeGraphs, with the proposer on a GPU
         self.rejection = None         # spec.rejection.RejectionSampler, with the proposer
         self.record_selections: list | None = None   # tests: sparse layers append their choices
         self.hidden: torch.Tensor | None = None      # the last step's final hidden states
@@ -239,6 +240,9 @@ class ModelRunner:
         rank knows the emitted tokens the proposer starts from."""
         from m3serve.spec.proposer import StepForDraft
 
+        size = self._spec_graph_size(so, batch, dp)
+        if size is not None:
+            return self._speculative_graph_step(so, batch, size)
         b, R = self.batch, batch.num_reqs
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in batch.req_ids]
         num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=R)
@@ -267,6 +271,10 @@ class ModelRunner:
             last_position_cpu=(start_pos + last_index - batch.query_start_loc[:-1]).tolist(),
             block_tables=self.buffers.block_tables[:R])
         proposals = self.proposer.propose(step).tolist()
+        return self._speculative_output(batch, emitted, proposals, done)
+
+    def _speculative_output(self, batch: ScheduledBatch, emitted: list[list[int]], proposals: list[list[int]],
+                            done) -> ModelRunnerOutput | None:
         self.batch.advance(batch)
         if not self.is_driver:
             return None
@@ -274,6 +282,47 @@ class ModelRunner:
                 for i, row in enumerate(batch.rows.tolist())]
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[e or [0] for e in emitted],
                                  spec_token_ids=spec)
+
+    def _spec_graph_size(self, so: SchedulerOutput, batch: ScheduledBatch, dp: DPStep | None) -> int | None:
+        """A graph step: no DP exchange, and every request verifies exactly k drafts."""
+        g = self.spec_graphs
+        if g is None or dp is not None or batch.num_tokens != batch.num_reqs * g.q:
+            return None
+        if any(len(so.scheduled_spec_decode_tokens.get(r, ())) != g.k for r in batch.req_ids):
+            return None
+        return g.padded_size(batch.num_reqs)
+
+    def _speculative_graph_step(self, so: SchedulerOutput, batch: ScheduledBatch, b: int):
+        """Verify and draft replays with acceptance decided on the device in between; one host
+        sync for the emitted tokens and the next drafts."""
+        g, n = self.spec_graphs, batch.num_reqs
+        k, q = g.k, g.q
+        self.num_graph_steps += 1
+        self.buffers.stage(batch, self.batch, pad_to=b, pad_query_len=q)
+        _, _, local, greedy, _ = g.verify(b)
+        ids = self.buffers.token_ids[:b * q].view(b, q).long()
+        if self.batch.all_plain_greedy(batch.rows) and self.rejection.method == "standard":
+            emitted = greedy.view(b, q)
+            kept = torch.cumprod((ids[:, 1:] == emitted[:, :k]).long(), dim=1).sum(dim=1)    # [b]
+        else:
+            b_rows, dev = self.batch, local.device
+            rows = batch.rows.tolist()
+            sampling = SamplingMetadata.from_params(
+                [b_rows.params[r] for r in rows], [b_rows.output_token_ids(r) for r in rows],
+                [b_rows.prompt_token_ids(r) for r in rows], [b_rows.generators[r] for r in rows],
+                self.vocab_size, dev)
+            logits = self.model.lm_head.gather(local[:n * q])                              # collective
+            tokens, counts = self.rejection(logits, torch.arange(n, device=dev) * q,
+                                            torch.full((n,), k, device=dev), ids[:n, 1:], sampling)
+            emitted = torch.zeros(b, q, dtype=torch.int64, device=dev)
+            kept = torch.zeros(b, dtype=torch.int64, device=dev)
+            emitted[:n], kept[:n] = tokens.clamp_min(0), counts - 1
+        g.last_index[:b].copy_(torch.arange(b, device=kept.device) * q + kept)
+        g.last_token[:b].copy_(emitted.gather(1, kept[:, None])[:, 0])
+        drafts = g.draft(b)
+        kept_h, emitted_h, drafts_h = kept[:n].tolist(), emitted[:n].tolist(), drafts[:n].tolist()
+        return self._speculative_output(batch, [e[:c + 1] for e, c in zip(emitted_h, kept_h)], drafts_h,
+                                        [True] * n)
 
     def _can_draft(self, row: int, num_emitted: int) -> bool:
         """Drafts are verified by the plain rule: no penalties, no logprobs, min_tokens met."""

@@ -80,15 +80,16 @@ class Worker:
                              f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
         config = self.config
         sizes = []
-        if self.device.type == "cuda" and not config.compilation.enforce_eager and self.proposer is None:
+        if self.device.type == "cuda" and not config.compilation.enforce_eager:
             from m3serve.worker.cuda_graphs import default_capture_sizes
             sizes = list(config.compilation.cudagraph_capture_sizes
                          or default_capture_sizes(config.scheduler.max_num_seqs))
         max_reqs = max([config.scheduler.max_num_seqs, *sizes])
+        k = config.speculative.num_speculative_tokens
         self.num_blocks = num_blocks
         self.runner = ModelRunner(
             self.model, self.block_size, num_blocks, self.device, self.max_model_len, max_reqs,
-            max(config.scheduler.max_num_batched_tokens, max_reqs), kv_cache_dtype=self.kv_dtype,
+            max(config.scheduler.max_num_batched_tokens, max_reqs * (k + 1)), kv_cache_dtype=self.kv_dtype,
             index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
             sample_everywhere=self.proposer is not None,
             extra_positions=config.speculative.num_speculative_tokens)
@@ -100,7 +101,12 @@ class Worker:
             self.runner.rejection = RejectionSampler(
                 spec.rejection_sample_method, spec.synthetic_acceptance_length, spec.num_speculative_tokens,
                 torch.Generator(device=self.device).manual_seed(config.model.seed + 1))
-        if sizes:
+        if sizes and self.proposer is not None:
+            from m3serve.worker.spec_graphs import SpecDecodeGraphs
+            self.runner.spec_graphs = SpecDecodeGraphs(self.model, self.proposer, self.runner.buffers, sizes,
+                                                       k, self.max_model_len)
+            self.runner.spec_graphs.capture(self.runner.batch)
+        elif sizes:
             self.runner.capture_cuda_graphs(sizes)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
                     self.block_size, (num_blocks - 1) * self.block_size, self.device)

@@ -78,12 +78,13 @@ def check_rows(ids, batch, topk):
 
 
 DECODE = [(1, 8192), (1, 5000), (1, 130), (1, 2048), (1, 131072), (1, 1)]
+VERIFY = [(4, 8192), (4, 1000), (4, 2051), (4, 4), (4, 30000), (4, 129)]      # k = 3 drafts
 PREFILL = [(1000, 9000), (2048, 2048), (1, 300), (517, 40000)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reqs", [DECODE, PREFILL, DECODE[:3] + PREFILL[:2]],
-                         ids=["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("reqs", [DECODE, PREFILL, DECODE[:3] + PREFILL[:2], VERIFY],
+                         ids=["decode", "prefill", "mixed", "verify"])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("block_size", [128, 16])
 @pytest.mark.parametrize("give_max_query_len", [False, True], ids=["search-map", "direct-map"])

@@ -120,6 +120,22 @@ def test_mixed_prefill_real_shapes(topk, cache_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("topk", [None, 16])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_verify_real_shapes(k, topk, cache_dtype):
+    """Speculative verify steps: k + 1 query tokens per request (the token kernel, split-K),
+    contexts below and above 2048 = top-k x block."""
+    from m3serve.kernels.paged_attention import TOKEN_KERNEL_MAX_QUERY
+
+    lens = [k + 1, 1000, 2047 + k, 3000, 9000, 130]
+    assert k + 1 <= TOKEN_KERNEL_MAX_QUERY
+    kwargs, meta, deq = make_case(lens, [k + 1] * len(lens), **REAL, dtype=torch.bfloat16, device="cuda",
+                                  cache_dtype=cache_dtype, topk=topk, seed=10 + k)
+    _check(kwargs, meta, deq, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("topk", [None, 4])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [1, 0, 17, 5]])
 def test_tiny_model_shapes_gpu(q_lens, topk):
