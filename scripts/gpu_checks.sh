@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
-#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | serve L QUANT CONCS PPC | profile L B ISL | vllm
+#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | profile L B ISL | vllm
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
@@ -51,6 +51,20 @@ if [ "${1:-}" = executor_serve ]; then
       done
       kill $srv; wait $srv 2>/dev/null
     done
+  done
+fi
+# spec L: speculation off vs on (EAGLE3-GQA draft of real shapes, dummy weights, k = 3,
+# synthetic acceptance 2.78), offline, 8K contexts
+if [ "${1:-}" = spec ]; then
+  L=${2:-4}
+  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  python -m m3serve make-tiny /tmp/eg$L --draft eagle3-gqa --target /tmp/rs$L --no-weights > /dev/null
+  SPEC='{"method": "eagle3", "model": "/tmp/eg'$L'", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.78}'
+  for mode in off on; do
+    extra=(); [ $mode = on ] && extra=(--speculative-config "$SPEC")
+    step spec_L${L}_$mode timeout ${TMO:-280} python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
+      --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-64} --max-model-len 9472 --max-num-seqs 64 \
+      --max-num-batched-tokens 16384 --cudagraph-capture-sizes ${SIZES:-1,4,16,64} "${extra[@]}"
   done
 fi
 # serve L QUANT CONCURRENCIES PROMPTS_PER_CONC: the real server on a real-shape L-layer model
