@@ -151,13 +151,15 @@ def main(args) -> list[dict]:
         decode_steps.sort()
         floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts,
                                                   weight_bytes=wbytes, kv_bytes=kvbytes))
+        if llm.engine.config.speculative.enabled:
+            floor = None     # a verify + draft step is not the decode step this roofline counts
         flops = prefill_flops(cfg, bs, isl)
         row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3),
                "prefill_tflops": round(flops / prefill / 1e12, 1),
                "prefill_mfu": round(flops / prefill / 1e12 / peak, 3),
                "tpot_peer_ms": round(tpot_peer * 1e3, 3), "tpot_ms": round(tpot * 1e3, 3),
-               "decode_tok_s": round(bs / tpot_peer, 1), "roofline_ms": round(floor, 3),
-               "mbu_peer_tpot": round(floor / (tpot_peer * 1e3), 3),
+               "decode_tok_s": round(bs / tpot_peer, 1), "roofline_ms": round(floor, 3) if floor else None,
+               "mbu_peer_tpot": round(floor / (tpot_peer * 1e3), 3) if floor else None,
                "distinct_experts": [round(e, 1) for e in experts],
                "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
                "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),

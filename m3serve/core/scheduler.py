@@ -308,11 +308,10 @@ class Scheduler:
         return outputs
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """Drafts past max_tokens or the context are never verified: dropped."""
+        """Drafts past the context are dropped. Drafts past max_tokens are kept: every request
+        then verifies k drafts, so the step still fits the verify CUDA graphs, and the tokens
+        past max_tokens are discarded as they are emitted."""
         room = self.max_model_len - request.num_tokens
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens)
         return list(drafts[:max(0, room - 1)])
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
