@@ -75,8 +75,10 @@ class Plan:
 
 
 def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = None,
-         kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto", dtype_bytes: int = 2) -> Plan:
-    """Bytes of one rank (every rank holds the same amount)."""
+         kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto", dtype_bytes: int = 2,
+         draft: dict | None = None) -> Plan:
+    """Bytes of one rank (every rank holds the same amount). `draft` (see `draft_kv`) adds the
+    speculative draft's cache group(s) to the KV bytes per token."""
     check_layout(cfg, parallel)
     tp, moe = parallel.tensor_parallel_size, parallel.world_size
     H, D, Di = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim
@@ -116,7 +118,32 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
     idx_b = 1 if index_cache_dtype != "auto" else dtype_bytes
     kv = {"main": cfg.num_hidden_layers * 2 * kv_local * D * kv_b,
           "index": len(cfg.sparse_layer_ids) * Di * idx_b}
+    if draft is not None:
+        if draft["method"] == "eagle3":
+            heads = _kv_heads_per_rank(draft["num_key_value_heads"], draft["tensor_parallel_size"])
+            kv["draft"] = 2 * heads * draft["head_dim"] * kv_b
+        else:
+            kv["draft"] = draft["modules"] * (2 * kv_local * D * kv_b + Di * idx_b)
     return Plan(parts, kv, kv_local)
+
+
+def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig) -> dict:
+    """What the planner needs of a `--speculative-config`: the EAGLE3 draft's KV heads and head
+    size (from its config.json) with the ranks its layer is split over, or MTP's module count."""
+    import json
+
+    from m3serve.config import SpeculativeConfig
+    from m3serve.model.files import resolve_model_dir
+
+    spec = SpeculativeConfig(spec_json)
+    if spec.method == "eagle3":
+        raw = json.loads((resolve_model_dir(spec.model, config_only=True) / "config.json").read_text())
+        heads = raw["num_attention_heads"]
+        draft_tp = spec.draft_tensor_parallel_size or parallel.tensor_parallel_size
+        return {"method": "eagle3", "num_key_value_heads": raw.get("num_key_value_heads", heads),
+                "head_dim": raw.get("head_dim") or raw["hidden_size"] // heads,
+                "tensor_parallel_size": draft_tp}
+    return {"method": "mtp", "modules": spec.num_speculative_tokens}
 
 
 def capacity(p: Plan, cfg: M3Config, gpu_memory_bytes: int, gpu_memory_utilization: float,
@@ -147,6 +174,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-gib", type=float, default=H200_MEMORY_GIB,
                         help=f"memory of one GPU (default: an H200's, {H200_MEMORY_GIB:.1f} GiB)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--speculative-config", default=None,
+                        help="count the draft's KV cache too (the --speculative-config JSON)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -158,7 +187,8 @@ def main(args) -> dict:
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                               data_parallel_size=args.data_parallel_size,
                               enable_expert_parallel=args.enable_expert_parallel)
-    p = plan(cfg, parallel, args.quantization, args.kv_cache_dtype, args.index_cache_dtype)
+    draft = draft_kv(args.speculative_config, cfg, parallel) if args.speculative_config else None
+    p = plan(cfg, parallel, args.quantization, args.kv_cache_dtype, args.index_cache_dtype, draft=draft)
     max_len = args.max_model_len or cfg.max_position_embeddings
     fit = capacity(p, cfg, int(args.gpu_memory_gib * GIB), args.gpu_memory_utilization, max_len,
                    cfg.index_block_size)
@@ -191,8 +221,9 @@ def _render(r: dict, cfg: M3Config) -> str:
                   f"{cfg.num_key_value_heads} heads over TP {r['tensor_parallel_size']})"
                   if r["tensor_parallel_size"] > cfg.num_key_value_heads else "")
     kv = r["kv_bytes_per_token_per_gpu_by_cache"]
+    draft = f" + draft {kv['draft']:,}" if "draft" in kv else ""
     lines.append(f"  KV cache per token per GPU: {r['kv_bytes_per_token_per_gpu']:,} B "
-                 f"(main {kv['main']:,} + index {kv['index']:,}){replicated}")
+                 f"(main {kv['main']:,} + index {kv['index']:,}{draft}){replicated}")
     if r["kv_budget_bytes"] <= 0:
         lines.append(f"  DOES NOT FIT: the weights alone exceed {r['gpu_memory_utilization']:.0%} of "
                      f"{r['gpu_memory_gib']:.1f} GiB per GPU (less 2 GiB for activations)")

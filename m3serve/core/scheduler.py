@@ -29,6 +29,8 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        if num_drafts > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
         for pos in range(num_accepted):
             self.accepted_per_position[pos] += 1
 

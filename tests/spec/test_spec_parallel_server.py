@@ -38,8 +38,9 @@ def test_parallel_speculation_is_lossless(tiny_dir, drafts, plain, layout):
         llm.shutdown()
 
 
-def test_server_speculation(tiny_dir, drafts, plain, tmp_path):
-    spec = json.dumps({"method": "eagle3", "model": str(drafts["eagle3"]), "num_speculative_tokens": 3,
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_server_speculation(tiny_dir, drafts, plain, tmp_path, kind):
+    spec = json.dumps({"method": kind, "model": str(drafts[kind]), "num_speculative_tokens": 3,
                        "attention_backend": "FLASH_ATTN"})
     srv = LiveServer(tiny_dir, "--dtype", "float32", "--speculative-config", spec, log_path=tmp_path / "s.log")
     try:

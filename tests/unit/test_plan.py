@@ -127,3 +127,24 @@ def test_plan_command(tmp_path, capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["plan", str(d), "-tp", "3"]) == 2
     assert "num_attention_heads=64" in capsys.readouterr().err
+
+
+def test_draft_kv_counted(real, tmp_path):
+    """EAGLE3's own KV per token and GPU: MHA 2 x 64 x 128 x 2 B = 32 KiB at TP 1, GQA 2 KiB (16x
+    less); at TP 8 the MHA head's 64 KV heads split to 8 a rank (4 KiB), the GQA head's 4 are
+    replicated to 1 (512 B). MTP: a module's K/V + index key per token per draft step."""
+    from m3serve.bench.realshape import write_realshape_dir
+    from m3serve.plan import draft_kv
+    from m3serve.spec.tiny_drafts import make_draft
+
+    target = write_realshape_dir(tmp_path / "rs", 60, dense_layers=3)
+    for kind, tp, want in (("eagle3", 1, 32768), ("eagle3-gqa", 1, 2048), ("eagle3", 8, 4096),
+                           ("eagle3-gqa", 8, 512)):
+        d = make_draft(tmp_path / f"{kind}{tp}", kind, target, weights=False)
+        parallel = ParallelConfig(tensor_parallel_size=tp)
+        spec = '{"method": "eagle3", "model": "%s", "num_speculative_tokens": 3}' % d
+        p = plan(real, parallel, draft=draft_kv(spec, real, parallel))
+        assert p.kv_bytes_per_token["draft"] == want, (kind, tp)
+    mtp = plan(real, ParallelConfig(tensor_parallel_size=8),
+               draft=draft_kv('{"method": "mtp", "num_speculative_tokens": 3}', real, ParallelConfig()))
+    assert mtp.kv_bytes_per_token["draft"] == 3 * (2 * 1 * 128 * 2 + 128 * 2)
