@@ -16,24 +16,17 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    """`x / rms(x) * (1 + w)` (Gemma, the target's norms) or, with offset=False, `x / rms(x) * w`
+    (standard, the EAGLE3 draft's)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, offset: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = attach_loader(make_param((dim,), dtype), replicated_loader, [None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma_rms_norm(x, self.weight, self.eps)
-
-
-class StandardRMSNorm(nn.Module):
-    """`x / rms(x) * w` (Llama), computed in fp32, cast to x's dtype."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = attach_loader(make_param((dim,), dtype), replicated_loader, [None])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return gemma_rms_norm(x, self.weight, self.eps)
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return y.to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+

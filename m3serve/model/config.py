@@ -208,16 +208,24 @@ def parse_config(raw: dict) -> M3Config:
     )
 
 
-def load_config(model_dir: str | Path) -> M3Config:
-    """Read `<model_dir>/config.json`; a missing or malformed file is a ValueError naming it."""
+def read_config_json(model_dir: str | Path, what: str = "") -> dict:
+    """`<model_dir>/config.json` as a dict; a missing, malformed or non-object file is a
+    ValueError naming it (`what` names the checkpoint kind in the message)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ValueError(f"no config.json in {model_dir}")
+        raise ValueError(f"no config.json in the {what + ' ' if what else ''}directory {model_dir}")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from None
-    return parse_config(raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(model_dir: str | Path) -> M3Config:
+    """Read `<model_dir>/config.json`; a missing or malformed file is a ValueError naming it."""
+    return parse_config(read_config_json(model_dir))
 
 
 def canonical_shapes(cfg: M3Config) -> dict[str, tuple[int, ...]]:

@@ -15,7 +15,6 @@ Checkpoint: `midlayer.*` (= layers.0), `fc.weight`, `norm.weight`, optional `lm_
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +28,9 @@ from m3serve.layers.attention_metadata import AttentionMetadata, write_cache_ref
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                    RowParallelLinear, attach_loader, kv_head_range, make_param)
-from m3serve.layers.norm import StandardRMSNorm
+from m3serve.layers.norm import RMSNorm
 from m3serve.layers.rotary import RotaryEmbedding, apply_rotary
-from m3serve.model.config import M3Config
+from m3serve.model.config import M3Config, read_config_json
 
 
 @dataclass(frozen=True)
@@ -58,14 +57,7 @@ def _bad(field: str, value, why: str, path) -> ValueError:
 def load_eagle3_config(draft_dir: Path, target: M3Config) -> Eagle3Config:
     """Read and check the draft's config.json against the target it drafts for."""
     path = Path(draft_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"no config.json in the EAGLE3 draft directory {draft_dir}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: must be a JSON object")
+    raw = read_config_json(draft_dir, "EAGLE3 draft")
     eagle = raw.get("eagle_config") or {}
     L = target.num_hidden_layers
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
@@ -121,14 +113,14 @@ class Eagle3Draft(nn.Module):
         self.cfg, self.tp, self.dtype = cfg, tp, dtype
         H, D = cfg.hidden_size, cfg.head_dim
         self.fc = ReplicatedLinear(3 * cfg.target_hidden_size, H, dtype)
-        self.input_layernorm = StandardRMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.hidden_norm = StandardRMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = StandardRMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, offset=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, dtype, offset=False)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, offset=False)
         self.qkv_proj = QKVParallelLinear(2 * H, D, cfg.num_attention_heads, cfg.num_key_value_heads, tp, dtype)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, H, tp, dtype)
         self.gate_up_proj = MergedColumnParallelLinear(H, [cfg.intermediate_size] * 2, tp, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, H, tp, dtype)
-        self.norm = StandardRMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, offset=False)
         self.num_heads = cfg.num_attention_heads // tp.size
         self.num_kv_heads = kv_head_range(cfg.num_key_value_heads, tp)[1]
         self.rotary = RotaryEmbedding(D, cfg.rope_theta)

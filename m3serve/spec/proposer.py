@@ -261,9 +261,9 @@ def _load_mtp(model, target_dir, target_cfg, k, parallel, dtype, device, load_fo
 
 
 def _num_mtp_modules(source: Path, target_cfg: M3Config) -> int:
-    import json
+    from m3serve.model.config import read_config_json
 
-    raw = json.loads((source / "config.json").read_text())
+    raw = read_config_json(source, "MTP")
     text = raw.get("text_config", raw)
     n = text.get("num_mtp_modules", 0)
     if not isinstance(n, int) or n < 1:
