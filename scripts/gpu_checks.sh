@@ -73,9 +73,10 @@ if [ "${1:-}" = serve ]; then
   L=${2:-8}; Q=${3:-none}; CONC=${4:-1,4,16,64}; PPC=${5:-2}
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
   qflag=""; [ "$Q" != none ] && qflag="--quantization $Q"
-  echo "\$ python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag" > "$OUT/server_L${L}_$Q.txt"
+  sflag=(); [ -n "${SPEC_JSON:-}" ] && sflag=(--speculative-config "$SPEC_JSON")
+  echo "\$ python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag ${SPEC_JSON:+--speculative-config '$SPEC_JSON'}" > "$OUT/server_L${L}_$Q.txt"
   python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 \
-    --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag >> "$OUT/server_L${L}_$Q.txt" 2>&1 &
+    --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag "${sflag[@]}" >> "$OUT/server_L${L}_$Q.txt" 2>&1 &
   srv=$!
   for i in $(seq 1 240); do curl -sf http://127.0.0.1:8011/ready > /dev/null && break; sleep 1; done
   step sweep_L${L}_$Q timeout ${TMO:-560} python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
