@@ -218,16 +218,7 @@ class SpeculativeConfig:
 
 
 def _parse_speculative(raw) -> dict:
-    import json
-
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config: not valid JSON ({e}): {raw!r}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {raw!r}")
-    raw = dict(raw)
+    raw = _json_object_option(raw, "speculative_config")
     known = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
              "rejection_sample_method", "synthetic_acceptance_length")
     unknown = sorted(set(raw) - set(known) - set(_SPEC_NOT_APPLICABLE))
@@ -269,6 +260,121 @@ def _parse_speculative(raw) -> dict:
     return out
 
 
+KV_CONNECTORS = ("NixlConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# vLLM keys that configure other connectors (NCCL, shared storage): accepted and logged
+_KV_NOT_APPLICABLE = ("kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip",
+                      "kv_port", "enable_permute_local_kv", "kv_connector_module_path")
+_KV_EXTRA_KEYS = {"backends": None, "abort_request_timeout": None, "transfer_timeout": 60.0,
+                  "handshake_timeout": 10.0, "test_fault": None}
+KV_TEST_FAULTS = ("fail", "stall")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """`--kv-transfer-config` JSON (or `LLM(kv_transfer_config={...})`), vLLM's keys:
+    kv_connector (NixlConnector), kv_role (kv_producer: prefills and holds KV for a decode
+    worker; kv_consumer: pulls prompt KV and decodes; kv_both), engine_id (default: random),
+    kv_load_failure_policy (recompute: a request whose KV cannot be pulled computes its prompt
+    locally; fail: it ends with an error), kv_connector_extra_config: backends (NIXL backends,
+    default ["UCX"]), abort_request_timeout (seconds a producer holds KV nobody pulls; default
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT or 480), transfer_timeout (seconds a consumer waits for one
+    pull, default 60), handshake_timeout (seconds, default 10), test_fault (tests only: "fail"
+    makes every pull fail inside NIXL, "stall" never posts it). None = no KV transfer."""
+    kv_transfer_config: str | dict | None = None
+
+    def __post_init__(self):
+        values = dict(kv_connector=None, kv_role=None, engine_id=None, kv_load_failure_policy="recompute",
+                      backends=("UCX",), abort_request_timeout=None, transfer_timeout=60.0,
+                      handshake_timeout=10.0, test_fault=None, not_applicable={})
+        if self.kv_transfer_config is not None:
+            values.update(_parse_kv_transfer(self.kv_transfer_config))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_connector is not None
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def _json_object_option(raw, option: str) -> dict:
+    import json
+
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{option}: not valid JSON ({e}): {raw!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{option} must be a JSON object, got {raw!r}")
+    return dict(raw)
+
+
+def _positive_seconds(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{name} must be a positive "
+                         f"number of seconds, got {value!r}")
+    return float(value)
+
+
+def _parse_kv_transfer(raw) -> dict:
+    import uuid
+
+    raw = _json_object_option(raw, "kv_transfer_config")
+    known = ("kv_connector", "kv_role", "engine_id", "kv_load_failure_policy", "kv_connector_extra_config")
+    unknown = sorted(set(raw) - set(known) - set(_KV_NOT_APPLICABLE))
+    if unknown:
+        raise ValueError(f"kv_transfer_config: unknown key(s) {unknown} (known: {list(known)})")
+    out = {"not_applicable": {k: raw[k] for k in _KV_NOT_APPLICABLE if k in raw}}
+    connector = raw.get("kv_connector")
+    if connector not in KV_CONNECTORS:
+        raise ValueError(f"kv_transfer_config.kv_connector must be one of {list(KV_CONNECTORS)}, "
+                         f"got {connector!r}")
+    role = raw.get("kv_role")
+    if role not in KV_ROLES:
+        raise ValueError(f"kv_transfer_config.kv_role must be one of {list(KV_ROLES)}, got {role!r}")
+    engine_id = raw.get("engine_id") or str(uuid.uuid4())
+    if not isinstance(engine_id, str) or len(engine_id) > 256:
+        raise ValueError(f"kv_transfer_config.engine_id must be a string of at most 256 characters, "
+                         f"got {engine_id!r}")
+    policy = raw.get("kv_load_failure_policy", "recompute")
+    if policy not in ("recompute", "fail"):
+        raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be 'recompute' or 'fail', "
+                         f"got {policy!r}")
+    extra = raw.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config must be a JSON object, got {extra!r}")
+    unknown = sorted(set(extra) - set(_KV_EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown key(s) {unknown} "
+                         f"(known: {sorted(_KV_EXTRA_KEYS)})")
+    backends = extra.get("backends") or ["UCX"]
+    if isinstance(backends, str):
+        backends = [backends]
+    if not isinstance(backends, list) or not all(isinstance(b, str) and b for b in backends):
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.backends must be a list of "
+                         f"NIXL backend names, got {backends!r}")
+    fault = extra.get("test_fault")
+    if fault is not None and fault not in KV_TEST_FAULTS:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.test_fault must be one of "
+                         f"{list(KV_TEST_FAULTS)}, got {fault!r}")
+    abort = extra.get("abort_request_timeout")
+    out.update(kv_connector=connector, kv_role=role, engine_id=engine_id, kv_load_failure_policy=policy,
+               backends=tuple(backends), test_fault=fault,
+               abort_request_timeout=None if abort is None else _positive_seconds(abort, "abort_request_timeout"),
+               transfer_timeout=_positive_seconds(extra.get("transfer_timeout", 60.0), "transfer_timeout"),
+               handshake_timeout=_positive_seconds(extra.get("handshake_timeout", 10.0), "handshake_timeout"))
+    return out
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -277,6 +383,15 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    def __post_init__(self):
+        if self.kv_transfer.enabled and self.speculative.enabled:
+            raise ValueError("--kv-transfer-config cannot be combined with --speculative-config yet: "
+                             "a decode worker would also need the draft's KV of the prompt")
+        if self.kv_transfer.enabled and self.parallel.data_parallel_size > 1:
+            raise ValueError("--kv-transfer-config needs data_parallel_size 1 for now: run one "
+                             "prefill or decode server per replica behind the router instead")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -30,3 +30,23 @@ def torchrun_defaults() -> dict:
     if world.isdigit() and local.isdigit() and int(local) > 0:
         out["nnodes"] = int(world) // int(local)
     return out
+
+
+def nixl_side_channel() -> tuple[str, int | None, float]:
+    """The KV producer's side channel as vLLM names it: VLLM_NIXL_SIDE_CHANNEL_HOST (default
+    localhost: set it to an address the decode hosts reach), VLLM_NIXL_SIDE_CHANNEL_PORT (unset:
+    a free port, so several workers start side by side on one host) and
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT (seconds held KV waits for its decode worker, default 480)."""
+    env = os.environ
+    host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+    port = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"VLLM_NIXL_SIDE_CHANNEL_PORT must be a port number, got {port!r}")
+    timeout = env.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480")
+    try:
+        timeout_s = float(timeout)
+    except ValueError:
+        timeout_s = -1.0
+    if not timeout_s > 0:
+        raise ValueError(f"VLLM_NIXL_ABORT_REQUEST_TIMEOUT must be a positive number of seconds, got {timeout!r}")
+    return host, None if port is None else int(port), timeout_s

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from m3serve.disagg.params import KVTransferParams
 from m3serve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct):
     eos_token_id: int | None
     arrival_time: float
     cache_salt: str | None = None
+    kv_transfer_params: KVTransferParams | None = None   # P/D: prefill for, or pull from, another worker
 
 
 class AddRequests(msgspec.Struct, tag="add"):
@@ -68,6 +70,7 @@ class CoreOutput(msgspec.Struct):
     new_prompt_logprobs: list[Any] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error": the engine failed this request
+    kv_transfer_params: dict | None = None  # P/D: the finished prefill's KV is held for a decode worker
 
     @property
     def finished(self) -> bool:
@@ -102,6 +105,19 @@ class EngineStats(msgspec.Struct):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
     spec_synthetic_acceptance: bool = False
+    # KV transfer (P/D); zeros without --kv-transfer-config
+    kv_held_requests: int = 0        # finished prefills whose KV waits for a decode worker
+    kv_held_blocks: int = 0
+    kv_holds_released: int = 0       # ... freed after their decode worker pulled (or gave up)
+    kv_holds_expired: int = 0        # ... freed by the hold timeout
+    kv_pulls_active: int = 0         # requests pulling their prompt's KV
+    kv_pulls_done: int = 0
+    kv_pulls_failed: int = 0
+    kv_fallbacks: int = 0            # failed pulls recomputed here
+    kv_bytes_transferred: int = 0
+    kv_num_descriptors: int = 0
+    kv_xfer_seconds_sum: float = 0.0
+    kv_xfer_count: int = 0
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

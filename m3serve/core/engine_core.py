@@ -27,8 +27,13 @@ class EngineCore:
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.kv_manager = KVCacheManager(executor.num_blocks, executor.block_size,
                                          enable_caching=config.cache.enable_prefix_caching)
+        connector = None
+        if config.kv_transfer.enabled:
+            from m3serve.disagg.connector import KVTransferScheduler
+            connector = KVTransferScheduler(config.kv_transfer, executor.block_size, executor.num_blocks,
+                                            executor.kv_rank_metadata())
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
-                                   config.speculative.num_speculative_tokens)
+                                   config.speculative.num_speculative_tokens, connector)
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
@@ -42,7 +47,7 @@ class EngineCore:
             for r in requests:
                 self.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params,
                                          r.eos_token_id, arrival_time=r.arrival_time,
-                                         cache_salt=r.cache_salt))
+                                         cache_salt=r.cache_salt, kv_transfer_params=r.kv_transfer_params))
                 added.append(r.request_id)
         except Exception:
             self.abort_requests(added)
@@ -52,7 +57,12 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+                or self.scheduler.has_kv_transfer_work)
+
+    def shutdown(self) -> None:
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100    # wait for input this long when there is nothing to step
 _LOCKSTEP_IDLE_POLL_MS = 10   # ... when idle replicas must still meet the others
+_KV_PULL_POLL_MS = 1   # ... when the ranks are pulling KV (poll them often: it is TTFT)
+_KV_HOLD_POLL_MS = 20  # ... when KV is held for, or claimed from, another worker
 
 
 class EngineLoop:
@@ -60,16 +62,31 @@ class EngineLoop:
     def has_work(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def idle_poll_ms(self, lockstep: bool) -> int:
+        """How long to wait for input before the next step when no request can run now."""
+        scheduler = self.core.scheduler
+        if scheduler.num_running or scheduler.num_waiting or scheduler.has_finished_requests():
+            return 0
+        if scheduler.has_kv_transfer_work:
+            return _KV_PULL_POLL_MS if scheduler.connector.pulls_in_flight else _KV_HOLD_POLL_MS
+        return _LOCKSTEP_IDLE_POLL_MS if lockstep else _IDLE_POLL_MS
+
     def step(self) -> list[CoreOutput]:
         """One engine step. If the model or the scheduler update raises, the requests scheduled
         in that step are aborted (their blocks freed) and reported with finish_reason "error".
         `ExecutorFailure` (the ranks are gone) propagates."""
         from m3serve.executor import ExecutorFailure
 
+        from m3serve.core.scheduler_output import ModelRunnerOutput
+
         scheduler = self.core.scheduler
         scheduler_output = scheduler.schedule()
+        executor = self.core.executor
         try:
-            runner_output = self.core.executor.execute_model(scheduler_output)
+            if _nothing_to_run(scheduler_output) and not executor.needs_lockstep:
+                runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
+            else:
+                runner_output = executor.execute_model(scheduler_output)
             outputs = scheduler.update_from_output(scheduler_output, runner_output)
         except ExecutorFailure:
             raise
@@ -83,7 +100,8 @@ class EngineLoop:
         finally:
             self.core.num_steps += 1
         return [CoreOutput(o.request_id, list(o.new_token_ids), o.finish_reason, o.stop_reason,
-                           o.new_logprobs, o.new_prompt_logprobs, o.num_cached_tokens)
+                           o.new_logprobs, o.new_prompt_logprobs, o.num_cached_tokens, o.error,
+                           o.kv_transfer_params)
                 for o in outputs]
 
     def stats(self) -> EngineStats:
@@ -99,7 +117,19 @@ class EngineLoop:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
             spec_synthetic_acceptance=self.core.config.speculative.rejection_sample_method == "synthetic"
-            and self.core.config.speculative.enabled)
+            and self.core.config.speculative.enabled, **self._kv_stats())
+
+    def _kv_stats(self) -> dict:
+        connector = self.core.scheduler.connector
+        if connector is None:
+            return {}
+        s = connector.stats
+        return dict(kv_held_requests=s.held_requests, kv_held_blocks=s.held_blocks,
+                    kv_holds_released=s.holds_released, kv_holds_expired=s.holds_expired,
+                    kv_pulls_active=s.pulls_active, kv_pulls_done=s.pulls_done, kv_pulls_failed=s.pulls_failed,
+                    kv_fallbacks=s.fallbacks, kv_bytes_transferred=s.num_bytes,
+                    kv_num_descriptors=s.num_descriptors, kv_xfer_seconds_sum=s.xfer_seconds_sum,
+                    kv_xfer_count=s.xfer_count)
 
     def state(self, query_id: int) -> protocol.EngineState:
         scheduler, kv = self.core.scheduler, self.core.kv_manager
@@ -119,10 +149,7 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
     executor = loop.core.executor
     lockstep = executor.needs_lockstep
     while True:
-        if loop.has_work() or (lockstep and executor.global_busy):
-            timeout = 0
-        else:
-            timeout = _LOCKSTEP_IDLE_POLL_MS if lockstep else _IDLE_POLL_MS
+        timeout = 0 if (lockstep and executor.global_busy) else loop.idle_poll_ms(lockstep)
         poller.poll(timeout)
         add_results, state_queries = [], []
         while True:
@@ -148,6 +175,12 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
                                                   dp_rank=loop.dp_rank)))
         for query_id in state_queries:     # after the step: finished requests are flushed
             push.send(protocol.encode(loop.state(query_id)))
+
+
+def _nothing_to_run(so) -> bool:
+    """A step without tokens, news for the ranks, or KV-transfer work for them."""
+    return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
+                or so.kv_connector_metadata is not None)
 
 
 def _report_fatal(output_addr: str, dp_rank: int, message: str) -> None:
@@ -227,5 +260,6 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         pull.close(linger=0)
         push.close(linger=1000)
         context.term()
+        core.shutdown()
         executor.shutdown()
     os._exit(code)

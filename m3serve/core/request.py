@@ -15,9 +15,10 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KV = 3   # holds its blocks while a prefill worker's KV is pulled into them
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -46,6 +47,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
+        kv_transfer_params: Any = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -53,6 +55,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
+        # disagg.params.KVTransferParams: prefill for a decode worker, or pull the prompt's KV
+        self.kv_transfer_params = kv_transfer_params
+        self.num_external_tokens = 0   # prompt tokens whose KV a pull brings (0 = none)
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

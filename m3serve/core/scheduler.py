@@ -7,6 +7,7 @@ the KV pool runs dry, the most recently admitted running request is preempted an
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from m3serve.config import SchedulerConfig
@@ -14,6 +15,8 @@ from m3serve.core.kv_cache.manager import KVCacheManager, cdiv
 from m3serve.core.request import Request, RequestStatus
 from m3serve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                            NewRequestData, SchedulerOutput)
+
+logger = logging.getLogger(__name__)
 
 
 class SpecDecodeStats:
@@ -47,7 +50,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
-                 max_model_len: int, num_speculative_tokens: int = 0):
+                 max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -65,6 +68,12 @@ class Scheduler:
         # the draft writes its KV while proposing.
         self.num_lookahead_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats(num_speculative_tokens)
+        # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
+        # is being pulled from a prefill worker, and finished ones held for a decode worker.
+        self.connector = kv_connector
+        self.remote_waiting: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
+        self._failed_outputs: list[EngineCoreOutput] = []
 
     # ---------------------------------------------------------------- admission and abort
 
@@ -91,9 +100,24 @@ class Scheduler:
                 f"request {req_id!r}: up to {max_kv_tokens} tokens of KV need {num_blocks_needed} "
                 f"blocks of {self.kv_manager.block_size} tokens, but the KV pool has only "
                 f"{self.kv_manager.num_usable_blocks} blocks")
+        self._check_kv_transfer(request)
         request.status = RequestStatus.WAITING
         self.requests[req_id] = request
         self.waiting.append(request)
+
+    def _check_kv_transfer(self, request: Request) -> None:
+        p = request.kv_transfer_params
+        if p is None or not (p.do_remote_decode or p.do_remote_prefill):
+            return
+        role = None if self.connector is None else self.connector.config.kv_role
+        if p.do_remote_decode and (role is None or not self.connector.config.is_producer):
+            raise ValueError(f"kv_transfer_params.do_remote_decode asks this server to prefill for a "
+                             f"decode worker, but it is not a KV producer (--kv-transfer-config "
+                             f"kv_role: {role or 'none'})")
+        if p.do_remote_prefill and (role is None or not self.connector.config.is_consumer):
+            raise ValueError(f"kv_transfer_params.do_remote_prefill asks this server to pull KV from a "
+                             f"prefill worker, but it is not a KV consumer (--kv-transfer-config "
+                             f"kv_role: {role or 'none'})")
 
     def abort_requests(self, request_ids) -> None:
         """Abort requests in any state and free their blocks; unknown ids are ignored."""
@@ -105,12 +129,19 @@ class Scheduler:
         self.running = [r for r in self.running if r.request_id not in to_abort]
         self.waiting = deque(r for r in self.waiting if r.request_id not in to_abort)
         for rid in to_abort:
-            self._finish(self.requests[rid], RequestStatus.FINISHED_ABORTED)
+            request = self.requests[rid]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                # a pull may still write into its blocks: they are freed when it is over
+                self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
+                self.connector.abort_pull(rid)
+            else:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         # The caller has already taken the request out of running/waiting.
         request.status = status
-        self.kv_manager.free(request)
+        if free:
+            self.kv_manager.free(request)
         del self.requests[request.request_id]
         self._num_tokens_sent.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
@@ -136,7 +167,13 @@ class Scheduler:
         return len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.remote_waiting)
+
+    @property
+    def has_kv_transfer_work(self) -> bool:
+        """KV is held for, or pulled from, another worker: keep calling schedule()."""
+        return self.connector is not None and (self.connector.has_pending or bool(self.remote_waiting)
+                                               or bool(self.held) or bool(self._failed_outputs))
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -152,6 +189,8 @@ class Scheduler:
 
         May return an empty step (no tokens) that only reports finished_req_ids.
         """
+        if self.connector is not None:
+            self._connector_events()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -195,10 +234,18 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if getattr(request.sampling_params, "prompt_logprobs", None) is not None:
+            if self.kv_manager.has_blocks(request.request_id):
+                hit_blocks, num_hit = [], request.num_computed_tokens   # KV pulled from a prefill worker
+            elif getattr(request.sampling_params, "prompt_logprobs", None) is not None:
                 hit_blocks, num_hit = [], 0  # hits would skip the positions that need logprobs
             else:
                 hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request)
+                if self.connector is not None and self.connector.wants_pull(request):
+                    started = self._start_pull(request, hit_blocks, num_hit)
+                    if started is None:
+                        break    # no blocks for it yet
+                    if started:
+                        continue
             num_new = min(request.num_tokens - num_hit, budget)
             new_block_ids = self.kv_manager.allocate_slots(request, num_new, num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)
@@ -210,7 +257,8 @@ class Scheduler:
                 self._add_cached(cached, request, self.kv_manager.get_block_ids(request.request_id),
                                  resumed=True)
             else:
-                request.num_cached_tokens = num_hit
+                if request.num_cached_tokens == 0:
+                    request.num_cached_tokens = num_hit
                 new_reqs.append(NewRequestData(
                     req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                     sampling_params=request.sampling_params,
@@ -231,6 +279,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
         )
         self.finished_req_ids = set()
         # Advance now: the KV of these tokens is being written by this step.
@@ -238,6 +287,57 @@ class Scheduler:
             request.num_computed_tokens += num_scheduled[request.request_id]
             request.spec_token_ids = []
         return output
+
+    # ---------------------------------------------------------------- KV transfer
+
+    def _start_pull(self, request: Request, hit_blocks, num_hit: int) -> bool | None:
+        """Give a decode-leg request the blocks of its prompt's KV but the last token, and
+        start pulling what the prefix cache did not have. None: not enough free blocks; False:
+        nothing to pull (admit it as usual)."""
+        num_kv = request.num_tokens - 1      # the last prompt token is computed here, for logits
+        if num_kv <= num_hit:
+            self.connector.skip_pull(request)
+            request.kv_transfer_params = None
+            return False
+        if self.kv_manager.allocate_slots(request, 0, num_kv, hit_blocks) is None:
+            return None
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = num_hit
+        request.num_external_tokens = num_kv
+        self.remote_waiting[request.request_id] = request
+        self.connector.begin_pull(request, self.kv_manager.get_block_ids(request.request_id),
+                                  num_hit // self.kv_manager.block_size, num_kv)
+        return True
+
+    def _connector_events(self) -> None:
+        for req_id in self.connector.holds_to_free():
+            request = self.held.pop(req_id, None)
+            if request is not None:
+                self.kv_manager.free(request)
+        for req_id, failure in self.connector.pulls_over():
+            request = self.remote_waiting.pop(req_id)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self.kv_manager.free(request)          # nothing writes into its blocks any more
+                continue
+            request.kv_transfer_params = None
+            if failure is None:
+                request.num_computed_tokens = request.num_external_tokens
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+                continue
+            self.kv_manager.free(request)
+            request.num_cached_tokens = request.num_external_tokens = 0
+            if self.connector.config.kv_load_failure_policy == "fail":
+                self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
+                self._failed_outputs.append(EngineCoreOutput(
+                    req_id, [], "error", None, error=f"pulling the prompt's KV from the prefill worker "
+                                                     f"failed: {failure}"))
+                continue
+            self.connector.stats.fallbacks += 1
+            logger.warning("request %s: pulling its KV failed (%s); computing its prompt here", req_id, failure)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _add_cached(self, cached: CachedRequestData, request: Request, new_block_ids: list[int],
                     resumed: bool) -> None:
@@ -256,6 +356,10 @@ class Scheduler:
         """Append sampled tokens, apply stop rules, cache full blocks, free finished requests."""
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
+        if self.connector is not None:
+            if model_runner_output.kv_connector_output is not None:
+                self.connector.update(model_runner_output.kv_connector_output)
+            outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -304,9 +408,18 @@ class Scheduler:
 
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
+            by_id = {o.request_id: o for o in outputs}
             for req_id in finished:
                 request = self.requests[req_id]
-                self._finish(request, request.status)
+                if (self.connector is not None and request.status == RequestStatus.FINISHED_LENGTH
+                        and self.connector.wants_hold(request)):
+                    # its KV waits for the decode worker (a stop or EOS ends the request there too)
+                    by_id[req_id].kv_transfer_params = self.connector.hold(
+                        request, self.kv_manager.get_block_ids(req_id))
+                    self.held[req_id] = request
+                    self._finish(request, request.status, free=False)
+                else:
+                    self._finish(request, request.status)
         return outputs
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
@@ -344,10 +457,12 @@ class Scheduler:
         problems = []
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
-        if len(set(running_ids + waiting_ids)) != len(running_ids) + len(waiting_ids):
-            problems.append(f"a request is queued twice: running={running_ids} waiting={waiting_ids}")
-        if set(running_ids + waiting_ids) != set(self.requests):
-            problems.append("running + waiting differ from the known requests")
+        pulling = [rid for rid, r in self.remote_waiting.items() if not r.is_finished]
+        if len(set(running_ids + waiting_ids + pulling)) != len(running_ids) + len(waiting_ids) + len(pulling):
+            problems.append(f"a request is queued twice: running={running_ids} waiting={waiting_ids} "
+                            f"pulling={pulling}")
+        if set(running_ids + waiting_ids + pulling) != set(self.requests):
+            problems.append("running + waiting + pulling differ from the known requests")
         if len(self.running) > self.config.max_num_seqs:
             problems.append(f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}")
         for r in self.running:
@@ -356,9 +471,15 @@ class Scheduler:
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 problems.append(f"{r!r} is in waiting")
+        for r in self.remote_waiting.values():
+            if r.status not in (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.FINISHED_ABORTED):
+                problems.append(f"{r!r} is waiting for remote KV")
         holders = set(self.kv_manager.request_ids)
-        if not holders <= set(running_ids):
-            problems.append(f"non-running requests hold blocks: {sorted(holders - set(running_ids))}")
+        # requests whose pull has ended wait at the head of the queue with their blocks
+        may_hold = set(running_ids) | set(self.remote_waiting) | set(self.held) | {
+            r.request_id for r in self.waiting if getattr(r, "num_external_tokens", 0)}
+        if not holders <= may_hold:
+            problems.append(f"requests that may not hold blocks do: {sorted(holders - may_hold)}")
         if problems:
             raise RuntimeError("scheduler integrity check failed:\n  " + "\n  ".join(problems))
         self.kv_manager.check_integrity()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from m3serve.disagg.messages import KVConnectorMetadata, RankResult
 from m3serve.sampling_params import SamplingParams
 
 
@@ -24,8 +25,9 @@ class NewRequestData:
     """The request's whole block list (shared by every cache group): block_ids[b] holds logical
     positions [b*block_size, (b+1)*block_size). Includes prefix-hit blocks."""
     num_computed_tokens: int
-    """Tokens whose KV is already in the cache before this step (prefix hit), a multiple of
-    block_size. This step computes positions [num_computed_tokens, + num_scheduled_tokens)."""
+    """Tokens whose KV is already in the cache before this step: a prefix hit (a multiple of
+    block_size) or KV pulled from a prefill worker (any count). This step computes positions
+    [num_computed_tokens, + num_scheduled_tokens)."""
 
 
 @dataclass
@@ -80,6 +82,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     """Requests preempted in this step; the worker removes them from its batch and forgets their
     block ids, but keeps their tokens for a later resume."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """KV-transfer work of the ranks this step (pulls to start, whether to report); None = none."""
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -102,6 +106,8 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     """Per request, the draft tokens proposed for its next step ([] = none); None when the
     engine does not speculate."""
+    kv_connector_output: list[RankResult] | None = None
+    """When the step's metadata asked for it: every rank's report of its KV pulls, in TP order."""
 
 
 @dataclass
@@ -118,6 +124,10 @@ class EngineCoreOutput:
     new_prompt_logprobs: object | None = None
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at admission."""
+    kv_transfer_params: dict | None = None
+    """Set when a finished request's KV is held for a decode worker: what the response returns."""
+    error: str | None = None
+    """Set (with finish_reason "error") when the engine failed this request."""
 
     @property
     def finished(self) -> bool:

@@ -69,21 +69,23 @@ class ControlChannel:
             data += rest.numpy().tobytes()
         return _decoder.decode(data)
 
-    def gather_reports(self, report: dict) -> list[dict] | None:
-        """Every rank of the group passes its report; the leader gets them all in TP order."""
-        data = json.dumps(report).encode()
-        if len(data) > CHUNK_BYTES - 8:
-            raise RuntimeError(f"rank report of {len(data)} bytes is too large")
-        buf = torch.zeros(CHUNK_BYTES, dtype=torch.uint8)
-        buf.numpy()[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
-        buf.numpy()[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank of the group passes some bytes; the leader gets them all in TP order
+        (None elsewhere). Two collectives: every length to every rank, then the padded payloads."""
         is_leader = dist.get_rank() == self.leader
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.size)]
+        dist.all_gather(sizes, size, group=self.group)
+        buf = torch.zeros(max(1, max(int(n.item()) for n in sizes)), dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.zeros_like(buf) for _ in range(self.size)] if is_leader else None
         dist.gather(buf, out, dst=self.leader, group=self.group)
         if not is_leader:
             return None
-        reports = []
-        for b in out:
-            n = int.from_bytes(b.numpy()[:8].tobytes(), "little")
-            reports.append(json.loads(b.numpy()[8:8 + n].tobytes()))
-        return reports
+        return [b.numpy()[:int(n.item())].tobytes() for b, n in zip(out, sizes)]
+
+    def gather_reports(self, report: dict) -> list[dict] | None:
+        """Every rank of the group passes its report; the leader gets them all in TP order."""
+        parts = self.gather_bytes(json.dumps(report).encode())
+        return None if parts is None else [json.loads(p) for p in parts]

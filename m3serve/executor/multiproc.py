@@ -23,7 +23,8 @@ from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.distributed import destroy_rank_groups
 from m3serve.executor import ExecutorFailure
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
-from m3serve.executor.rank import agree_num_blocks, join_world, rank_report, run_follower
+from m3serve.executor.rank import (agree_num_blocks, gather_kv_metadata, gather_kv_results, join_world,
+                                   rank_report, run_follower)
 from m3serve.executor.supervisor import Supervisor
 from m3serve.worker.model_runner import DPStep
 
@@ -74,6 +75,9 @@ class MultiprocExecutor:
         self.model_config = self.worker.model_config
         self.block_size = self.worker.block_size
         self.channel = (ControlChannel(self.groups.tp_cpu, rank, layout.tp) if layout.tp > 1 else None)
+        self._kv_ranks = None
+        if config.kv_transfer.enabled:
+            self._kv_ranks = gather_kv_metadata(self.channel, self.worker)
         logger.info("rank %d of %d: TP %d x DP %d%s, %d KV blocks", rank, layout.world_size, layout.tp,
                     layout.dp, " with expert parallelism" if config.parallel.enable_expert_parallel
                     else "", self.num_blocks)
@@ -112,12 +116,18 @@ class MultiprocExecutor:
             self._step_started = time.monotonic()
             if self.channel is not None:
                 self.channel.send(RunStep(so, dp))
-            return self.worker.execute_model(so, dp)
+            out = self.worker.execute_model(so, dp)
+            if so.kv_connector_metadata is not None and so.kv_connector_metadata.poll:
+                out.kv_connector_output = gather_kv_results(self.channel, self.worker)
+            return out
         except Exception as e:
             reason = self.supervisor.failure or f"{type(e).__name__}: {e}"
             raise ExecutorFailure(f"rank {self.rank}: engine step failed: {reason}") from e
         finally:
             self._step_started = None
+
+    def kv_rank_metadata(self) -> list:
+        return self._kv_ranks
 
     def describe(self) -> list[dict]:
         """Reports of every rank of this replica, in TP order."""
@@ -137,4 +147,5 @@ class MultiprocExecutor:
         for proc, _ in self.supervisor.procs.values():
             proc.join(5)
         self.supervisor.terminate_all()
+        self.worker.shutdown()
         destroy_rank_groups()

@@ -49,6 +49,27 @@ def agree_num_blocks(groups: RankGroups, worker) -> int:
     return int(count.item())
 
 
+def gather_kv_metadata(channel: ControlChannel | None, worker) -> list | None:
+    """Every rank's KV-transfer metadata (agent, cache planes), at the leader in TP order."""
+    from m3serve.disagg import messages
+
+    mine = worker.kv_connector.rank_metadata()
+    if channel is None:
+        return [mine]
+    parts = channel.gather_bytes(messages.encode(mine))
+    return None if parts is None else [messages.decode_rank_metadata(p) for p in parts]
+
+
+def gather_kv_results(channel: ControlChannel | None, worker) -> list | None:
+    """Every rank's report of its KV pulls this step, at the leader in TP order."""
+    from m3serve.disagg import messages
+
+    if channel is None:
+        return [worker.kv_result]
+    parts = channel.gather_bytes(messages.encode(worker.kv_result))
+    return None if parts is None else [messages.decode_rank_result(p) for p in parts]
+
+
 def rank_report(worker, groups: RankGroups) -> dict:
     return {**worker.describe(), "rank": groups.rank, "world_size": groups.layout.world_size}
 
@@ -75,12 +96,18 @@ def _follow(config: EngineConfig, model_dir: str, rank: int, master_port: int) -
     agree_num_blocks(groups, worker)
     layout = groups.layout
     channel = ControlChannel(groups.tp_cpu, layout.leader_of(rank), layout.tp)
+    if config.kv_transfer.enabled:
+        gather_kv_metadata(channel, worker)
     while True:
         message = channel.recv()
         if isinstance(message, RunStep):
-            worker.execute_model(message.scheduler_output, message.dp)
+            so = message.scheduler_output
+            worker.execute_model(so, message.dp)
+            if so.kv_connector_metadata is not None and so.kv_connector_metadata.poll:
+                gather_kv_results(channel, worker)
         elif isinstance(message, Describe):
             channel.gather_reports(rank_report(worker, groups))
         elif isinstance(message, Stop):
             break
+    worker.shutdown()
     destroy_rank_groups()

@@ -15,10 +15,17 @@ class UniProcExecutor:
         self.block_size, self.num_blocks = self.worker.block_size, self.worker.num_blocks
 
     def execute_model(self, scheduler_output):
-        return self.worker.execute_model(scheduler_output)
+        out = self.worker.execute_model(scheduler_output)
+        meta = scheduler_output.kv_connector_metadata
+        if meta is not None and meta.poll:
+            out.kv_connector_output = [self.worker.kv_result]
+        return out
+
+    def kv_rank_metadata(self) -> list:
+        return [self.worker.kv_connector.rank_metadata()]
 
     def describe(self) -> list[dict]:
         return [{**self.worker.describe(), "rank": 0, "world_size": 1}]
 
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown()

@@ -24,7 +24,7 @@ from m3serve.serving.chat_template import load_chat_template
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
 from m3serve.serving.openai import chat, completions
 from m3serve.serving.openai import tokenize as tokenize_api
-from m3serve.serving.openai.common import ClientDisconnected, ServerContext
+from m3serve.serving.openai.common import ClientDisconnected, ServerContext, package_version
 from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                              DetokenizeRequest, TokenizeRequest, error_body, param_of,
@@ -47,6 +47,7 @@ class _BearerAuth:
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        # vllm-router's P/D legs carry `Bearer $OPENAI_API_KEY` of the router's environment
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
@@ -85,9 +86,10 @@ async def _read_body(request: Request, model: type[BaseModel], limit: int) -> Ba
 
 
 def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,
-              model_name: str) -> FastAPI:
+              model_name: str, kv_transfer=None) -> FastAPI:
     """The FastAPI app. `client` is an `EngineCoreClient` (or a stand-in with its methods); it
-    is started when the app starts and shut down when it stops."""
+    is started when the app starts and shut down when it stops. `kv_transfer`: the engine's
+    `config.KVTransferConfig` when it serves prefill or decode legs of P/D."""
     metrics = ServerMetrics(model_name)
     template = (Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template
                 else load_chat_template(model_dir))
@@ -101,7 +103,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             model_root=str(model_dir), chat_template=template,
             default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
-            enable_auto_tool_choice=config.enable_auto_tool_choice)
+            enable_auto_tool_choice=config.enable_auto_tool_choice,
+            kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None)
         logger.info("serving %s (%s)", model_name, model_dir)
         try:
             yield
@@ -181,6 +184,45 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def models():
         return tokenize_api.list_models(ctx())
 
+    @app.get("/version")
+    async def version():
+        return {"version": package_version()}
+
+    async def fresh_stats() -> list:
+        """Every replica's latest engine stats (fresh when the engine answers quickly)."""
+        if "ctx" in holder and client.is_healthy():
+            try:
+                await client.get_stats(timeout_s=2.0)
+            except Exception:
+                pass
+        book = getattr(client, "book", None)
+        if book is not None and book.stats_by_replica:
+            return [book.stats_by_replica[d] for d in sorted(book.stats_by_replica)]
+        return [client.stats]
+
+    @app.get("/get_load")
+    async def get_load():
+        """Requests in the engine (vllm-router's power_of_two policy reads `load`)."""
+        return {"load": sum(s.num_running + s.num_waiting for s in await fresh_stats())}
+
+    @app.get("/v1/loads")
+    async def loads():
+        """Per-replica load in smg's worker-load shape."""
+        return tokenize_api.loads(ctx(), await fresh_stats(), getattr(client, "config", None))
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request):
+        body = await _read_body(request, CompletionRequest, config.max_request_body_bytes)
+        ctx().check_model(body.model)
+        return [{"prompt": text, "token_ids": ids} for text, ids in completions.prompts_of(ctx(), body)]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(request: Request):
+        body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
+        ctx().check_model(body.model)
+        prompt, ids, _, _ = chat.render_request(ctx(), body)
+        return {"prompt": prompt, "token_ids": ids}
+
     @app.post("/v1/completions")
     async def create_completion(request: Request):
         arrival = time.perf_counter()
@@ -228,6 +270,6 @@ def run_server(args) -> None:
     check_layout(load_config(model_dir), engine.parallel)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
     client = EngineCoreClient(engine_config_for_process(engine, model_dir), server.engine_ready_timeout_s)
-    app = build_app(client, load_tokenizer(model_dir), model_dir, server, name)
+    app = build_app(client, load_tokenizer(model_dir), model_dir, server, name, engine.kv_transfer)
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
                 timeout_graceful_shutdown=5)

@@ -7,7 +7,7 @@ preemptions) are read from the engine's latest `EngineStats` at scrape time.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from m3serve.protocol import EngineStats
 
@@ -36,6 +36,11 @@ class _EngineCollector:
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s.kv_cache_usage),
             ("num_free_kv_blocks", "KV-cache blocks not held by any request.", s.num_free_blocks),
             ("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, since start.", rate),
+            ("kv_transfer_held_requests", "Finished prefills whose KV is held for a decode worker.",
+             s.kv_held_requests),
+            ("kv_transfer_held_blocks", "KV blocks held for decode workers.", s.kv_held_blocks),
+            ("kv_transfer_active_pulls", "Requests pulling their prompt's KV from a prefill worker.",
+             s.kv_pulls_active),
         ):
             gauge = GaugeMetricFamily(f"m3serve:{metric}", doc, labels=labels)
             gauge.add_metric(name, value)
@@ -47,6 +52,16 @@ class _EngineCollector:
             ("spec_decode_num_drafts", "Verify steps of sequences that had draft tokens.", s.spec_num_drafts),
             ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
+            ("kv_transfer_holds_released", "Held prefills freed after their decode worker was done.",
+             s.kv_holds_released),
+            ("kv_transfer_holds_expired", "Held prefills freed by the hold timeout (nobody pulled).",
+             s.kv_holds_expired),
+            ("kv_transfer_pulls", "Prompt KV pulls completed.", s.kv_pulls_done),
+            ("kv_transfer_failed_pulls", "Prompt KV pulls that failed or timed out.", s.kv_pulls_failed),
+            ("kv_transfer_fallbacks", "Decode legs whose prompt was computed here instead of pulled.",
+             s.kv_fallbacks + self.metrics.kv_unreachable_count),
+            ("nixl_bytes_transferred", "Bytes of KV pulled.", s.kv_bytes_transferred),
+            ("nixl_num_descriptors", "Transfer descriptors posted for KV pulls.", s.kv_num_descriptors),
         ):
             counter = CounterMetricFamily(f"m3serve:{metric}", doc, labels=labels)
             counter.add_metric(name, value)
@@ -62,6 +77,20 @@ class _EngineCollector:
                                       "(benchmarks only: outputs are not the model's).", labels=labels)
         synthetic.add_metric(name, 1.0 if s.spec_synthetic_acceptance else 0.0)
         yield synthetic
+        xfer = SummaryMetricFamily("m3serve:nixl_xfer_time_seconds", "Duration of each rank's KV pulls.",
+                                   labels=labels)
+        xfer.add_metric(name, count_value=s.kv_xfer_count, sum_value=s.kv_xfer_seconds_sum)
+        yield xfer
+
+
+class _Count:
+    """A plain counter the engine collector adds to an engine-side one."""
+
+    def __init__(self):
+        self.value = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
 
 
 class ServerMetrics:
@@ -90,7 +119,12 @@ class ServerMetrics:
         self.e2e = Histogram(
             "m3serve:e2e_request_latency_seconds", "Arrival to the last output of a request.",
             labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.kv_unreachable = _Count()    # decode legs whose prefill worker did not answer
         self.registry.register(_EngineCollector(self))
+
+    @property
+    def kv_unreachable_count(self) -> int:
+        return self.kv_unreachable.value
 
     def finished(self, finish_reason: str) -> None:
         self.request_success.labels(self.model_name, finish_reason).inc()

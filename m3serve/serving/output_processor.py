@@ -45,6 +45,7 @@ class SequenceState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None   # a prefill held for a decode worker
         self.sent = 0  # characters of `text` already streamed
 
     @property
@@ -57,6 +58,8 @@ class SequenceState:
         engine core); tokens after the one that completed the stop string are dropped, so a
         run cuts exactly where one-token-at-a-time decoding would."""
         self.num_cached_tokens = out.num_cached_tokens
+        if getattr(out, "kv_transfer_params", None):
+            self.kv_transfer_params = out.kv_transfer_params
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(to_position_logprobs(e, self.tokenizer) for e in out.new_prompt_logprobs)
         stops = self.params.stop

@@ -68,6 +68,8 @@ class Worker:
             self.cache_specs += self.proposer.cache_specs(self.kv_dtype.itemsize, self.index_dtype.itemsize)
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
+        self.kv_connector = None      # disagg.connector.WorkerConnector with --kv-transfer-config
+        self.kv_result = None         # its last report (disagg.messages.RankResult)
 
     def available_blocks(self) -> int:
         """KV blocks (both cache groups) that fit in this rank's budget."""
@@ -108,8 +110,24 @@ class Worker:
             self.runner.spec_graphs.capture(self.runner.batch)
         elif sizes:
             self.runner.capture_cuda_graphs(sizes)
+        if config.kv_transfer.enabled:
+            self._register_kv_transfer()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
                     self.block_size, (num_blocks - 1) * self.block_size, self.device)
+
+    def _register_kv_transfer(self) -> None:
+        """Hand this rank's cache planes (every layer's K/V, every sparse layer's index keys) to
+        the KV-transfer connector."""
+        from m3serve.disagg.connector import make_worker_connector
+        from m3serve.layers.linear import kv_head_range
+
+        total = self.model_config.num_key_value_heads
+        first, _ = kv_head_range(total, self.parallel.tp)
+        runner = self.runner
+        planes = [(i, kv, index, first, total)
+                  for i, (kv, index) in enumerate(zip(runner.kv_caches, runner.index_caches))]
+        self.kv_connector = make_worker_connector(self.config.kv_transfer, self.parallel.tp.rank, self.device)
+        self.kv_connector.register_kv_caches(planes)
 
     def _kv_cache_bytes(self) -> int:
         cache = self.config.cache
@@ -127,7 +145,21 @@ class Worker:
         return budget
 
     def execute_model(self, scheduler_output, dp: DPStep | None = None):
-        return self.runner.execute_model(scheduler_output, dp)
+        """One step; pulls of KV start before the forward and are polled after it (they write
+        only into blocks of requests that are not in the batch)."""
+        meta = scheduler_output.kv_connector_metadata
+        if meta is not None and self.kv_connector is not None:
+            self.kv_connector.start(meta)
+        out = self.runner.execute_model(scheduler_output, dp)
+        if meta is not None and meta.poll:
+            if self.kv_connector is None:
+                raise RuntimeError("the step asks for KV-transfer reports, but this rank has no connector")
+            self.kv_result = self.kv_connector.poll()
+        return out
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def describe(self) -> dict:
         """What this rank is and holds (for state reports and tests)."""

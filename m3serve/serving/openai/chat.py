@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from m3serve.core.core_client import EngineDeadError, EngineError
 from m3serve.serving.chat_template import render_chat
-from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, merge, sse, sse_error,
-                                           usage_block)
+from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field, merge,
+                                           sse, sse_error, usage_block)
 from m3serve.serving.openai.engine import clamp_logprob, top_entries
+from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import ChatCompletionRequest
 from m3serve.serving.output_processor import SequenceState
 from m3serve.serving.reasoning import get_reasoning_parser
@@ -96,6 +97,15 @@ def _tool_setup(ctx: ServerContext, request: ChatCompletionRequest):
     return tools, tool_choice, True
 
 
+def render_request(ctx: ServerContext, request: ChatCompletionRequest):
+    """(prompt text, token ids, (tools, tool_choice, use_tools), template kwargs) of a request."""
+    tool_setup = _tool_setup(ctx, request)
+    kwargs = {**ctx.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+    prompt = render_chat(ctx.chat_template, request.messages, tools=tool_setup[0],
+                         add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs)
+    return prompt, ctx.engine.encode(prompt), tool_setup, kwargs
+
+
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, arrival_time: float,
                                  is_disconnected):
     ctx.check_model(request.model)
@@ -105,18 +115,15 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         raise ValueError("top_logprobs requires logprobs to be true")
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
         raise ValueError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}")
-    tools, tool_choice, use_tools = _tool_setup(ctx, request)
-    kwargs = {**ctx.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
-    prompt = render_chat(ctx.chat_template, request.messages, tools=tools,
-                         add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs)
-    ids = ctx.engine.encode(prompt)
+    prompt, ids, (tools, tool_choice, use_tools), kwargs = render_request(ctx, request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens = ctx.engine.resolve_max_tokens(len(ids), max_tokens)
     k = (request.top_logprobs or 0) if request.logprobs else None
     params = request.sampling_params(max_tokens, k)
+    kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids], request.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await admit([ctx.engine.generate(request_id, prompt, ids, params, arrival_time,
-                                                request.cache_salt)])
+                                                request.cache_salt, kv)])
     choices = [_Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
                for _ in range(request.n)]
     header = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
@@ -131,7 +138,8 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                     "logprobs": _logprobs(seq, 0, len(seq.token_ids), k) if k is not None else None,
                     "finish_reason": "tool_calls" if choice.made_calls else seq.finish_reason,
                     "stop_reason": seq.stop_reason})
-    return JSONResponse({**header, "choices": out, "usage": usage_block([state])})
+    return JSONResponse({**header, "choices": out, "usage": usage_block([state]),
+                         **kv_transfer_field([state], request.kv_transfer_params is not None)})
 
 
 async def _stream(header: dict, request: ChatCompletionRequest, stream, choices: list[_Choice]):
@@ -160,7 +168,9 @@ async def _stream(header: dict, request: ChatCompletionRequest, stream, choices:
                     "index": seq.index, "delta": delta,
                     "logprobs": _logprobs(seq, start, end, k) if k is not None else None,
                     "finish_reason": finish_reason,
-                    **({"stop_reason": seq.stop_reason} if seq.finished else {})}]})
+                    **({"stop_reason": seq.stop_reason} if seq.finished else {})}],
+                    **(kv_transfer_field([state], request.kv_transfer_params is not None)
+                       if seq.finished else {})})
         if request.include_usage and state is not None:
             yield sse({**header, "choices": [], "usage": usage_block([state])})
     except EngineError as e:

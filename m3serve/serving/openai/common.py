@@ -27,12 +27,22 @@ class ServerContext:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    kv_transfer: object = None      # config.KVTransferConfig of the engine (None: no P/D)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str | None) -> None:
         """A request naming another model is a 404, as in vLLM and OpenAI."""
         if model is not None and model != self.model_name and model != self.model_root:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("m3serve")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def sse(data: dict) -> str:
@@ -45,6 +55,14 @@ _DISCONNECT_POLL_S = 0.5
 
 def sse_error(status: int, message: str) -> str:
     return sse(error_body(status, message))
+
+
+def kv_transfer_field(states: list[RequestState], asked: bool) -> dict:
+    """The top-level `kv_transfer_params` of a response whose request carried some."""
+    if not asked:
+        return {}
+    return {"kv_transfer_params": next((s.sequences[0].kv_transfer_params for s in states
+                                        if s.sequences[0].kv_transfer_params), None)}
 
 
 def usage_block(states: list[RequestState]) -> dict:

@@ -8,14 +8,15 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from m3serve.core.core_client import EngineDeadError, EngineError
-from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, merge, sse,
-                                           sse_error, usage_block)
+from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field,
+                                           merge, sse, sse_error, usage_block)
 from m3serve.serving.openai.engine import clamp_logprob, top_entries
+from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import CompletionRequest
 from m3serve.serving.output_processor import RequestState, SequenceState
 
 
-def _prompts(ctx: ServerContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+def prompts_of(ctx: ServerContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """(text, token ids) per prompt."""
     prompt = request.prompt
     if isinstance(prompt, str):
@@ -63,12 +64,14 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     if request.best_of is not None and request.best_of != request.n:
         raise ValueError(f"best_of must equal n ({request.n}) when set, got {request.best_of}")
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    prompts = prompts_of(ctx, request)
+    kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids for _, ids in prompts], request.n)
     streams = []
-    for i, (text, ids) in enumerate(_prompts(ctx, request)):
+    for i, (text, ids) in enumerate(prompts):
         max_tokens = ctx.engine.resolve_max_tokens(len(ids), request.max_tokens)
         params = request.sampling_params(max_tokens, request.logprobs)
         streams.append(ctx.engine.generate(f"{request_id}-{i}", text, ids, params, arrival_time,
-                                           request.cache_salt))
+                                           request.cache_salt, kv))
     streams = await admit(streams)
     header = {"id": request_id, "object": "text_completion", "created": ctx.created,
               "model": ctx.model_name}
@@ -83,7 +86,8 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
                 "logprobs": (_logprobs(seq, 0, len(seq.token_ids), 0, request.logprobs)
                              if request.logprobs is not None else None),
                 "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
-    return JSONResponse({**header, "choices": choices, "usage": usage_block(ordered)})
+    return JSONResponse({**header, "choices": choices, "usage": usage_block(ordered),
+                         **kv_transfer_field(ordered, request.kv_transfer_params is not None)})
 
 
 async def _stream(header: dict, request: CompletionRequest, streams):
@@ -109,9 +113,11 @@ async def _stream(header: dict, request: CompletionRequest, streams):
                 sent_chars[key] = sent_chars.get(key, 0) + len(delta)
                 choice = {"index": index * request.n + seq.index, "text": delta, "logprobs": logprobs,
                           "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason}
+                extra = {}
                 if seq.finished:
                     done.add(key)
-                yield sse({**header, "choices": [choice]})
+                    extra = kv_transfer_field([state], request.kv_transfer_params is not None)
+                yield sse({**header, "choices": [choice], **extra})
         if request.include_usage:
             yield sse({**header, "choices": [], "usage": usage_block([states[i] for i in sorted(states)])})
     except EngineError as e:

@@ -41,6 +41,7 @@ class ServingEngine:
         self.eos_token_id = info.eos_token_id
         # The scheduler needs KV for every token but the last: total tokens <= capacity + 1.
         self.max_total_tokens = min(info.max_model_len, info.num_usable_blocks * info.block_size + 1)
+        self.block_size = info.block_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -70,8 +71,8 @@ class ServingEngine:
         return max_tokens
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, arrival_time: float,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestState]:
+                       params: SamplingParams, arrival_time: float, cache_salt: str | None = None,
+                       kv_transfer_params=None) -> AsyncIterator[RequestState]:
         """Submit one request (n children); yield its state once admitted (no tokens yet),
         then after every batch of engine outputs until all children finish. Raises ValueError /
         EngineOverloaded / EngineError before the first yield when the engine refuses it.
@@ -83,7 +84,8 @@ class ServingEngine:
             if self.eos_token_id is not None:
                 seq.params.add_eos_token_ids([self.eos_token_id])
             requests.append(EngineCoreRequest(seq.request_id, prompt_token_ids, seq.params,
-                                              self.eos_token_id, time.time(), cache_salt))
+                                              self.eos_token_id, time.time(), cache_salt,
+                                              kv_transfer_params))
         queue = await self.client.add_requests(request_id, requests)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         by_id = {seq.request_id: seq for seq in state.sequences}

@@ -105,6 +105,7 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None   # P/D legs (vLLM's NIXL protocol)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """ValueError names the offending field."""

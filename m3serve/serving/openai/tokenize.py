@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from m3serve.serving.chat_template import render_chat
-from m3serve.serving.openai.common import ServerContext
+from m3serve.serving.openai.common import ServerContext, package_version
 from m3serve.serving.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -31,3 +31,28 @@ def detokenize(ctx: ServerContext, request: DetokenizeRequest) -> dict:
     ctx.check_model(request.model)
     ctx.engine.check_token_ids(request.tokens, "tokens")
     return {"prompt": ctx.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+
+
+def loads(ctx: ServerContext, stats: list, engine_config=None) -> dict:
+    """`GET /v1/loads`: one entry per DP replica, in smg's worker-load shape."""
+    import datetime
+
+    block_size = ctx.engine.block_size
+    max_seqs = engine_config.scheduler.max_num_seqs if engine_config is not None else 0
+    role = ctx.kv_transfer.kv_role if ctx.kv_transfer is not None else None
+    mode = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(role, "null")
+    entries = []
+    for rank, s in enumerate(stats):
+        rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        entries.append({"dp_rank": rank, "num_running_reqs": s.num_running, "num_waiting_reqs": s.num_waiting,
+                        "num_total_reqs": s.num_running + s.num_waiting,
+                        "num_used_tokens": (s.num_usable_blocks - s.num_free_blocks) * block_size,
+                        "max_total_num_tokens": s.num_usable_blocks * block_size, "max_running_requests": max_seqs,
+                        "token_usage": s.kv_cache_usage, "cache_hit_rate": rate, "disagg_mode": mode})
+    running = sum(e["num_running_reqs"] for e in entries)
+    waiting = sum(e["num_waiting_reqs"] for e in entries)
+    return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": package_version(),
+            "dp_rank_count": len(entries), "loads": entries,
+            "aggregate": {"total_running_reqs": running, "total_waiting_reqs": waiting,
+                          "total_reqs": running + waiting,
+                          "avg_token_usage": sum(e["token_usage"] for e in entries) / max(1, len(entries))}}
