@@ -1,4 +1,4 @@
-"""The `m3serve` command: generate | serve | plan | bench serve | bench sweep | make-tiny.
+"""The `m3serve` command: generate | serve | route | plan | bench serve | bench sweep | make-tiny.
 
 Engine flags are generated from the config dataclasses (`--max-num-seqs` <-> `max_num_seqs`),
 with vLLM's names, so the CLI, `LLM(**kwargs)` and the server accept the same options.
@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="weights and KV cache per GPU for a parallel layout, without loading weights")
     plan_mod.add_cli_args(pl)
     pl.set_defaults(func=lambda a: (plan_mod.main(a), 0)[1])
+
+    from m3serve import route as route_mod
+    rt = sub.add_parser("route", help="start vllm-router or smg in front of m3serve workers (plain or P/D)")
+    route_mod.add_cli_args(rt)
+    rt.set_defaults(func=route_mod.main)
 
     tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint")
     tiny.add_argument("dir")

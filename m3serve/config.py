@@ -266,8 +266,8 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _KV_NOT_APPLICABLE = ("kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip",
                       "kv_port", "enable_permute_local_kv", "kv_connector_module_path")
 _KV_EXTRA_KEYS = {"backends": None, "abort_request_timeout": None, "transfer_timeout": 60.0,
-                  "handshake_timeout": 10.0, "test_fault": None}
-KV_TEST_FAULTS = ("fail", "stall")
+                  "handshake_timeout": 10.0, "progress_thread": None, "test_fault": None}
+KV_TEST_FAULTS = ("fail", "stall", "skip_index")
 
 
 @dataclass(frozen=True)
@@ -279,14 +279,16 @@ class KVTransferConfig:
     locally; fail: it ends with an error), kv_connector_extra_config: backends (NIXL backends,
     default ["UCX"]), abort_request_timeout (seconds a producer holds KV nobody pulls; default
     VLLM_NIXL_ABORT_REQUEST_TIMEOUT or 480), transfer_timeout (seconds a consumer waits for one
-    pull, default 60), handshake_timeout (seconds, default 10), test_fault (tests only: "fail"
-    makes every pull fail inside NIXL, "stall" never posts it). None = no KV transfer."""
+    pull, default 60), handshake_timeout (seconds, default 10), progress_thread (NIXL's progress
+    thread, which keeps a core busy: default on with a GPU, off on CPU), test_fault (tests only: "fail"
+    makes every pull fail inside NIXL, "stall" never posts it, "skip_index" leaves the index
+    cache behind). None = no KV transfer."""
     kv_transfer_config: str | dict | None = None
 
     def __post_init__(self):
         values = dict(kv_connector=None, kv_role=None, engine_id=None, kv_load_failure_policy="recompute",
                       backends=("UCX",), abort_request_timeout=None, transfer_timeout=60.0,
-                      handshake_timeout=10.0, test_fault=None, not_applicable={})
+                      handshake_timeout=10.0, progress_thread=None, test_fault=None, not_applicable={})
         if self.kv_transfer_config is not None:
             values.update(_parse_kv_transfer(self.kv_transfer_config))
         for name, value in values.items():
@@ -366,9 +368,13 @@ def _parse_kv_transfer(raw) -> dict:
     if fault is not None and fault not in KV_TEST_FAULTS:
         raise ValueError(f"kv_transfer_config.kv_connector_extra_config.test_fault must be one of "
                          f"{list(KV_TEST_FAULTS)}, got {fault!r}")
+    progress = extra.get("progress_thread")
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.progress_thread must be true or false, "
+                         f"got {progress!r}")
     abort = extra.get("abort_request_timeout")
     out.update(kv_connector=connector, kv_role=role, engine_id=engine_id, kv_load_failure_policy=policy,
-               backends=tuple(backends), test_fault=fault,
+               backends=tuple(backends), test_fault=fault, progress_thread=progress,
                abort_request_timeout=None if abort is None else _positive_seconds(abort, "abort_request_timeout"),
                transfer_timeout=_positive_seconds(extra.get("transfer_timeout", 60.0), "transfer_timeout"),
                handshake_timeout=_positive_seconds(extra.get("handshake_timeout", 10.0), "handshake_timeout"))

@@ -10,6 +10,7 @@ its blocks when the scheduler reuses them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,12 +27,15 @@ logger = logging.getLogger(__name__)
 _FAULT_OFFSET = 1 << 46      # test_fault "fail": addresses no agent registered
 
 
+_GENTLE_PROGRESS_S = 0.0005
+
+
 def _import_nixl():
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError as e:
         raise RuntimeError(f"--kv-transfer-config NixlConnector needs NIXL: pip install nixl ({e})") from None
-    return nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 
 @dataclass
@@ -52,10 +56,22 @@ class _Pull:
 
 class NixlWorkerConnector(WorkerConnector):
     def __init__(self, config: KVTransferConfig, tp_rank: int, device):
-        nixl_agent, nixl_agent_config = _import_nixl()
+        nixl_agent, nixl_agent_config, sync = _import_nixl()
         self.config, self.tp_rank, self.device = config, tp_rank, device
         self.name = f"m3serve-{config.engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=list(config.backends)))
+        # NIXL's progress thread spins a core: worth it beside a GPU. On a CPU-only host a
+        # thread of ours drives progress every half millisecond instead (a producer's agent
+        # must progress for a consumer's reads to complete).
+        spin = config.progress_thread if config.progress_thread is not None else device.type == "cuda"
+        self.agent = nixl_agent(self.name, nixl_agent_config(
+            enable_prog_thread=spin, backends=list(config.backends),
+            sync_mode=None if spin else sync.NIXL_THREAD_SYNC_STRICT))
+        self._stop = threading.Event()
+        self._progress = None
+        if not spin:
+            self._progress = threading.Thread(target=self._drive_progress, name="m3serve-nixl-progress",
+                                              daemon=True)
+            self._progress.start()
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
         self.regions: list[Region] = []
@@ -63,6 +79,13 @@ class NixlWorkerConnector(WorkerConnector):
         self._remote: dict[str, tuple[EngineMetadata, dict[int, str]]] = {}   # engine -> (meta, agents)
         self._pulls: dict[str, _Pull] = {}
         self._result = RankResult(done=[], failed={}, xfer_seconds=[])
+
+    def _drive_progress(self) -> None:
+        while not self._stop.wait(_GENTLE_PROGRESS_S):
+            try:
+                self.agent.get_new_notifs()       # progresses the backends' workers
+            except Exception as e:
+                logger.warning("NIXL progress: %s", e)
 
     def register_kv_caches(self, planes) -> None:
         """planes: [(layer index, kv cache [2, NB, bs, H, D] | None, index cache [NB, bs, Di] | None,
@@ -115,8 +138,11 @@ class NixlWorkerConnector(WorkerConnector):
             pull.failure = f"no metadata of prefill engine {job.engine_id!r} on this rank"
             return
         engine, agents = remote
+        regions = self.regions
+        if self.config.test_fault == "skip_index":
+            regions = [r for r in regions if not r.name.endswith(".index")]
         try:
-            plan = plan_pull(self.regions, {r.tp_rank: r.regions for r in engine.ranks}, self.block_size,
+            plan = plan_pull(regions, {r.tp_rank: r.regions for r in engine.ranks}, self.block_size,
                              job.local_block_ids, job.remote_block_ids, self.tp_rank)
         except (LayoutMismatch, ValueError) as e:
             pull.failure = f"cannot map the prefill worker's KV: {e}"
@@ -182,6 +208,9 @@ class NixlWorkerConnector(WorkerConnector):
         return True
 
     def shutdown(self) -> None:
+        self._stop.set()
+        if self._progress is not None:
+            self._progress.join(1.0)
         for pull in self._pulls.values():
             self._release(pull)
         self._pulls.clear()

@@ -29,16 +29,35 @@ def free_port() -> int:
 class LiveServer:
     """A `python -m m3serve serve` child process; `url` is its base URL."""
 
-    def __init__(self, model_dir: Path, *flags: str, log_path: Path):
+    def __init__(self, model_dir: Path, *flags: str, log_path: Path, env: dict | None = None,
+                 wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
         cmd = [sys.executable, "-m", "m3serve", "serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--served-model-name", MODEL_NAME,
                "--uvicorn-log-level", "warning", *flags]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+
+    @classmethod
+    def start_many(cls, model_dir: Path, specs: dict[str, tuple], log_dir: Path, **kwargs) -> dict:
+        """Launch several servers at once (name -> flags), then wait for all of them."""
+        servers = {name: cls(model_dir, *flags, log_path=log_dir / f"{name}.log", wait=False, **kwargs)
+                   for name, flags in specs.items()}
+        try:
+            for srv in servers.values():
+                srv.wait_ready()
+        except Exception:
+            for srv in servers.values():
+                srv.stop()
+            raise
+        return servers
+
+    def wait_ready(self) -> None:
         deadline = time.time() + 180
         while True:
             try:
@@ -48,7 +67,7 @@ class LiveServer:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
                 self.stop()
-                raise RuntimeError(f"server did not become ready:\n{log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"server did not become ready:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.2)
 
     def metrics(self) -> dict[str, float]:

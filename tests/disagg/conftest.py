@@ -1,0 +1,32 @@
+"""P/D fixtures: a KV producer and a KV consumer (`m3serve serve` on the tiny model, behind an
+API key), started once for the whole session and checked for leaks at the end; the helpers
+live in pdutil.py."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+
+from pdutil import KEY, assert_clean, kv_flags  # noqa: E402
+from serverutil import LiveServer  # noqa: E402
+
+pytest.importorskip("nixl", reason="P/D tests need NIXL (pip install nixl)")
+
+
+@pytest.fixture(scope="session")
+def pd(tiny_dir, tmp_path_factory):
+    """{"P": producer (holds for at most 4 s), "D": consumer}."""
+    servers = LiveServer.start_many(tiny_dir, {
+        "P": ("--api-key", KEY, *kv_flags("kv_producer", abort_request_timeout=4)),
+        "D": ("--api-key", KEY, *kv_flags("kv_consumer")),
+    }, tmp_path_factory.mktemp("pd-logs"))
+    yield servers
+    try:
+        for srv in servers.values():
+            assert_clean(srv)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    for srv in servers.values():
+        assert "Traceback" not in srv.log_path.read_text(), srv.log_path.read_text()[-3000:]

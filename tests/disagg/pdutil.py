@@ -1,0 +1,135 @@
+"""Helpers of the P/D tests: flags, prompts long enough that sparse block selection matters,
+the two-leg protocol as the routers run it, and the leak check through /metrics."""
+import json
+import random
+import time
+
+import httpx
+
+KEY = "pd-secret"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+# The tiny model's sparse layers keep 4 blocks of 16 tokens: prompts of several hundred tokens
+# make the index cache decide what decode attends to.
+SPARSE_SPAN = 4 * 16
+
+
+def kv_flags(role: str, **extra) -> tuple[str, str]:
+    return ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                                                "kv_connector_extra_config": extra}))
+
+
+def long_prompt(seed: int, words: int = 110) -> str:
+    rng = random.Random(seed)
+    vocab = ["alpha", "kernel", "block", "sparse", "index", "cache", "token", "router", "decode",
+             "prefill", "river", "stone", "cloud", "paper", "signal", "vector", "matrix", "orbit"]
+    return " ".join(rng.choice(vocab) + str(rng.randrange(50)) for _ in range(words))
+
+
+def completion_body(seed: int, max_tokens: int = 12, **kw) -> dict:
+    return {"model": "tiny", "prompt": long_prompt(seed), "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+def chat_body(seed: int, max_tokens: int = 12, **kw) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": long_prompt(seed)}],
+            "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+def post(server, route: str, body: dict, headers=HEADERS, timeout: float = 120) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, headers=headers, timeout=timeout)
+
+
+def prefill_leg(p, route: str, body: dict) -> dict:
+    """What vllm-router sends to the producer; returns its JSON (with kv_transfer_params)."""
+    leg = {**body, "max_tokens": 1, "min_tokens": 1, "stream": False,
+           "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    leg.pop("stream_options", None)
+    r = post(p, route, leg)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["kv_transfer_params"]["do_remote_prefill"] is True, out
+    return out
+
+
+def decode_leg(d, route: str, body: dict, params: dict, **kw) -> httpx.Response:
+    return post(d, route, {**body, "kv_transfer_params": params}, **kw)
+
+
+def text_of(response_json: dict) -> str:
+    choice = response_json["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def sse_text(response: httpx.Response) -> str:
+    """Concatenated text of an SSE stream (completions or chat)."""
+    out = []
+    for line in response.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        assert "error" not in event, event
+        for choice in event.get("choices", []):
+            out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+def metrics(server) -> dict[str, float]:
+    return server.metrics()
+
+
+def assert_clean(server, timeout_s: float = 20.0) -> dict:
+    """No running sequence, no KV block held, nothing held for or pulled from another worker."""
+    deadline = time.time() + timeout_s
+    while True:
+        m = server.metrics()
+        busy = {k: m.get(k, 0) for k in ("m3serve:num_requests_running", "m3serve:num_requests_waiting",
+                                          "m3serve:kv_cache_usage_perc", "m3serve:kv_transfer_held_blocks",
+                                          "m3serve:kv_transfer_active_pulls")}
+        if not any(busy.values()):
+            return m
+        assert time.time() < deadline, f"{server.url} still holds work: {busy}"
+        time.sleep(0.2)
+
+
+class RouterProc:
+    """`m3serve route ...` (which becomes the router) on a free port, ready once a completion
+    goes through it."""
+
+    def __init__(self, log_path, *route_args: str):
+        import os
+        import subprocess
+        import sys
+
+        from serverutil import REPO_ROOT, free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "m3serve", "route", "--host", "127.0.0.1", "--port", str(self.port),
+               "--prometheus-port", str(free_port()), *route_args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 90
+        while True:
+            try:
+                r = httpx.post(self.url + "/v1/completions", headers=HEADERS, timeout=30,
+                               json={"model": "tiny", "prompt": "warm up", "max_tokens": 2, "temperature": 0})
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"router did not come up:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
