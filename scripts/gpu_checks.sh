@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
-#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | profile L B ISL | vllm
+#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | profile L B ISL | pd L | vllm
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
@@ -91,6 +91,30 @@ if [ "${1:-}" = profile ]; then
   L=${2:-4}; B=${3:-4}; ISL=${4:-8192}
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
   step profile_L${L}_b${B}_isl${ISL} timeout 300 python -m m3serve.bench.step_profile /tmp/rs$L --batch $B --isl $ISL ${5:+--quantization $5}
+fi
+# pd L: a prefill server and a decode server sharing the GPU (NIXL moving device memory, the
+# nixl-cu13 wheel carried), real-shape L layers, dummy weights; TTFT of 8K
+# prompts split into prefill / transfer / first decode by scripts/pd_split.py
+if [ "${1:-}" = pd ]; then
+  L=${2:-4}
+  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  common=(--load-format dummy --max-model-len 9472 --max-num-seqs 8 --max-num-batched-tokens 16384
+          --cudagraph-capture-sizes 1,2,4,8)
+  kv() { echo '{"kv_connector": "NixlConnector", "kv_role": "'$1'"}'; }
+  echo "\$ python -m m3serve serve /tmp/rs$L --port 8021 --gpu-memory-utilization 0.45 ${common[*]} --kv-transfer-config '$(kv kv_producer)'" > "$OUT/pd_prefill_L$L.txt"
+  python -m m3serve serve /tmp/rs$L --port 8021 --gpu-memory-utilization 0.45 "${common[@]}" \
+    --kv-transfer-config "$(kv kv_producer)" >> "$OUT/pd_prefill_L$L.txt" 2>&1 &
+  p=$!
+  for i in $(seq 1 240); do curl -sf http://127.0.0.1:8021/ready > /dev/null && break; sleep 1; done
+  echo "\$ python -m m3serve serve /tmp/rs$L --port 8022 --gpu-memory-utilization 0.92 ${common[*]} --kv-transfer-config '$(kv kv_consumer)'" > "$OUT/pd_decode_L$L.txt"
+  UCX_PROTO_INFO=${UCX_PROTO_INFO:-n} python -m m3serve serve /tmp/rs$L --port 8022 --gpu-memory-utilization 0.92 "${common[@]}" \
+    --kv-transfer-config "$(kv kv_consumer)" >> "$OUT/pd_decode_L$L.txt" 2>&1 &
+  d=$!
+  for i in $(seq 1 240); do curl -sf http://127.0.0.1:8022/ready > /dev/null && break; sleep 1; done
+  step pd_split_L$L timeout ${TMO:-300} python scripts/pd_split.py --prefill http://127.0.0.1:8021 \
+    --decode http://127.0.0.1:8022 --isl ${ISL:-8193} --osl ${OSL:-32} --prompts ${PROMPTS:-6}
+  for port in 8021 8022; do curl -s http://127.0.0.1:$port/metrics | grep -E "^m3serve:(kv_transfer|nixl)" >> "$OUT/pd_metrics_L$L.txt"; done
+  kill $p $d; wait $p $d 2>/dev/null
 fi
 # vllm: vLLM 0.26 side by side with us in one call (after six calls that each carried one batch:
 # `mkdir -p /tmp/w && cp -r .vbN/* /tmp/w/`, N = 1..6, peer.py in .vb6), then ours at the same points.

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100    # wait for input this long when there is nothing to step
 _LOCKSTEP_IDLE_POLL_MS = 10   # ... when idle replicas must still meet the others
-_KV_PULL_POLL_MS = 1   # ... when the ranks are pulling KV (poll them often: it is TTFT)
+_KV_PULL_POLL_MS = 1   # ... when a pull is under way (claim, read, admission: it is all TTFT)
 _KV_HOLD_POLL_MS = 20  # ... when KV is held for, or claimed from, another worker
 
 

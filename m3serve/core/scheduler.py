@@ -234,8 +234,9 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            if self.kv_manager.has_blocks(request.request_id):
-                hit_blocks, num_hit = [], request.num_computed_tokens   # KV pulled from a prefill worker
+            pulled = self.kv_manager.has_blocks(request.request_id)   # KV pulled from a prefill worker
+            if pulled:     # its blocks already cover the pulled tokens (num_computed_tokens)
+                hit_blocks, num_hit = [], request.num_computed_tokens
             elif getattr(request.sampling_params, "prompt_logprobs", None) is not None:
                 hit_blocks, num_hit = [], 0  # hits would skip the positions that need logprobs
             else:
@@ -247,7 +248,7 @@ class Scheduler:
                     if started:
                         continue
             num_new = min(request.num_tokens - num_hit, budget)
-            new_block_ids = self.kv_manager.allocate_slots(request, num_new, num_hit, hit_blocks,
+            new_block_ids = self.kv_manager.allocate_slots(request, num_new, 0 if pulled else num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is None:
                 break  # first come, first served: nobody overtakes the head of the queue

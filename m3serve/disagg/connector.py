@@ -316,8 +316,9 @@ class KVTransferScheduler:
 
     @property
     def pulls_in_flight(self) -> bool:
-        """Ranks are moving KV: poll them often."""
-        return any(p.state in ("queued", "reading") for p in self._pulls.values())
+        """A pull is between its start and its request's admission (claiming, reading, or over
+        and waiting to be admitted): every wait here is TTFT, so the engine polls often."""
+        return bool(self._pulls or self._over)
 
     def shutdown(self) -> None:
         if self.server is not None:

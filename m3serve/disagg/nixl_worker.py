@@ -10,6 +10,7 @@ its blocks when the scheduler reuses them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -63,6 +64,11 @@ class NixlWorkerConnector(WorkerConnector):
         # thread of ours drives progress every half millisecond instead (a producer's agent
         # must progress for a consumer's reads to complete).
         spin = config.progress_thread if config.progress_thread is not None else device.type == "cuda"
+        if device.type == "cuda":
+            # UCX turns CUDA-IPC reads off where it sees no NVLink (one GPU, PCIe-only hosts)
+            # and would then move device memory over TCP through the host; a READ over IPC is
+            # the fast path on every host that has it. An operator's own setting wins.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         self.agent = nixl_agent(self.name, nixl_agent_config(
             enable_prog_thread=spin, backends=list(config.backends),
             sync_mode=None if spin else sync.NIXL_THREAD_SYNC_STRICT))

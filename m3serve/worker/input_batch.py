@@ -106,6 +106,9 @@ class InputBatch:
         n = len(prompt_token_ids)
         if n > self.max_model_len:
             raise RuntimeError(f"request {req_id!r}: {n} prompt tokens exceed max_model_len")
+        if len(block_ids) > self.max_blocks:     # checked before the row exists: no half-added row
+            raise RuntimeError(f"request {req_id!r}: {len(block_ids)} blocks exceed the "
+                               f"{self.max_blocks} a max_model_len context needs")
         self.req_ids.append(req_id)
         self.index[req_id] = row
         self.token_ids[row, :n] = prompt_token_ids

@@ -120,6 +120,7 @@ def test_decode_side_generates_what_one_engine_would(pair):
     d = Worker(ds, dr, source=pr)
     so = d.step()                                      # blocks given, claim sent: nothing runs yet
     assert not so.num_scheduled_tokens and "d1" in ds.remote_waiting
+    assert ds.connector.pulls_in_flight          # claiming counts: the engine polls at its TTFT pace
     assert ds.kv_manager.num_free_blocks == free_before - 6   # KV of 21 tokens
     d.run_until(lambda: any(o.finished for o in d.outputs))
     assert tokens_of(d, "d1") == reference(prompt, 6)
@@ -142,6 +143,7 @@ def test_decode_step_is_a_one_token_prefill(pair):
         news = d.step().scheduled_new_reqs
     [new] = news
     assert new.num_computed_tokens == len(prompt) - 1 and d.sched.kv_manager.get_block_ids("d1") == new.block_ids
+    assert len(new.block_ids) == -(-len(prompt) // BS)     # the pulled tokens are not counted twice
 
 
 def test_prefix_hit_on_the_consumer_pulls_only_the_rest(pair):
