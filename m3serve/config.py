@@ -381,6 +381,28 @@ def _parse_kv_transfer(raw) -> dict:
     return out
 
 
+# generation_config.json keys that become request defaults (vLLM's set); max_new_tokens -> max_tokens
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Sampling defaults for requests that do not set them (vLLM's flags).
+    generation_config: "auto" (the model's generation_config.json), "vllm" (none: the OpenAI
+    defaults) or a directory holding a generation_config.json. override_generation_config: a JSON
+    object of GENERATION_KEYS laid over them (`{"temperature": 0.6}`)."""
+    generation_config: str = "auto"
+    override_generation_config: str | dict | None = None
+
+    def __post_init__(self):
+        overrides = {}
+        if self.override_generation_config is not None:
+            overrides = _json_object_option(self.override_generation_config, "override_generation_config")
+        object.__setattr__(self, "overrides", overrides)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be auto, vllm or a directory, got {self.generation_config!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -390,6 +412,7 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self):
         if self.kv_transfer.enabled and self.speculative.enabled:

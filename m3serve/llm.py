@@ -21,6 +21,7 @@ from m3serve.model.files import load_tokenizer, model_directory
 from m3serve.outputs import RequestOutput
 from m3serve.plan import check_layout
 from m3serve.protocol import EngineCoreRequest, EngineState
+from m3serve.sampling_defaults import describe, load_sampling_defaults
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.chat_template import load_chat_template, render_chat
 from m3serve.serving.output_processor import RequestState
@@ -162,9 +163,17 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_flags):
         config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_flags)
         self.engine = LLMEngine(config)
+        self._sampling_defaults = load_sampling_defaults(config.generation, self.engine.model_dir)
+        if self._sampling_defaults:
+            logger.info(describe(self._sampling_defaults))
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` uses without params: the generation config's sampling values
+        (`generation_config` / `override_generation_config`), else SamplingParams()."""
+        return SamplingParams(**self._sampling_defaults)
 
     def shutdown(self) -> None:
         """Stop the engine processes of a multi-rank engine (nothing to do for one rank)."""
@@ -175,7 +184,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -36,11 +36,14 @@ DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts"
 _REQUEST_TIMEOUT_S = 6 * 3600
 
 
+GREEDY = {"temperature": 0.0}
+
+
 def _build_payload(endpoint_type: str, model: str, request: SampleRequest, ignore_eos: bool,
-                   extra_body: dict | None) -> dict:
+                   extra_body: dict | None, sampling: dict | None = None) -> dict:
     payload: dict = {
         "model": model,
-        "temperature": 0.0,
+        **(GREEDY if sampling is None else sampling),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -167,6 +170,7 @@ class Target:
     ignore_eos: bool = True
     extra_body: dict | None = None
     headers: dict = field(default_factory=dict)
+    sampling: dict | None = None      # sampling fields of every request; None = greedy
 
 
 async def send_request(target: Target, request: SampleRequest) -> RequestRecord:
@@ -176,7 +180,7 @@ async def send_request(target: Target, request: SampleRequest) -> RequestRecord:
     come back as a failed record with the reason in `error`.
     """
     payload = _build_payload(target.endpoint_type, target.model, request, target.ignore_eos,
-                             target.extra_body)
+                             target.extra_body, target.sampling)
     body = json.dumps(payload).encode()
     record = RequestRecord(prompt_len=request.prompt_len, start_time=time.perf_counter())
     texts: list[str] = []
@@ -262,7 +266,8 @@ async def benchmark(*, api_url: str, model: str, requests: list[SampleRequest],
                     percentiles=DEFAULT_PERCENTILES, percentile_metrics=METRIC_NAMES,
                     goodput: dict[str, float] | None = None, num_gpus: int = 1, seed: int = 0,
                     extra_body: dict | None = None, headers: dict | None = None,
-                    disable_tqdm: bool = False, show_summary: bool = True) -> dict:
+                    disable_tqdm: bool = False, show_summary: bool = True,
+                    sampling: dict | None = None) -> dict:
     """Run `requests` against `api_url` and return the metrics result dict.
 
     Warm-up requests run first at the same concurrency, all at once, and are not counted; if
@@ -277,7 +282,7 @@ async def benchmark(*, api_url: str, model: str, requests: list[SampleRequest],
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
-    target = Target(api_url, model, endpoint_type, ignore_eos, extra_body, headers or {})
+    target = Target(api_url, model, endpoint_type, ignore_eos, extra_body, headers or {}, sampling)
     if warmup_requests:
         warm = await _run_requests(target, warmup_requests, np.zeros(len(warmup_requests)),
                                    max_concurrency, None)
@@ -438,6 +443,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="ask the server to generate exactly max_tokens (default on, as "
                              "vLLM does for the random dataset)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature of every request (default: 0, greedy)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--server-sampling-defaults", action="store_true",
+                        help="send no sampling field the flags above do not set, so the server's "
+                             "defaults (its model's generation config) apply")
     parser.add_argument("--extra-body", type=json.loads, default=None,
                         help="JSON object merged into every request body")
     parser.add_argument("--seed", type=int, default=0)
@@ -557,7 +571,16 @@ def config_record(args: argparse.Namespace, model: str, tokenizer_path: str,
         "range_ratio_mode": args.range_ratio_mode,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
+        "sampling": sampling_of(args),
     }
+
+
+def sampling_of(args: argparse.Namespace) -> dict:
+    """The sampling fields every request carries: greedy unless flags say otherwise; with
+    --server-sampling-defaults only what the flags set."""
+    given = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+             if getattr(args, k, None) is not None}
+    return given if getattr(args, "server_sampling_defaults", False) else {**GREEDY, **given}
 
 
 def save_result(result: dict, path: str, detailed: bool) -> str:
@@ -604,7 +627,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         request_rate=args.request_rate, burstiness=args.burstiness, ignore_eos=args.ignore_eos,
         percentiles=percentiles, percentile_metrics=percentile_metrics, goodput=goodput,
         num_gpus=args.num_gpus, seed=args.seed, extra_body=args.extra_body,
-        headers=auth_headers(args), disable_tqdm=args.disable_tqdm)
+        headers=auth_headers(args), disable_tqdm=args.disable_tqdm, sampling=sampling_of(args))
     result = {**config_record(args, model, tokenizer_path, endpoint_type), **metrics}
     if args.save_result:
         label = args.label or result["backend"]

@@ -13,7 +13,7 @@ import math
 import os
 
 from m3serve.bench.serve import (DETAILED_KEYS, add_common_args, auth_headers, benchmark,
-                                 config_record, make_requests, resolve_setup, save_result)
+                                 config_record, make_requests, resolve_setup, sampling_of, save_result)
 
 
 def parse_concurrencies(text: str) -> list[int]:
@@ -128,7 +128,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             ignore_eos=args.ignore_eos, percentiles=percentiles,
             percentile_metrics=percentile_metrics, goodput=goodput, num_gpus=args.num_gpus,
             seed=point_args.seed, extra_body=args.extra_body, headers=auth_headers(args),
-            disable_tqdm=args.disable_tqdm)
+            disable_tqdm=args.disable_tqdm, sampling=sampling_of(args))
         result = {**config, **metrics}
         save_result(result, os.path.join(result_dir, f"{label}-c{conc}.json"),
                     args.save_detailed)

@@ -38,6 +38,10 @@ class EngineDeadError(EngineError):
     """The engine is not running (it failed, or is shut down): HTTP 503."""
 
 
+class ShuttingDown(EngineDeadError):
+    """The server is draining and stopped this request (a 503 for its client)."""
+
+
 class EngineCoreClient:
     """Runs the engine in spawned processes and talks to them over ZMQ (msgpack)."""
 
@@ -277,6 +281,16 @@ class EngineCoreClient:
                 del self._queues[out.request_id]
                 self.book.release(out.request_id)
             queue.put_nowait(out)
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every live request in the engine (their blocks are freed) and end each with
+        `ShuttingDown(reason)`; returns how many sequences were aborted."""
+        live = list(self._queues)
+        queues = {id(q): q for q in self._queues.values()}.values()
+        self.abort(live)
+        for queue in queues:
+            queue.put_nowait(ShuttingDown(reason))
+        return len(live)
 
     def _fail_all(self, reason: str) -> None:
         error = EngineDeadError(f"the engine is not running: {reason}")

@@ -35,13 +35,18 @@ def resolve_model_dir(model: str | Path, config_only: bool = False) -> Path:
         raise ValueError(f"model {model!r}: not a local directory and the hub download failed: {e}") from e
 
 
+# The files that define the embedded tiny model's bytes (tests/unit/test_tiny_model.py pins them).
+_TINY_INPUTS = ("model/tiny.py", "model/config.py", "model/tokenizer_build.py", "model/tiny_tokenizer.json",
+                "model/chat_template.jinja")
+
+
 def tiny_model_cache_dir(seed: int = 0) -> Path:
-    """Where the embedded tiny model lives: a cache folder keyed by the package sources (its
-    tokenizer is trained on them) and the seed."""
+    """Where the embedded tiny model lives: a cache folder keyed by the files that define it
+    and the seed."""
     pkg = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for f in sorted(pkg.rglob("*.py")):
-        digest.update(f.read_bytes())
+    for name in _TINY_INPUTS:
+        digest.update((pkg / name).read_bytes())
     return Path(envs.CACHE_DIR) / f"tiny-{seed}-{digest.hexdigest()[:12]}"
 
 

@@ -73,11 +73,11 @@ def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
 
 def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny checkpoint into `out_dir` (created if needed). Same seed -> same bytes."""
-    from m3serve.model.tokenizer_build import build_tokenizer, special_token_ids
+    from m3serve.model.tokenizer_build import special_token_ids, write_tiny_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, vocab_size=TINY_VOCAB)
+    write_tiny_tokenizer(out)                 # the stored TINY_VOCAB-token tokenizer
     ids = special_token_ids(out)
     raw = tiny_config_dict(TINY_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"])
     cfg = parse_config(raw)

@@ -1,7 +1,10 @@
 """Builds the tiny model's tokenizer: a real byte-level BPE trained at build time.
 
-The training text is this package's own `.py`/`.md` sources plus a fixed embedded corpus, so the
-result is deterministic for a given source tree and needs no download. The MiniMax-M3 marker
+The training text is fixed and ships with the package (`tiny_corpus.md`, a snapshot of the
+project's docs, plus the prose and pseudo-words below), so the result does not depend on the
+code around it and needs no download. The default tiny model does not even retrain: its
+2048-token tokenizer is stored (`tiny_tokenizer.json`, made by `build_tokenizer` with that
+corpus) and written as is, so its bytes cannot drift with the `tokenizers` library either. The MiniMax-M3 marker
 strings (§1.6 of the spec) are appended as added tokens with fixed ids at the end of the vocab.
 """
 from __future__ import annotations
@@ -11,6 +14,9 @@ import random
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# The default tiny model's tokenizer: build_tokenizer(dir, 2048) on the shipped corpus, stored.
+STORED_TOKENIZER = Path(__file__).resolve().parent / "tiny_tokenizer.json"
 
 # Marker strings in id order; they take the last len(SPECIAL_TOKENS) ids of the vocabulary.
 SPECIAL_TOKENS: dict[str, str] = {
@@ -29,8 +35,6 @@ SPECIAL_TOKENS: dict[str, str] = {
 # Markers the reasoning and tool parsers match as text must survive `skip_special_tokens=True`
 # decoding, so they are ordinary added tokens; the rest are special (dropped when skipping).
 _TEXT_MARKERS = frozenset({"think_start", "think_end", "tool_namespace"})
-
-_SOURCE_BYTES_CAP = 1_000_000  # keeps training well under the 3 s budget as the package grows
 
 _PROSE = """\
 MiniMax-M3 is a large mixture-of-experts language model with sparse attention and a context of
@@ -54,23 +58,10 @@ _SYLLABLES = (
 ).split()
 
 
-def _source_texts() -> list[str]:
-    """The package's own sources, in sorted relative-path order, capped in total size."""
-    package_dir = Path(__file__).resolve().parent.parent
-    paths = sorted(
-        (p for pattern in ("**/*.py", "**/*.md") for p in package_dir.glob(pattern)),
-        key=lambda p: p.relative_to(package_dir).as_posix(),
-    )
-    texts, total = [], 0
-    for path in paths:
-        if "__pycache__" in path.parts:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if total + len(text) > _SOURCE_BYTES_CAP:
-            break
-        texts.append(text)
-        total += len(text)
-    return texts
+def _corpus_texts() -> list[str]:
+    """The fixed training text that ships with the package, one paragraph per item."""
+    text = (Path(__file__).resolve().parent / "tiny_corpus.md").read_text(encoding="utf-8")
+    return [p for p in text.split("\n\n") if p.strip()]
 
 
 def _synthetic_texts(num_words: int) -> list[str]:
@@ -99,7 +90,7 @@ def _train(texts: list[str], num_bpe_tokens: int) -> Tokenizer:
 
 def _train_exact(num_bpe_tokens: int) -> Tokenizer:
     """Trains until the BPE vocabulary holds exactly num_bpe_tokens entries."""
-    base = _source_texts() + [_PROSE]
+    base = _corpus_texts() + [_PROSE]
     num_words = num_bpe_tokens
     while True:
         tokenizer = _train(base + _synthetic_texts(num_words), num_bpe_tokens)
@@ -117,13 +108,30 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 2048, *, model_max_le
 
     The vocabulary has exactly `vocab_size` entries: byte-level BPE tokens first, then the
     SPECIAL_TOKENS markers at ids `vocab_size - len(SPECIAL_TOKENS)` … `vocab_size - 1`.
-    Two calls on the same source tree give byte-identical files.
+    Two calls give byte-identical files (with the same `tokenizers` version).
     """
     min_vocab = 256 + len(SPECIAL_TOKENS)  # every byte needs a token, then the markers
     if not isinstance(vocab_size, int) or vocab_size < min_vocab:
         raise ValueError(f"vocab_size must be an int >= {min_vocab}, got {vocab_size!r}")
     num_bpe_tokens = vocab_size - len(SPECIAL_TOKENS)
     tokenizer = _train_exact(num_bpe_tokens)
+    _add_markers(tokenizer, num_bpe_tokens)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
+    _write_config(out, model_max_length)
+
+
+def write_tiny_tokenizer(out_dir: str | Path) -> None:
+    """The default tiny model's tokenizer: the stored 2048-token file, byte for byte, and its
+    config and chat template as `build_tokenizer` writes them."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes(STORED_TOKENIZER.read_bytes())
+    _write_config(out, 1_048_576)
+
+
+def _add_markers(tokenizer: Tokenizer, num_bpe_tokens: int) -> None:
     for name, content in SPECIAL_TOKENS.items():
         token = AddedToken(content, special=name not in _TEXT_MARKERS, normalized=False)
         if name in _TEXT_MARKERS:
@@ -134,10 +142,9 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 2048, *, model_max_le
         if tokenizer.token_to_id(content) != num_bpe_tokens + offset:
             raise RuntimeError(f"marker {content!r} did not land on id {num_bpe_tokens + offset}")
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+
+def _write_config(out: Path, model_max_length: int) -> None:
     template = _load_template_text()
-    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS["bos"],

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded
 from m3serve.serving.chat_template import load_chat_template
+from m3serve.serving.lifecycle import Drain, DrainingServer, raise_fd_limit
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
 from m3serve.serving.openai import chat, completions
 from m3serve.serving.openai import tokenize as tokenize_api
@@ -86,10 +87,11 @@ async def _read_body(request: Request, model: type[BaseModel], limit: int) -> Ba
 
 
 def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,
-              model_name: str, kv_transfer=None) -> FastAPI:
+              model_name: str, kv_transfer=None, sampling_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app. `client` is an `EngineCoreClient` (or a stand-in with its methods); it
     is started when the app starts and shut down when it stops. `kv_transfer`: the engine's
-    `config.KVTransferConfig` when it serves prefill or decode legs of P/D."""
+    `config.KVTransferConfig` when it serves prefill or decode legs of P/D. `sampling_defaults`:
+    what requests default to (`sampling_defaults.load_sampling_defaults`)."""
     metrics = ServerMetrics(model_name)
     template = (Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template
                 else load_chat_template(model_dir))
@@ -99,7 +101,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def lifespan(app: FastAPI):
         await client.start()
         holder["ctx"] = ServerContext(
-            engine=ServingEngine(client, tokenizer, metrics), model_name=model_name,
+            engine=ServingEngine(client, tokenizer, metrics, sampling_defaults), model_name=model_name,
             model_root=str(model_dir), chat_template=template,
             default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
@@ -114,6 +116,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     app = FastAPI(title="m3serve", lifespan=lifespan)
     if config.api_key:
         app.add_middleware(_BearerAuth, api_key=config.api_key)
+    drain = app.state.drain = Drain(config.shutdown_timeout_s, config.retry_after_s, client)
+    app.add_middleware(drain.middleware)
     fields = {f for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
               for f in m.model_fields}
 
@@ -163,6 +167,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @app.get("/ready")
     async def ready():
+        if drain.draining:
+            return _error(503, "the server is shutting down")
         if "ctx" not in holder or not client.is_healthy():
             return _error(503, "the engine is not ready")
         try:
@@ -259,6 +265,8 @@ def run_server(args) -> None:
     from m3serve.model.config import load_config
     from m3serve.model.files import load_tokenizer, model_directory
     from m3serve.plan import check_layout
+    from m3serve.sampling_defaults import describe as describe_defaults
+    from m3serve.sampling_defaults import load_sampling_defaults
     from m3serve.serving.server_args import server_config
 
     server = server_config(args)
@@ -270,6 +278,12 @@ def run_server(args) -> None:
     check_layout(load_config(model_dir), engine.parallel)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
     client = EngineCoreClient(engine_config_for_process(engine, model_dir), server.engine_ready_timeout_s)
-    app = build_app(client, load_tokenizer(model_dir), model_dir, server, name, engine.kv_transfer)
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+    defaults = load_sampling_defaults(engine.generation, model_dir)
+    logger.info(describe_defaults(defaults))
+    app = build_app(client, load_tokenizer(model_dir), model_dir, server, name, engine.kv_transfer, defaults)
+    raise_fd_limit(engine.scheduler.max_num_seqs, engine.scheduler.max_waiting_requests)
+    uv = DrainingServer(uvicorn.Config(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
+                                       timeout_graceful_shutdown=5), app.state.drain)
+    uv.run()
+    if uv.drain.forced:
+        raise SystemExit(1)

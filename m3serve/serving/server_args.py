@@ -29,6 +29,7 @@ class ServerConfig:
     retry_after_s: int = 1  # Retry-After of a 503 when the waiting queue is full
     uvicorn_log_level: str = "info"
     engine_ready_timeout_s: float = 900.0
+    shutdown_timeout_s: float = 25.0    # drain: seconds running requests get after SIGTERM
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -46,6 +47,8 @@ class ServerConfig:
         if mode is not None and mode not in THINKING_MODES:
             raise ValueError(f"default_chat_template_kwargs.thinking_mode must be one of "
                              f"{list(THINKING_MODES)}, got {mode!r}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if self.max_request_body_bytes <= 0:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
 
@@ -77,6 +80,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    group.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=25.0,
+                       help="seconds running requests may take to finish after SIGTERM/SIGINT before "
+                            "they are aborted (default 25: inside Kubernetes' 30 s grace period)")
     group.add_argument("--engine-ready-timeout", dest="engine_ready_timeout_s", type=float, default=900.0,
                        help="seconds to wait for the engine to load the model")
 
@@ -88,4 +94,4 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         max_request_body_bytes=args.max_request_body_bytes, uvicorn_log_level=args.uvicorn_log_level,
-        engine_ready_timeout_s=args.engine_ready_timeout_s)
+        engine_ready_timeout_s=args.engine_ready_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s)

@@ -30,7 +30,7 @@ class LiveServer:
     """A `python -m m3serve serve` child process; `url` is its base URL."""
 
     def __init__(self, model_dir: Path, *flags: str, log_path: Path, env: dict | None = None,
-                 wait: bool = True):
+                 wait: bool = True, preexec_fn=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -39,7 +39,8 @@ class LiveServer:
                "--port", str(self.port), "--served-model-name", MODEL_NAME,
                "--uvicorn-log-level", "warning", *flags]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=preexec_fn)
         if wait:
             self.wait_ready()
 

@@ -184,3 +184,23 @@ def test_arrival_offsets_poisson_rate_and_unlimited():
     assert (offsets == arrival_offsets(4000, 20.0, 1.0, seed=0)).all()
     with pytest.raises(ValueError, match="burstiness"):
         arrival_offsets(3, 1.0, 0.0, seed=0)
+
+
+def test_bench_requests_are_greedy_unless_asked():
+    import argparse
+
+    from m3serve.bench.datasets import SampleRequest
+    from m3serve.bench.serve import _build_payload, add_cli_args, sampling_of
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+
+    def payload(*flags):
+        args = parser.parse_args(["--base-url", "http://x", *flags])
+        return _build_payload("completions", "m", SampleRequest("p", 1, 4), True, None, sampling_of(args))
+
+    assert payload()["temperature"] == 0.0 and "top_k" not in payload()
+    assert payload("--temperature", "0.7", "--top-k", "40")["temperature"] == 0.7
+    assert payload("--top-k", "40")["top_k"] == 40
+    server = payload("--server-sampling-defaults")             # the server's generation config applies
+    assert not {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"} & set(server)
+    assert payload("--server-sampling-defaults", "--top-p", "0.9")["top_p"] == 0.9

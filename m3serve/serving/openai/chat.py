@@ -119,7 +119,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens = ctx.engine.resolve_max_tokens(len(ids), max_tokens)
     k = (request.top_logprobs or 0) if request.logprobs else None
-    params = request.sampling_params(max_tokens, k)
+    params = request.sampling_params(max_tokens, k, ctx.engine.sampling_defaults)
     kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids], request.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await admit([ctx.engine.generate(request_id, prompt, ids, params, arrival_time,

@@ -69,7 +69,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     streams = []
     for i, (text, ids) in enumerate(prompts):
         max_tokens = ctx.engine.resolve_max_tokens(len(ids), request.max_tokens)
-        params = request.sampling_params(max_tokens, request.logprobs)
+        params = request.sampling_params(max_tokens, request.logprobs, ctx.engine.sampling_defaults)
         streams.append(ctx.engine.generate(f"{request_id}-{i}", text, ids, params, arrival_time,
                                            request.cache_salt, kv))
     streams = await admit(streams)

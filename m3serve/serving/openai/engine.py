@@ -31,8 +31,9 @@ class ServingEngine:
     """Shared by the endpoints: validates prompts against the engine's limits and streams
     `RequestState`s of submitted requests (the same object, updated in place)."""
 
-    def __init__(self, client, tokenizer: Tokenizer, metrics: ServerMetrics):
+    def __init__(self, client, tokenizer: Tokenizer, metrics: ServerMetrics, sampling_defaults: dict | None = None):
         self.client = client
+        self.sampling_defaults = dict(sampling_defaults or {})   # the generation config's values
         self.tokenizer = tokenizer
         self.metrics = metrics
         info = client.info
@@ -63,7 +64,7 @@ class ServingEngine:
                 f"length is {limit} tokens (max_model_len {self.max_model_len}) and at least one "
                 f"token must be generated")
         if max_tokens is None:
-            return limit - num_prompt_tokens
+            return min(limit - num_prompt_tokens, self.sampling_defaults.get("max_tokens", limit))
         if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:
             raise ValueError(
                 f"max_tokens is too large: {max_tokens} + {num_prompt_tokens} prompt tokens exceed "

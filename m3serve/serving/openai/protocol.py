@@ -107,15 +107,18 @@ class _SamplingRequest(BaseModel):
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None   # P/D legs (vLLM's NIXL protocol)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """ValueError names the offending field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """ValueError names the offending field. `defaults`: the server's sampling defaults
+        (generation config) for the fields the request leaves unset."""
         if not isinstance(self.n, int) or self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
-        optional = {k: v for k, v in (
+        optional = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        optional |= {k: v for k, v in (
             ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
             ("min_p", self.min_p), ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),

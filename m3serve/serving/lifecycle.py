@@ -1,0 +1,130 @@
+"""The server process's life outside requests: graceful drain on SIGTERM/SIGINT and the
+file-descriptor limit.
+
+Drain (first SIGTERM or SIGINT): `/ready` answers 503 at once, so routers and load balancers
+stop sending; every new request gets 503 with `Retry-After`; requests already running finish.
+Those still running after `--shutdown-timeout` seconds are aborted (their clients get a 503
+error saying why, their KV blocks are freed). Then the HTTP server stops, the engine processes
+are shut down, and the process exits 0. A second signal during the drain exits at once (1).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import signal
+import time
+
+import uvicorn
+from fastapi.responses import JSONResponse
+
+from m3serve.serving.openai.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+# Kubernetes sends SIGKILL 30 s after SIGTERM by default (terminationGracePeriodSeconds): a
+# 25 s drain leaves the engine time to stop and the process to exit 0 before that.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0
+# Routes that keep answering while draining: probes and introspection, never new work.
+_OPEN_WHILE_DRAINING = ("/health", "/ready", "/metrics", "/version", "/get_load", "/v1/loads", "/v1/models")
+
+
+class Drain:
+    """Drain state shared by the middleware, `/ready` and the server."""
+
+    def __init__(self, timeout_s: float, retry_after_s: int, client):
+        self.timeout_s, self.retry_after_s, self.client = timeout_s, retry_after_s, client
+        self.draining = False
+        self.in_flight = 0          # HTTP requests doing work (probes not counted)
+        self.forced = False
+
+    def middleware(self, app):
+        """Pure ASGI middleware: counts requests in flight (streams until their last byte) and
+        refuses new ones while draining."""
+
+        async def wrapped(scope, receive, send):
+            if scope["type"] != "http" or scope["path"].startswith(_OPEN_WHILE_DRAINING):
+                return await app(scope, receive, send)
+            if self.draining:
+                body = error_body(503, "the server is shutting down; send this request elsewhere")
+                return await JSONResponse(body, status_code=503, headers={
+                    "Retry-After": str(self.retry_after_s), "Connection": "close"})(scope, receive, send)
+            self.in_flight += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.in_flight -= 1
+        return wrapped
+
+    async def run(self, server: uvicorn.Server) -> None:
+        """Wait for the running requests (up to the timeout), abort the rest, then stop `server`."""
+        start = time.monotonic()
+        logger.info("draining: %d request(s) in flight; /ready is 503 and new requests get 503; "
+                    "requests still running after %g s are aborted", self.in_flight, self.timeout_s)
+        while self.in_flight and time.monotonic() - start < self.timeout_s and not self.forced:
+            await asyncio.sleep(0.05)
+        aborted = 0
+        if self.in_flight and not self.forced:
+            aborted = self.client.abort_all(f"the server is shutting down: the request was still running "
+                                            f"after the {self.timeout_s:g} s drain timeout")
+            settle = time.monotonic() + 5.0
+            while self.in_flight and time.monotonic() < settle:
+                await asyncio.sleep(0.02)
+        in_use = await self._blocks_in_use()
+        logger.info("drain over after %.1f s: %d sequence(s) aborted, KV blocks in use: %s",
+                    time.monotonic() - start, aborted, in_use)
+        server.should_exit = True
+
+    async def _blocks_in_use(self) -> str:
+        try:
+            stats = await self.client.get_stats(timeout_s=2.0)
+        except Exception as e:
+            return f"unknown ({e})"
+        return str(stats.num_usable_blocks - stats.num_free_blocks)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with the drain above in place of its immediate stop on the first signal."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # (never re-raised after shutdown, unlike uvicorn's own handler: a drained exit is 0)
+        if self.drain.draining or self.should_exit or self._loop is None:
+            if self.drain.draining:
+                logger.warning("second %s: exiting now", signal.Signals(sig).name)
+            self.drain.forced = True
+            self.should_exit = self.force_exit = True
+            return
+        self.drain.draining = True
+        logger.info("%s received", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain.run(self)))
+
+
+def raise_fd_limit(max_num_seqs: int, max_waiting: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit and log it; warn when it is below what a
+    full engine may need (a connection per running and per waiting request, and a reserve for
+    the model files, sockets and processes). Returns (soft, hard)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard or (hard == resource.RLIM_INFINITY and soft != hard):
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
+    need = max_num_seqs + max_waiting + 256
+    logger.info("open-file limit: %d (hard %s)", soft, "unlimited" if hard == resource.RLIM_INFINITY else hard)
+    if soft < need:
+        logger.warning("the open-file limit %d is below the %d that %d running + %d waiting requests "
+                       "(one connection each) and 256 for the engine may need: connections past it are "
+                       "refused; raise it (ulimit -n, or LimitNOFILE in systemd)", soft, need,
+                       max_num_seqs, max_waiting)
+    return soft, hard

@@ -1,0 +1,44 @@
+"""The embedded tiny model stays put: `make_tiny` with one seed writes the same bytes on every
+machine and at every commit (its tokenizer is stored, not trained on the package's code)."""
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import m3serve
+from m3serve.model.files import tiny_model_cache_dir
+from m3serve.model.tiny import make_tiny
+
+# sha256 of make_tiny(dir, seed=0). Change them only on purpose: a new value is a new default model.
+PINNED = {
+    "chat_template.jinja": "7f195b90f4706bad400414521fae4231d2e717c211cc6d5401f7862908ed5c6c",
+    "config.json": "53b6c5264a741be1afd9f68550c94a4a102c86eb539ec7af934db5b4aa2ba93c",
+    "generation_config.json": "5aba2b1670757fe92c8875bf2ba18e681feec405dcf77226f7f9c086075489b2",
+    "model.safetensors": "ac48e1d1b6f1cb04d97f8ed189924ec52fa25a41cf7b423b226447764e2f3208",
+    "tokenizer.json": "bf0aef49926c0c27267b63a9f4e4df3518d22119dc1fa0ff54c2edf7ea4cf6ed",
+    "tokenizer_config.json": "1e20735bf094983fcfa21a4e3d58680633f04cacc8def01c2e101780be6de097",
+}
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir())}
+
+
+def test_make_tiny_writes_the_pinned_bytes(tmp_path):
+    assert digests(make_tiny(tmp_path / "tiny", seed=0)) == PINNED
+
+
+def test_new_code_in_the_package_changes_neither_the_model_nor_its_cache_folder(tmp_path):
+    package = Path(m3serve.__file__).parent
+    copy = tmp_path / "src" / "m3serve"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "serving" / "brand_new_module.py").write_text('"""Code that did not exist before."""\nX = 1\n')
+    (copy / "serving" / "api_server.py").write_text((copy / "serving" / "api_server.py").read_text() + "\n# edit\n")
+    code = ("import sys; from m3serve.model.tiny import make_tiny; from m3serve.model.files import "
+            "tiny_model_cache_dir; make_tiny(sys.argv[1], 0); print(tiny_model_cache_dir(0).name)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tiny")], cwd=tmp_path, check=True,
+                         capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path / "src"),
+                                                              "PATH": "/usr/bin:/bin"})
+    assert digests(tmp_path / "tiny") == PINNED
+    assert out.stdout.strip() == tiny_model_cache_dir(0).name
