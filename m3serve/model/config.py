@@ -92,6 +92,11 @@ def parse_config(raw: dict) -> M3Config:
     """Build an `M3Config` from a config.json dict (VL wrapper or bare text config)."""
     if not isinstance(raw, dict):
         raise ValueError(f"config must be a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if model_type is not None and not str(model_type).startswith("minimax_m3"):
+        archs = raw.get("architectures") or []
+        raise ValueError(f"model_type {model_type!r}{f' ({archs[0]})' if archs else ''} is not MiniMax-M3: "
+                         f"m3serve serves MiniMax-M3 checkpoints (model_type 'minimax_m3_vl')")
     vision = None
     text = raw
     if "text_config" in raw:

@@ -21,21 +21,23 @@ from tokenizers import Tokenizer
 
 from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded
 from m3serve.serving.chat_template import load_chat_template
-from m3serve.serving.lifecycle import Drain, DrainingServer, raise_fd_limit
+from m3serve.serving.lifecycle import Drain, DrainingServer, describe_engine, raise_fd_limit
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
 from m3serve.serving.openai import chat, completions
 from m3serve.serving.openai import tokenize as tokenize_api
-from m3serve.serving.openai.common import ClientDisconnected, ServerContext, package_version
+from m3serve.serving.openai.common import ClientDisconnected, ServerContext, internal_error, package_version
 from m3serve.serving.openai.engine import ServingEngine
-from m3serve.serving.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                             DetokenizeRequest, TokenizeRequest, error_body, param_of,
-                                             validation_message)
+from m3serve.serving.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest,
+                                             DetokenizeRequest, TokenizeRequest, check_json, error_body,
+                                             param_of, validation_message)
 from m3serve.serving.server_args import ServerConfig
 
 logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "minimax-m3-tiny"
-_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+# Behind --api-key: the API and its documentation; open: /health, /ready, /metrics, /version,
+# /get_load (probes of orchestrators, routers and monitoring).
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
 def _error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
@@ -54,8 +56,8 @@ class _BearerAuth:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                await _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")(
-                    scope, receive, send)
+                await _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -72,10 +74,13 @@ async def _read_body(request: Request, model: type[BaseModel], limit: int) -> Ba
         chunks.append(chunk)
     try:
         data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise APIError(400, f"request body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:       # JSONDecodeError, and ints of > 4300 digits
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    check_json(data)
     try:
         parsed = model.model_validate(data)
     except ValidationError as e:
@@ -107,13 +112,16 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None)
+        if getattr(client, "config", None) is not None:
+            logger.info(describe_engine(client.config, client.info))
         logger.info("serving %s (%s)", model_name, model_dir)
         try:
             yield
         finally:
             client.shutdown()
 
-    app = FastAPI(title="m3serve", lifespan=lifespan)
+    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="m3serve", lifespan=lifespan, **docs)
     if config.api_key:
         app.add_middleware(_BearerAuth, api_key=config.api_key)
     drain = app.state.drain = Drain(config.shutdown_timeout_s, config.retry_after_s, client)
@@ -139,7 +147,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @app.exception_handler(EngineError)
     async def _engine_error(_, e: EngineError):
-        return _error(500, str(e))
+        return _error(500, internal_error(e))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_, e: ClientDisconnected):
@@ -147,8 +155,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @app.exception_handler(Exception)
     async def _unexpected(_, e: Exception):
-        logger.exception("request failed")
-        return _error(500, f"internal error: {type(e).__name__}: {e}")
+        return _error(500, internal_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):
@@ -184,7 +191,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
                 metrics.engine_stats = await client.get_stats(timeout_s=2.0)
             except Exception:
                 metrics.engine_stats = client.stats  # the engine's last report
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(metrics.render(config.metric_names), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -254,6 +261,20 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     return app
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError when `host:port` cannot be bound (in use, or not an address of this host)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}"
+                             f"{' (another process holds the port; pick another with --port)' if e.errno == 98 else ''}") from None
+
+
 def run_server(args) -> None:
     """`m3serve serve`: resolve the model, then run uvicorn; the engine process is spawned when
     the app starts and stopped with it."""
@@ -271,6 +292,7 @@ def run_server(args) -> None:
 
     server = server_config(args)
     engine = EngineConfig.from_kwargs(**engine_kwargs(args))
+    check_port_free(server.host, server.port)       # before minutes of model loading
     if engine.parallel.node_rank > 0:     # another host of a multi-node engine: no API here
         from m3serve.core.engine_group import run_headless
         raise SystemExit(run_headless(engine))

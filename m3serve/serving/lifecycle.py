@@ -128,3 +128,27 @@ def raise_fd_limit(max_num_seqs: int, max_waiting: int) -> tuple[int, int]:
                        "refused; raise it (ulimit -n, or LimitNOFILE in systemd)", soft, need,
                        max_num_seqs, max_waiting)
     return soft, hard
+
+
+def describe_engine(config, info) -> str:
+    """The effective engine configuration in one block (logged at start-up): what was asked
+    for, and the memory plan the engine made (`info`: its `EngineReady`, or None)."""
+    m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
+    lines = [
+        f"model {m.model or 'the tiny model'}, dtype {m.dtype}, weights {m.quantization or 'as stored'}, "
+        f"load format {m.load_format}, device {m.device}",
+        f"parallel: TP {p.tensor_parallel_size} x DP {p.data_parallel_size}"
+        f"{', expert parallel' if p.enable_expert_parallel else ''}",
+        f"KV cache dtype {c.kv_cache_dtype}, index cache dtype {c.index_cache_dtype}, prefix caching "
+        f"{'on' if c.enable_prefix_caching else 'off'}",
+        f"scheduler: {s.max_num_batched_tokens} tokens per step, {s.max_num_seqs} running, "
+        f"{s.max_waiting_requests} waiting at most",
+        f"CUDA graphs {'off (--enforce-eager)' if config.compilation.enforce_eager else 'on where a GPU runs'}"
+        f"{', speculative ' + config.speculative.method if config.speculative.enabled else ''}"
+        f"{', KV transfer ' + config.kv_transfer.kv_role if config.kv_transfer.enabled else ''}",
+    ]
+    if info is not None:
+        lines.append(f"memory plan: {info.num_usable_blocks} KV blocks of {info.block_size} tokens "
+                     f"({info.num_usable_blocks * info.block_size} tokens) per replica, max_model_len "
+                     f"{info.max_model_len}")
+    return "engine configuration:\n  " + "\n  ".join(lines)

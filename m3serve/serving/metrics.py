@@ -6,12 +6,15 @@ preemptions) are read from the engine's latest `EngineStats` at scrape time.
 """
 from __future__ import annotations
 
+import re
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from m3serve.protocol import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_PREFIX = re.compile(rb"^((?:# (?:HELP|TYPE) )?)m3serve:", re.MULTILINE)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -129,5 +132,11 @@ class ServerMetrics:
     def finished(self, finish_reason: str) -> None:
         self.request_success.labels(self.model_name, finish_reason).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: str = "both") -> bytes:
+        """The exposition text with `m3serve:` names, vLLM's `vllm:` names (the same metric
+        under the same name after the prefix), or both."""
+        text = generate_latest(self.registry)
+        if names == "m3serve":
+            return text
+        vllm = _PREFIX.sub(rb"\1vllm:", text)
+        return vllm if names == "vllm" else text + vllm

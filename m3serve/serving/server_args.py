@@ -14,6 +14,9 @@ from m3serve.serving.tool_parser import get_tool_parser
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 
 
+METRIC_NAMES = ("both", "m3serve", "vllm")   # /metrics: both prefixes, or one
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
@@ -30,6 +33,8 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     engine_ready_timeout_s: float = 900.0
     shutdown_timeout_s: float = 25.0    # drain: seconds running requests get after SIGTERM
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
+    metric_names: str = "both"          # /metrics: m3serve:*, vllm:* (vLLM's names) or both
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -47,6 +52,8 @@ class ServerConfig:
         if mode is not None and mode not in THINKING_MODES:
             raise ValueError(f"default_chat_template_kwargs.thinking_mode must be one of "
                              f"{list(THINKING_MODES)}, got {mode!r}")
+        if self.metric_names not in METRIC_NAMES:
+            raise ValueError(f"metric_names must be both, m3serve or vllm, got {self.metric_names!r}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if self.max_request_body_bytes <= 0:
@@ -80,6 +87,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    group.add_argument("--metric-names", choices=METRIC_NAMES, default="both",
+                       help="/metrics names: m3serve:*, vLLM's vllm:* (for dashboards and alerts built "
+                            "for vLLM), or both (default)")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="serve no /docs, /redoc and /openapi.json (with --api-key they need the key)")
     group.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=25.0,
                        help="seconds running requests may take to finish after SIGTERM/SIGINT before "
                             "they are aborted (default 25: inside Kubernetes' 30 s grace period)")
@@ -94,4 +106,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         max_request_body_bytes=args.max_request_body_bytes, uvicorn_log_level=args.uvicorn_log_level,
-        engine_ready_timeout_s=args.engine_ready_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s)
+        engine_ready_timeout_s=args.engine_ready_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s,
+        disable_fastapi_docs=args.disable_fastapi_docs, metric_names=args.metric_names)

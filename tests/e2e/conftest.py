@@ -1,6 +1,5 @@
 """Server fixtures: live `m3serve serve` subprocesses on the tiny model and an in-process app
 over a scripted engine stand-in (helpers in serverutil.py), each torn down at session end."""
-import signal
 
 import pytest
 
@@ -15,8 +14,7 @@ def server(tiny_dir, tmp_path_factory):
                      log_path=tmp_path_factory.mktemp("logs") / "server.log")
     yield srv
     srv.stop()
-    # uvicorn re-raises the SIGTERM it handled once shut down gracefully
-    assert srv.proc.returncode in (0, -signal.SIGTERM), srv.log_path.read_text()[-3000:]
+    assert srv.proc.returncode == 0, srv.log_path.read_text()[-3000:]     # drained, then exit 0
     assert "Traceback" not in srv.log_path.read_text()
 
 

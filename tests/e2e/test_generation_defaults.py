@@ -16,7 +16,9 @@ def test_generation_config_defaults_through_the_server(tiny_dir, tmp_path):
     server = LiveServer(model, "--override-generation-config", '{"max_new_tokens": 5}',
                         "--uvicorn-log-level", "info", log_path=tmp_path / "server.log")
     try:
-        assert "request sampling defaults from the generation config" in server.log_path.read_text()
+        log = server.log_path.read_text()
+        assert "request sampling defaults from the generation config" in log
+        assert "engine configuration:" in log and "memory plan:" in log and "KV blocks of 16 tokens" in log
         chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "tell me more"}], "ignore_eos": True}
         r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5   # override over file

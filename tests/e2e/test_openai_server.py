@@ -207,6 +207,10 @@ def test_metrics_count_tokens_and_latencies(server, client):
     assert after["m3serve:e2e_request_latency_seconds_count"] - before["m3serve:e2e_request_latency_seconds_count"] == 1
     assert after["m3serve:prefix_cache_queries_total"] > before["m3serve:prefix_cache_queries_total"]
     assert 0.0 <= after["m3serve:prefix_cache_hit_rate"] <= 1.0
+    # vLLM's names for dashboards built for vLLM: the same series under vllm:*
+    for name in ("generation_tokens_total", "prompt_tokens_total", "num_requests_running", "kv_cache_usage_perc",
+                 "time_to_first_token_seconds_count", "e2e_request_latency_seconds_sum", "request_success_total"):
+        assert after["vllm:" + name] == after["m3serve:" + name], name
 
 
 def test_bench_serve_against_the_server(server, tiny_dir, tmp_path):

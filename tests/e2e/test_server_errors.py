@@ -12,6 +12,10 @@ GOOD_CHAT = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 
+NESTED: list = []
+for _ in range(80):
+    NESTED = [NESTED]
+
 # (path, body: dict or raw bytes, status, words the message must contain, param or None)
 BAD_REQUESTS = [
     (C, b"{bad json", 400, "not valid JSON", None),
@@ -62,6 +66,26 @@ BAD_REQUESTS = [
     ("/detokenize", {"tokens": [-1]}, 400, "outside the vocabulary", "tokens"),
     ("/tokenize", {}, 400, "exactly one of prompt or messages", None),
     ("/v1/nowhere", {}, 404, "Not Found", None),
+    # hostile: nothing here is m3serve's fault, so nothing is a 500
+    (C, b'{"prompt": "hi", "x": ' + b"[" * 200000 + b"]" * 200000 + b"}", 400, "nested deeper", None),
+    (C, {"prompt": "hi", "x": NESTED}, 400, "nested deeper than 64 levels", "x" + ".0" * 63),
+    (CH, {"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": NESTED}}]},
+     400, "nested deeper", None),
+    (C, b'{"prompt": "hi \\ud800 there"}', 400, "unpaired UTF-16 surrogate", "prompt"),
+    (CH, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "surrogate", "messages.0.content"),
+    (C, b'{"prompt": "hi", "model": "\\ud83d"}', 400, "surrogate", "model"),
+    (C, b'{"prompt": "hi", "\\ud800": 1}', 400, "key contains an unpaired", None),
+    (C, {"prompt": "hi", "seed": 10**30}, 400, "64-bit", "seed"),
+    (C, {"prompt": "hi", "top_k": -(2**70)}, 400, "64-bit", "top_k"),
+    (C, b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400, "not valid JSON", None),
+    (C, {"prompt": [True, 5]}, 400, "expected one of str, list[str], list[int], list[list[int]]", "prompt"),
+    (C, {"prompt": [[3, False]]}, 400, "expected one of", "prompt"),
+    (C, {"prompt": "hi", "stream": "yes"}, 400, "valid boolean", "stream"),
+    (C, {"prompt": "hi", "ignore_eos": 1}, 400, "valid boolean", "ignore_eos"),
+    (C, {"prompt": "hi", "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
+    (C, {"prompt": "hi", "stop_token_ids": [True]}, 400, "valid integer", "stop_token_ids.0"),
+    ("/detokenize", {"tokens": [True]}, 400, "valid integer", "tokens.0"),
+    (C, {"prompt": "hi", "model": "no-such-\u00e9\u4e2d\U0001f600"}, 404, "does not exist", "model"),
 ]
 
 
@@ -96,10 +120,13 @@ def test_api_key_is_enforced(guarded_server):
     missing = httpx.post(url + C, json=body)
     wrong = httpx.post(url + C, json=body, headers={"Authorization": "Bearer nope"})
     for r in (missing, wrong):
-        assert r.status_code == 401
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert r.json()["error"]["code"] == 401 and "API key" in r.json()["error"]["message"]
-    assert httpx.get(url + "/v1/models").status_code == 401
-    assert httpx.get(url + "/health").status_code == 200  # probes need no key
+    for route in ("/v1/models", "/docs", "/redoc", "/openapi.json"):     # the API and its documentation
+        assert httpx.get(url + route).status_code == 401, route
+    assert httpx.get(url + "/openapi.json", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    for route in ("/health", "/ready", "/metrics", "/version", "/get_load"):   # probes need no key
+        assert httpx.get(url + route).status_code == 200, route
     ok = httpx.post(url + C, json=body, headers={"Authorization": "Bearer sekret"})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 

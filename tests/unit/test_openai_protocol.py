@@ -14,7 +14,8 @@ def _message(model, data):
 
 
 def test_validation_message_names_the_field_path_not_the_union_member():
-    assert _message(CompletionRequest, {"prompt": 5}) == ("prompt: Input should be a valid string (got 5)", "prompt")
+    assert _message(CompletionRequest, {"prompt": 5}) == (
+        "prompt: expected one of str, list[str], list[int], list[list[int]] (got 5)", "prompt")
     assert _message(CompletionRequest, {}) == ("prompt is required", "prompt")
     message, param = _message(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                                       "tools": [{"function": {}}]})

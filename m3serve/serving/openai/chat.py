@@ -8,10 +8,10 @@ import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.core_client import EngineDeadError, EngineError
+from m3serve.core.core_client import EngineError
 from m3serve.serving.chat_template import render_chat
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field, merge,
-                                           sse, sse_error, usage_block)
+                                           sse, engine_error_event, usage_block)
 from m3serve.serving.openai.engine import clamp_logprob, top_entries
 from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import ChatCompletionRequest
@@ -174,5 +174,5 @@ async def _stream(header: dict, request: ChatCompletionRequest, stream, choices:
         if request.include_usage and state is not None:
             yield sse({**header, "choices": [], "usage": usage_block([state])})
     except EngineError as e:
-        yield sse_error(503 if isinstance(e, EngineDeadError) else 500, str(e))
+        yield engine_error_event(e)
     yield SSE_DONE

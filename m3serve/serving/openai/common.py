@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from m3serve.core.core_client import EngineDeadError
 from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import APIError, error_body
 from m3serve.serving.output_processor import RequestState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +60,22 @@ _DISCONNECT_POLL_S = 0.5
 
 def sse_error(status: int, message: str) -> str:
     return sse(error_body(status, message))
+
+
+def internal_error(e: BaseException) -> str:
+    """The client's message for a failure of m3serve itself: generic, with a reference to the
+    log line that holds the details (never the exception's text)."""
+    ref = uuid.uuid4().hex[:12]
+    logger.error("internal error %s: %s: %s", ref, type(e).__name__, e, exc_info=e)
+    return f"internal server error (reference {ref} in the server log)"
+
+
+def engine_error_event(e: BaseException) -> str:
+    """The SSE error event of a stream the engine ended: 503 when it is not running (the
+    message says why), else a generic 500."""
+    if isinstance(e, EngineDeadError):
+        return sse_error(503, str(e))
+    return sse_error(500, internal_error(e))
 
 
 def kv_transfer_field(states: list[RequestState], asked: bool) -> dict:

@@ -7,9 +7,9 @@ import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.core_client import EngineDeadError, EngineError
+from m3serve.core.core_client import EngineError
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field,
-                                           merge, sse, sse_error, usage_block)
+                                           merge, sse, engine_error_event, usage_block)
 from m3serve.serving.openai.engine import clamp_logprob, top_entries
 from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import CompletionRequest
@@ -121,5 +121,5 @@ async def _stream(header: dict, request: CompletionRequest, streams):
         if request.include_usage:
             yield sse({**header, "choices": [], "usage": usage_block([states[i] for i in sorted(states)])})
     except EngineError as e:
-        yield sse_error(503 if isinstance(e, EngineDeadError) else 500, str(e))
+        yield engine_error_event(e)
     yield SSE_DONE

@@ -28,6 +28,43 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
+MAX_JSON_DEPTH = 64
+_INT64 = 1 << 63
+
+
+def check_json(data, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse what no field may hold, before the models see it (each a 400 naming its path):
+    nesting deeper than `max_depth`, strings with unpaired UTF-16 surrogates (they cannot be
+    encoded back), integers outside 64 bits."""
+    stack = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"{path or 'body'}: contains an unpaired UTF-16 surrogate (\\ud800-\\udfff)",
+                               path or None) from None
+            continue
+        if isinstance(value, bool) or value is None or isinstance(value, float):
+            continue
+        if isinstance(value, int):
+            if not -_INT64 <= value < _INT64:
+                raise APIError(400, f"{path}: integer out of the 64-bit range", path or None)
+            continue
+        if depth >= max_depth:
+            raise APIError(400, f"{path or 'body'}: nested deeper than {max_depth} levels", path or None)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(400, f"{path or 'body'}: a key contains an unpaired UTF-16 surrogate",
+                                   path or None) from None
+            stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"),
                       "param": param, "code": status}}
@@ -35,7 +72,8 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def validation_message(error: ValidationError) -> tuple[str, str | None]:
     """(message, param) for the first problem pydantic found, naming the field path."""
-    first = error.errors()[0]
+    errors = error.errors()
+    first = errors[0]
     path = []
     for part in first.get("loc", ()):
         if isinstance(part, str) and _TYPE_TAG.match(part):
@@ -49,6 +87,17 @@ def validation_message(error: ValidationError) -> tuple[str, str | None]:
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
+    # a union reports one error per member, tagged with the member's type: name them all
+    depth = len(path)
+    members = []
+    for e in errors:
+        where = e.get("loc", ())
+        if tuple(map(str, where[:depth])) == tuple(path) and len(where) > depth:
+            tag = str(where[depth])
+            if _TYPE_TAG.match(tag) and tag not in members:
+                members.append(tag)
+    if len(members) > 1:
+        return f"{loc}: expected one of {', '.join(members)} (got {shown})", loc or None
     return f"{loc}: {message} (got {shown})", loc or None
 
 
@@ -62,27 +111,34 @@ def param_of(message: str, fields) -> str | None:
     return match.group(1) if match and match.group(1) in fields else None
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """Strict types, as the OpenAI API checks them: no `true` for a token id, no `"yes"` for a
+    boolean, no `"5"` for a number (an integer is still a valid float)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM extras)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -158,10 +214,10 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     """`/tokenize`: a prompt, or chat messages rendered with the chat template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -172,8 +228,8 @@ class TokenizeRequest(BaseModel):
     tools: list[ToolDefinition] | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class DetokenizeRequest(_Strict):
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     tokens: list[int]
