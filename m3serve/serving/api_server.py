@@ -6,6 +6,7 @@ auth, health/readiness, metrics, and the engine client's life cycle (started in 
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -72,8 +73,18 @@ async def _read_body(request: Request, model: type[BaseModel], limit: int) -> Ba
         if size > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
+    body = b"".join(chunks)
+    if len(body) > _PARSE_ON_LOOP_BYTES:        # a large body is parsed off the event loop
+        return await asyncio.to_thread(_parse_body, body, model)
+    return _parse_body(body, model)
+
+
+_PARSE_ON_LOOP_BYTES = 64 * 1024
+
+
+def _parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
     try:
-        data = json.loads(b"".join(chunks))
+        data = json.loads(body)
     except RecursionError:
         raise APIError(400, f"request body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as e:       # JSONDecodeError, and ints of > 4300 digits
@@ -227,13 +238,14 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def render_completion(request: Request):
         body = await _read_body(request, CompletionRequest, config.max_request_body_bytes)
         ctx().check_model(body.model)
-        return [{"prompt": text, "token_ids": ids} for text, ids in completions.prompts_of(ctx(), body)]
+        prompts = await asyncio.to_thread(completions.prompts_of, ctx(), body)
+        return [{"prompt": text, "token_ids": ids} for text, ids in prompts]
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(request: Request):
         body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
         ctx().check_model(body.model)
-        prompt, ids, _, _ = chat.render_request(ctx(), body)
+        prompt, ids, _, _ = await asyncio.to_thread(chat.render_request, ctx(), body)
         return {"prompt": prompt, "token_ids": ids}
 
     @app.post("/v1/completions")
@@ -251,7 +263,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _read_body(request, TokenizeRequest, config.max_request_body_bytes)
-        return tokenize_api.tokenize(ctx(), body)
+        return await asyncio.to_thread(tokenize_api.tokenize, ctx(), body)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -3,6 +3,7 @@ streamed as SSE chunks or returned whole, with OpenAI-shaped logprobs and usage.
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,6 +17,9 @@ from m3serve.serving.openai.protocol import CompletionRequest
 from m3serve.serving.output_processor import RequestState, SequenceState
 
 
+MAX_PROMPTS = 1024     # prompts in one completions request
+
+
 def prompts_of(ctx: ServerContext, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """(text, token ids) per prompt."""
     prompt = request.prompt
@@ -25,6 +29,9 @@ def prompts_of(ctx: ServerContext, request: CompletionRequest) -> list[tuple[str
         raise ValueError("prompt must not be empty")
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)} "
+                         f"(send several requests)")
     out = []
     for p in prompt:
         if isinstance(p, str):
@@ -64,7 +71,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     if request.best_of is not None and request.best_of != request.n:
         raise ValueError(f"best_of must equal n ({request.n}) when set, got {request.best_of}")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = prompts_of(ctx, request)
+    prompts = await asyncio.to_thread(prompts_of, ctx, request)     # long prompts: off the event loop
     kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids for _, ids in prompts], request.n)
     streams = []
     for i, (text, ids) in enumerate(prompts):

@@ -43,8 +43,16 @@ class ServingEngine:
         # The scheduler needs KV for every token but the last: total tokens <= capacity + 1.
         self.max_total_tokens = min(info.max_model_len, info.num_usable_blocks * info.block_size + 1)
         self.block_size = info.block_size
+        # No token covers more characters than its own string has: a text longer than this
+        # (twice over, for normalizers) cannot fit, and is refused before it is tokenized.
+        longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        self.max_prompt_chars = 2 * longest * self.max_total_tokens
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (call it off the event loop: long texts take a while)."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"prompt is too long: {len(text)} characters cannot fit in this model's "
+                             f"maximum context length of {self.max_total_tokens} tokens")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
