@@ -70,12 +70,26 @@ def _normalize(schema) -> _Type | None:
         if isinstance(schema.get(key), list):
             return _union([_normalize(option) for option in schema[key]])
     if isinstance(schema.get("enum"), list):
-        return _union([_Type("string"), _Type("null")]) if None in schema["enum"] else _Type("string")
+        return _enum_type(schema["enum"])
     if "items" in schema:
         return _from_kind("array", schema)
     if "properties" in schema or "additionalProperties" in schema:
         return _from_kind("object", schema)
     return None
+
+
+def _enum_type(values: list) -> _Type | None:
+    """An enum without `type` is typed by its values (integers and floats together: number)."""
+    kinds: list[str] = []
+    for value in values:
+        kind = ("null" if value is None else "boolean" if isinstance(value, bool) else
+                "integer" if isinstance(value, int) else "number" if isinstance(value, float) else
+                "string" if isinstance(value, str) else None)
+        if kind is not None and kind not in kinds:
+            kinds.append(kind)
+    if "number" in kinds and "integer" in kinds:
+        kinds.remove("integer")
+    return _union([_Type(k) for k in kinds])
 
 
 def _from_kind(kind: str, schema: dict) -> _Type | None:
@@ -129,17 +143,44 @@ def _loads(text: str):
 
 
 def _convert_text(kind: _Type | None, text: str):
-    """Types a leaf's raw text; falls back to the raw string when it does not parse."""
-    stripped = text.strip()
-    if stripped.lower() == "null" and not (kind is not None and kind.kind == "string"):
-        return None
+    """Types a leaf's raw text by its schema type only: no schema (a parameter the schema does
+    not list, a tool not in the request, a tool without parameters) keeps the raw string. Text
+    that fails its type is decoded as JSON, and kept raw if that fails too."""
     if kind is None:
-        try:
-            return _loads(text)
-        except ValueError:
-            return text
+        return text
+    stripped = text.strip()
+    if stripped.lower() == "null" and kind.kind != "string":
+        return None
     value = _try_text(kind, text, stripped)
-    return text if value is _NO_VALUE else value
+    if value is not _NO_VALUE:
+        return value
+    try:
+        return _loads(stripped)
+    except ValueError:
+        return text
+
+
+def _coerce(kind: _Type | None, value):
+    """Types a value of inline JSON by the nested schema, as the element form is typed: strings
+    are converted like element text, numbers and booleans become text where a string is wanted,
+    objects and arrays are typed member by member."""
+    if kind is None or value is None:
+        return value
+    if kind.kind == "union":
+        if isinstance(value, str):
+            return _convert_text(kind, value)
+        want = "object" if isinstance(value, dict) else "array" if isinstance(value, list) else None
+        option = next((o for o in kind.options if o.kind == want), None)
+        return _coerce(option, value) if option is not None else value
+    if isinstance(value, str):
+        return _convert_text(kind, value)
+    if kind.kind == "string" and isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    if kind.kind == "object" and isinstance(value, dict):
+        return {k: _coerce(kind.properties.get(k, kind.additional), v) for k, v in value.items()}
+    if kind.kind == "array" and isinstance(value, list):
+        return [_coerce(kind.items, v) for v in value]
+    return value
 
 
 def _to_int(text: str):
@@ -176,7 +217,7 @@ def _try_text(kind: _Type, text: str, stripped: str):
             value = _loads(stripped)
         except ValueError:
             return _NO_VALUE
-        return value if isinstance(value, expected) else _NO_VALUE
+        return _coerce(kind, value) if isinstance(value, expected) else _NO_VALUE
     for option in kind.options:
         value = _try_text(option, text, stripped)
         if value is not _NO_VALUE:
@@ -320,8 +361,8 @@ class MiniMaxM3ToolParser:
     parsed and all text is content; "auto", "required" and a named function parse alike (the
     choice itself is enforced at generation, not here).
 
-    Behaviour: text before the first `<tool_call>` is content, with its trailing whitespace
-    trimmed; tool markup never reaches content. Each `<invoke>` is one call whose arguments are
+    Behaviour: text before the first `<tool_call>` is content, verbatim (its trailing whitespace
+    included); tool markup never reaches content. Each `<invoke>` is one call whose arguments are
     emitted once, at its `</invoke>`. Text after `</tool_call>` is dropped, but a further
     `<tool_call>` block is still parsed. A malformed element (wrong closing tag, stray text or
     bare namespace marker where a tag belongs, nesting past 128) ends its invoke: earlier
@@ -342,7 +383,6 @@ class MiniMaxM3ToolParser:
         self._mode = _OFF if self._choice == "none" else _TEXT
         self._pending = ""  # received text not yet consumed, from self._pos on
         self._pos = 0
-        self._held_space = ""  # trailing whitespace of content, sent only if content continues
         self._calls: list[_Call] = []
         self._current: _Call | None = None
         self._open_elements: list[_OpenElement] = []  # the argument being parsed, outermost first
@@ -376,10 +416,10 @@ class MiniMaxM3ToolParser:
         self._finished = True
         out = StreamDelta()
         if self._mode in (_TEXT, _OFF):
-            self._emit_content(out, self._held_space + self._pending[self._pos:])
+            self._emit_content(out, self._pending[self._pos:])
         elif self._current is not None:
             self._close_call(out)
-        self._pending, self._pos, self._held_space = "", 0, ""
+        self._pending, self._pos = "", 0
         return out
 
     @property
@@ -411,16 +451,12 @@ class MiniMaxM3ToolParser:
         text, pos = self._pending, self._pos
         index = text.find(TOOL_CALL_START, pos)
         if index >= 0:
-            self._emit_content(out, (self._held_space + text[pos:index]).rstrip())
-            self._held_space = ""
+            self._emit_content(out, text[pos:index])       # verbatim, trailing whitespace included
             self._pos = index + len(TOOL_CALL_START)
             self._mode = _BLOCK
             return True
         safe = _safe_end(text, pos, TOOL_CALL_START)
-        visible = self._held_space + text[pos:safe]
-        kept = visible.rstrip()
-        self._emit_content(out, kept)
-        self._held_space = visible[len(kept):]
+        self._emit_content(out, text[pos:safe])
         self._pos = safe
         return False
 

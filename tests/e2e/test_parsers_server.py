@@ -51,7 +51,7 @@ def test_reasoning_then_tool_call_non_streaming(scripted):
     choice = out.choices[0]
     assert choice.message.model_extra["reasoning_content"] == "The user wants weather."
     assert choice.message.model_extra["reasoning"] == "The user wants weather."
-    assert choice.message.content == "Let me check."
+    assert choice.message.content == "Let me check.\n"
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}  # typed by the schema
@@ -65,7 +65,7 @@ def test_streamed_parse_equals_non_streamed(scripted, tokens_per_output):
                                             stream=True, stream_options={"include_usage": True})
     reasoning, content, calls, finish = _collect_stream(stream)
     assert reasoning == "The user wants weather."
-    assert content == "Let me check."
+    assert content == "Let me check.\n"
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
     assert finish == "tool_calls"

@@ -115,7 +115,7 @@ def test_single_call_typed_by_schema_with_content_before():
         el("opts", el("unit", "C") + el("level", "2")),
         el("tags", el("item", "a") + el("item", "b")),
     ))
-    check(text, "Let me check.", [("get_weather", {
+    check(text, "Let me check.\n\n", [("get_weather", {
         "city": "Paris", "days": 3, "ratio": 0.25, "metric": True, "nothing": None,
         "opts": {"unit": "C", "level": 2}, "tags": ["a", "b"],
     })])
@@ -158,20 +158,60 @@ def test_nested_objects_arrays_of_objects_and_arrays_of_arrays():
     })])
 
 
-def test_parameters_without_schema_try_json_then_string():
+def test_leaves_without_a_schema_type_stay_raw_strings():
+    # rule: only a schema type coerces a leaf; a parameter the schema does not list, a tool not
+    # in the request, and a tool without parameters keep the raw text
     text = block(
         invoke("get_weather", el("extra", "42"), el("flag", "false"), el("word", "hello"), el("list", '["x", 1]')),
         invoke("unknown_tool", el("n", "1.5"), el("obj", el("k", "v") + el("k", "w")), el("s", "{bad")),
+        invoke("bare", el("n", "7"), el("z", "null")),
     )
+    bare = {"type": "function", "function": {"name": "bare"}}
     check(text, None, [
-        ("get_weather", {"extra": 42, "flag": False, "word": "hello", "list": ["x", 1]}),
-        ("unknown_tool", {"n": 1.5, "obj": {"k": ["v", "w"]}, "s": "{bad"}),
-    ])
+        ("get_weather", {"extra": "42", "flag": "false", "word": "hello", "list": '["x", 1]'}),
+        ("unknown_tool", {"n": "1.5", "obj": {"k": ["v", "w"]}, "s": "{bad"}),
+        ("bare", {"n": "7", "z": "null"}),
+    ], tools=TOOLS + [bare])
+
+
+def test_content_before_the_call_is_verbatim():
+    for before in ("Sure:  \n\n", "\t", "a \n b  ", "   "):
+        check(before + block(invoke("ping")), before, [("ping", {})])
+
+
+def test_enum_without_type_takes_the_type_of_its_values():
+    tools = [tool("pick", {"n": {"enum": [1, 2, 3]}, "x": {"enum": [0.5, 1]}, "b": {"enum": [True, False]},
+                           "s": {"enum": ["1", "2"]}, "m": {"enum": [1, "auto", None]}})]
+    text = block(invoke("pick", el("n", "2"), el("x", "1"), el("b", "false"), el("s", "1"), el("m", "auto")),
+                 invoke("pick", el("m", "3"), el("n", "null")))
+    check(text, None, [("pick", {"n": 2, "x": 1, "b": False, "s": "1", "m": "auto"}),
+                       ("pick", {"m": 3, "n": None})], tools=tools)
+
+
+def test_inline_json_is_typed_by_the_nested_schema_as_elements_are():
+    inline = '{"unit": 5, "level": "2"}'
+    tags = '[1, "b", true]'
+    items = '[{"sku": 7, "qty": "3"}]'
+    text = block(invoke("get_weather", el("opts", inline), el("tags", tags)),
+                 invoke("get_weather", el("opts", el("unit", "5") + el("level", "2")),
+                        el("tags", el("item", "1") + el("item", "b") + el("item", "true"))),
+                 invoke("create_order", el("items", items), el("matrix", '[["1", 2], ["-3.5"]]')))
+    same = {"opts": {"unit": "5", "level": 2}, "tags": ["1", "b", "true"]}
+    check(text, None, [("get_weather", same), ("get_weather", same),
+                       ("create_order", {"items": [{"sku": "7", "qty": 3}], "matrix": [[1, 2], [-3.5]]})])
+
+
+def test_a_value_failing_its_type_is_json_decoded_then_kept_raw():
+    text = block(invoke("get_weather", el("days", "[1, 2]"), el("metric", '{"a": 1}'), el("ratio", '"0.5"'),
+                        el("days", "3.5")),
+                 invoke("get_weather", el("days", "three"), el("metric", "maybe"), el("opts", "[1]")))
+    check(text, None, [("get_weather", {"days": [[1, 2], 3.5], "metric": {"a": 1}, "ratio": "0.5"}),
+                       ("get_weather", {"days": "three", "metric": "maybe", "opts": [1]})])
 
 
 def test_repeated_elements_mixed_text_and_no_tools_at_all():
     text = block(invoke("anything", el("tag", "a"), el("tag", "b"), el("tag", "c"), el("box", "hi " + el("n", "1"))))
-    check(text, None, [("anything", {"tag": ["a", "b", "c"], "box": {"n": 1, "$text": "hi "}})], tools=None)
+    check(text, None, [("anything", {"tag": ["a", "b", "c"], "box": {"n": "1", "$text": "hi "}})], tools=None)
 
 
 def test_parallel_calls_in_one_block_and_in_a_second_block():
@@ -241,7 +281,7 @@ def test_nesting_depth_128_parses_and_129_is_malformed():
     assert (depth, args) == (128, "x")
     text = block(invoke("f", el("a", "1"), nested(129), el("b", "2")), invoke("g", el("c", "3")))
     result = MiniMaxM3ToolParser(None).extract(text)
-    assert named(result.tool_calls) == [("f", '{"a": 1}'), ("g", '{"c": 3}')]
+    assert named(result.tool_calls) == [("f", '{"a": "1"}'), ("g", '{"c": "3"}')]   # no schemas: raw
     content, calls = run_stream(list(text), tools=None)  # every boundary is too slow for 8k chars
     assert content is None and named(calls) == named(result.tool_calls)
 
@@ -293,13 +333,13 @@ def test_required_and_named_tool_choice_parse_like_auto():
 
 def test_streamed_deltas_arrive_at_the_right_time():
     parser = MiniMaxM3ToolParser(TOOLS)
-    assert parser.stream("Hi ").content == "Hi"  # trailing space waits: a call may follow
+    assert parser.stream("Hi ").content == "Hi "  # content is verbatim, sent at once
     assert parser.stream(f"{NS}<tool_").content is None
     delta = parser.stream(f"call>\n{NS}<invoke name=\"ping\">")
     assert delta.content is None and [d["function"]["name"] for d in delta.tool_call_deltas] == ["ping"]
     assert parser.stream(el("x", "1")).tool_call_deltas == []  # arguments only at </invoke>
     delta = parser.stream(f"{NS}</invoke>")
-    assert delta.tool_call_deltas == [{"index": 0, "function": {"arguments": '{"x": 1}'}}]
+    assert delta.tool_call_deltas == [{"index": 0, "function": {"arguments": '{"x": "1"}'}}]   # ping has no x
     assert parser.has_tool_calls
 
 
