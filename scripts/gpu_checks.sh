@@ -45,7 +45,7 @@ if [ "${1:-}" = executor_serve ]; then
       for i in $(seq 1 240); do curl -sf http://127.0.0.1:8012/ready > /dev/null && break; sleep 1; done
       for conc in ${CONCS:-1 8}; do
         step serve_${backend}_${run}_c$conc timeout 200 python -m m3serve bench serve --base-url http://127.0.0.1:8012 \
-          --tokenizer /tmp/rs4 --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 \
+          --tokenizer /tmp/rs4 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0 --ignore-eos \
           --num-prompts $((conc * ${PPC:-4})) --num-warmups $conc --max-concurrency $conc --disable-tqdm \
           --save-result --result-dir "$OUT/json" --result-filename ${backend}_${run}_c$conc.json
       done

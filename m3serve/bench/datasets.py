@@ -98,6 +98,20 @@ class TokenizerView:
         if allowed.size == 0:
             raise ValueError("tokenizer has no non-special tokens to build prompts from")
         self.allowed_ids = allowed  # [num_allowed]
+        self._filler: int | None | bool = False   # found lazily; None = the tokenizer has none
+
+    def filler(self) -> int | None:
+        """A token that re-tokenizes as itself however often it is repeated (" the" in most
+        vocabularies): it tops a prompt up to an exact length."""
+        if self._filler is False:
+            self._filler = None
+            probes = [self.encode(w) for w in (" the", " a", " and", " x", "a")]
+            candidates = [p[0] for p in probes if len(p) == 1] + [int(i) for i in self.allowed_ids[:2000]]
+            for t in candidates:
+                if all(self.encode(self.decode([t] * n)) == [t] * n for n in (1, 2, 3, 8, 33)):
+                    self._filler = t
+                    break
+        return self._filler
 
     @staticmethod
     def _vocab_size(tok: Any) -> int:
@@ -129,10 +143,12 @@ class TokenizerView:
 
 
 def build_prompt(view: TokenizerView, length: int, rng: np.random.Generator) -> tuple[str, int]:
-    """Text that re-tokenizes to about `length` tokens, and its actual token count.
+    """Text that re-tokenizes to exactly `length` tokens, and that count.
 
     Random ids are decoded, re-encoded, then trimmed or topped up with fresh random ids until
-    the round trip is stable at `length` (usually one or two rounds).
+    the round trip is stable at `length` (usually one or two rounds); if it does not settle, the
+    tail is made of a filler token that never merges with its neighbours. (Only a tokenizer
+    without any such token can give another length; the count returned is then the true one.)
     """
     ids = list(rng.choice(view.allowed_ids, size=length))
     for _ in range(_MAX_REFIT_ROUNDS):
@@ -144,6 +160,18 @@ def build_prompt(view: TokenizerView, length: int, rng: np.random.Generator) -> 
             ids = actual[:length]
         else:
             ids = actual + list(rng.choice(view.allowed_ids, size=length - len(actual)))
+    # Still off by a token or two where random pieces merge: keep the random head and end on
+    # filler tokens, which never merge, until the length is exact.
+    filler = view.filler()
+    if filler is not None:
+        head = view.encode(view.decode(ids))
+        for pad in range(1, min(length, 16) + 1):
+            text = view.decode(head[:length - pad] + [filler] * pad)
+            if len(view.encode(text)) == length:
+                return text, length
+        text = view.decode([filler] * length)
+        if len(view.encode(text)) == length:
+            return text, length
     text = view.decode(ids)
     return text, len(view.encode(text))
 

@@ -19,14 +19,17 @@ DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 class RequestRecord:
     """What the client saw for one request. Times are `time.perf_counter()` seconds.
 
-    `chunk_times` holds the arrival time of every streamed chunk that carried generated text;
-    `output_tokens` comes from the server's `usage.completion_tokens`; `prompt_len` is the
-    dataset's prompt length.
+    `chunk_times` holds the arrival time of every streamed chunk that carried generated text,
+    `chunk_tokens` the tokens each carried where the server said (cumulative usage in the
+    chunks; else the output is spread evenly over them); `output_tokens` comes from the
+    server's `usage.completion_tokens`; `prompt_len` is the server's `usage.prompt_tokens`
+    (what it really computed, chat template included), or the dataset's count without usage.
     """
 
     prompt_len: int
     start_time: float
     chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
     output_tokens: int = 0
     success: bool = False
     error: str = ""
@@ -107,20 +110,27 @@ def _stats_ms(values_s: list[float], percentiles) -> dict[str, float]:
 
 
 def _peak_output_rate(records: list[RequestRecord]) -> tuple[float, int]:
-    """Most text chunks received in one whole second, and most requests active in one second."""
+    """Most output tokens received in one whole second (from the run's start), and the exact
+    peak of requests in flight at once (each over [start, last chunk))."""
     if not records:
         return 0.0, 0
     t0 = min(r.start_time for r in records)
     t1 = max(r.chunk_times[-1] if r.chunk_times else r.start_time for r in records)
-    num_buckets = int(math.ceil(t1 - t0)) + 1
-    chunks = np.zeros(num_buckets)
-    active = np.zeros(num_buckets)
+    tokens = np.zeros(int(math.ceil(t1 - t0)) + 1)
+    events = []
     for r in records:
-        for t in r.chunk_times:
-            chunks[int(t - t0)] += 1
+        counts = r.chunk_tokens if len(r.chunk_tokens) == len(r.chunk_times) else (
+            [r.output_tokens / len(r.chunk_times)] * len(r.chunk_times) if r.chunk_times else [])
+        for t, n in zip(r.chunk_times, counts):
+            tokens[int(t - t0)] += n
         end = r.chunk_times[-1] if r.chunk_times else r.start_time
-        active[int(r.start_time - t0):int(end - t0) + 1] += 1
-    return float(chunks.max()), int(active.max())
+        if end > r.start_time:
+            events += [(r.start_time, 1), (end, -1)]
+    active = peak = 0
+    for _, step in sorted(events):           # at a tie the end (-1) sorts first: [start, end)
+        active += step
+        peak = max(peak, active)
+    return float(tokens.max()), peak
 
 
 def compute_metrics(records: list[RequestRecord], duration_s: float, *,
@@ -154,6 +164,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, *,
         good = num_good / duration_s
 
     peak_rate, peak_active = _peak_output_rate(ok)
+    t_first = min((r.start_time for r in records), default=0.0)
     result = {
         "duration": duration_s,
         "completed": len(ok),
@@ -172,6 +183,9 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, *,
         "errors": [r.error for r in records],
         "max_output_tokens_per_s": peak_rate,
         "max_concurrent_requests": peak_active,
+        # saved by default, as vLLM does: per-request E2EL and send time (s, from the first send)
+        "latencies": [r.e2el for r in records],
+        "start_times": [r.start_time - t_first for r in records] if records else [],
     }
     series = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
     for name in percentile_metrics:

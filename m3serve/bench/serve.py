@@ -32,6 +32,7 @@ ENDPOINT_TYPES = ("completions", "chat")
 _DEFAULT_ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # vLLM's names for the two request formats, kept in the result JSON for comparability.
 _BACKEND_NAMES = {"completions": "openai", "chat": "openai-chat"}
+_BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}   # --backend
 DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
 _REQUEST_TIMEOUT_S = 6 * 3600
 
@@ -184,7 +185,7 @@ async def send_request(target: Target, request: SampleRequest) -> RequestRecord:
     body = json.dumps(payload).encode()
     record = RequestRecord(prompt_len=request.prompt_len, start_time=time.perf_counter())
     texts: list[str] = []
-    completion_tokens = None
+    completion_tokens = prompt_tokens = None
     try:
         pieces = _post_stream(target.api_url, body, target.headers)
         events = _sse_data(pieces)
@@ -198,12 +199,17 @@ async def send_request(target: Target, request: SampleRequest) -> RequestRecord:
                     record.error = f"error chunk: {data[:500].decode('utf-8', 'replace')}"
                     return record
                 text = _chunk_text(chunk, target.endpoint_type)
+                usage = chunk.get("usage")
                 if text:
                     record.chunk_times.append(now)
                     texts.append(text)
-                usage = chunk.get("usage")
+                    if usage and usage.get("completion_tokens") is not None:    # continuous usage
+                        so_far = int(usage["completion_tokens"])
+                        record.chunk_tokens.append(so_far - sum(record.chunk_tokens))
                 if usage and usage.get("completion_tokens") is not None:
                     completion_tokens = int(usage["completion_tokens"])
+                if usage and usage.get("prompt_tokens") is not None:
+                    prompt_tokens = int(usage["prompt_tokens"])
     except Exception as exc:  # noqa: BLE001 -- one bad request must not stop the benchmark
         record.error = str(exc) if isinstance(exc, HTTPStatusError) else (
             f"{type(exc).__name__}: {exc}")
@@ -216,6 +222,8 @@ async def send_request(target: Target, request: SampleRequest) -> RequestRecord:
         record.error = "stream carried no generated text"
     else:
         record.output_tokens = completion_tokens
+        if prompt_tokens is not None:
+            record.prompt_len = prompt_tokens     # what the server computed (chat template too)
         record.success = True
     return record
 
@@ -412,8 +420,10 @@ def print_summary(result: dict, percentiles=DEFAULT_PERCENTILES,
     print("=" * 60)
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by `bench serve` and `bench sweep`: target, dataset, reporting."""
+def add_common_args(parser: argparse.ArgumentParser, inferencex: bool = False) -> None:
+    """Flags shared by `bench serve` and `bench sweep`: target, dataset, reporting. Defaults are
+    `vllm bench serve`'s (range ratio 0 around L, no ignore_eos), or InferenceX's for the sweep
+    (`inferencex`: lengths in [0.8 L, L], ignore_eos)."""
     parser.add_argument("--base-url", default=None,
                         help="server URL, e.g. http://10.0.0.1:8000 (overrides --host/--port)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -424,25 +434,29 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint-type", choices=ENDPOINT_TYPES, default=None,
                         help="request format; default inferred from --endpoint "
                              "(completions when neither is given)")
+    parser.add_argument("--backend", choices=tuple(_BACKENDS), default=None,
+                        help="vLLM's name for the request format: vllm or openai (completions), "
+                             "openai-chat (chat)")
     parser.add_argument("--api-key", default=None,
                         help="sent as 'Authorization: Bearer KEY' when the server needs one")
     parser.add_argument("--model", default=None,
                         help="model name sent in requests; default: first id of /v1/models")
     parser.add_argument("--tokenizer", default=None,
-                        help="directory with tokenizer.json (or the file) used to build "
-                             "prompts; default: --model when it is a local directory")
+                        help="directory with tokenizer.json (or the file, or a hub id) used to build "
+                             "prompts; default: --model, else the model directory the server reports")
     parser.add_argument("--dataset-name", choices=("random",), default="random")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=None,
                         help="length spread; default 0.8 for --range-ratio-mode inferencex, "
                              "0.0 for vllm")
-    parser.add_argument("--range-ratio-mode", choices=RANGE_RATIO_MODES, default="inferencex",
-                        help="inferencex: lengths uniform in [floor(r*L), L]; "
-                             "vllm: uniform in [L*(1-r), L*(1+r)]")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="ask the server to generate exactly max_tokens (default on, as "
-                             "vLLM does for the random dataset)")
+    parser.add_argument("--range-ratio-mode", choices=RANGE_RATIO_MODES,
+                        default="inferencex" if inferencex else "vllm",
+                        help="vllm: lengths uniform in [L*(1-r), L*(1+r)]; "
+                             "inferencex: uniform in [floor(r*L), L]")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=inferencex,
+                        help="ask the server to generate exactly max_tokens (default: "
+                             f"{'on, as InferenceX' if inferencex else 'off, as vllm bench serve'})")
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature of every request (default: 0, greedy)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -488,6 +502,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def resolve_urls(args: argparse.Namespace) -> tuple[str, str, str]:
     """(base_url, api_url, endpoint_type) from --base-url/--host/--port/--endpoint(-type)."""
     endpoint_type = args.endpoint_type
+    backend = getattr(args, "backend", None)
+    if backend is not None:
+        if endpoint_type is not None and endpoint_type != _BACKENDS[backend]:
+            raise ValueError(f"--backend {backend} sends {_BACKENDS[backend]} requests, "
+                             f"but --endpoint-type says {endpoint_type}")
+        endpoint_type = _BACKENDS[backend]
     if endpoint_type is None:
         is_chat = bool(args.endpoint) and args.endpoint.rstrip("/").endswith("chat/completions")
         endpoint_type = "chat" if is_chat else "completions"
@@ -506,8 +526,9 @@ def auth_headers(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-async def first_model_id(base_url: str, headers: dict[str, str] | None = None) -> str:
-    """The first model id listed by GET {base_url}/v1/models."""
+async def first_model(base_url: str, headers: dict[str, str] | None = None) -> dict:
+    """The first model listed by GET {base_url}/v1/models (`id`, and `root`: its directory or
+    hub id on servers that say, as vLLM and m3serve do)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=60.0, headers=headers) as client:
@@ -516,18 +537,35 @@ async def first_model_id(base_url: str, headers: dict[str, str] | None = None) -
         models = response.json().get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
-    return models[0]["id"]
+    return models[0]
 
 
-def resolve_tokenizer(args: argparse.Namespace) -> tuple[str, TokenizerView]:
-    """(tokenizer path, view) from --tokenizer, else --model when it is a local directory."""
-    path = args.tokenizer
-    if path is None and args.model and os.path.isdir(args.model):
-        path = args.model
-    if path is None:
-        raise ValueError("--tokenizer is required (a directory with tokenizer.json) unless "
-                         "--model is a local model directory")
-    return path, TokenizerView(load_tokenizer(path))
+def resolve_tokenizer(args: argparse.Namespace, served: dict | None = None) -> tuple[str, TokenizerView]:
+    """(tokenizer path, view) from --tokenizer, else --model, else the server's model `root`
+    (each a directory, a tokenizer.json file, or a hub id)."""
+    for path in (args.tokenizer, args.model, (served or {}).get("root")):
+        if not path:
+            continue
+        if os.path.exists(path):
+            return path, TokenizerView(load_tokenizer(path))
+        if "/" in path and not path.startswith(("/", ".")):     # an org/name hub id
+            local = _hub_tokenizer(path)
+            if local is not None:
+                return path, TokenizerView(load_tokenizer(local))
+            if path == args.tokenizer:
+                raise ValueError(f"--tokenizer {path!r}: no such directory or file, and no hub repo "
+                                 f"with a tokenizer.json")
+    raise ValueError("no tokenizer: pass --tokenizer (a directory with tokenizer.json, or a hub id); "
+                     "neither --model nor the server's model root names one")
+
+
+def _hub_tokenizer(repo: str) -> str | None:
+    """A hub repo's tokenizer.json, downloaded (None when there is none to be had)."""
+    try:
+        from huggingface_hub import hf_hub_download
+        return hf_hub_download(repo, "tokenizer.json")
+    except Exception:   # noqa: BLE001 -- not a repo, offline, no such file: the caller says so
+        return None
 
 
 def range_ratio(args: argparse.Namespace) -> float:
@@ -607,8 +645,11 @@ class Setup:
 
 async def resolve_setup(args: argparse.Namespace) -> Setup:
     base_url, api_url, endpoint_type = resolve_urls(args)
-    tokenizer_path, view = resolve_tokenizer(args)
-    model = args.model or await first_model_id(base_url, auth_headers(args))
+    served = None
+    if args.model is None or (args.tokenizer is None and not os.path.exists(args.model)):
+        served = await first_model(base_url, auth_headers(args))
+    tokenizer_path, view = resolve_tokenizer(args, served)
+    model = args.model or served["id"]
     return Setup(api_url, endpoint_type, parse_percentiles(args.metric_percentiles),
                  parse_percentile_metrics(args.percentile_metrics), parse_goodput(args.goodput),
                  tokenizer_path, view, model)

@@ -83,7 +83,7 @@ def print_sweep_table(points: list[dict]) -> None:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """All flags of `m3serve bench sweep` (results are always saved under --result-dir)."""
-    add_common_args(parser)
+    add_common_args(parser, inferencex=True)
     parser.add_argument("--concurrencies", default="1,2,4,8,16,32,64,128",
                         help="comma-separated concurrencies, one benchmark point each")
     parser.add_argument("--prompts-per-concurrency", type=int, default=10,

@@ -30,7 +30,7 @@ class FakeServer:
     POST /_reset sets the delays and clears the log; GET /_log returns it."""
 
     def __init__(self):
-        self.ttft_s, self.itl_s, self.fail_every = 0.1, 0.02, 0
+        self.ttft_s, self.itl_s, self.fail_every, self.root = 0.1, 0.02, 0, None
         self.num_requests = 0
         self.timings: list[tuple[float, list[float]]] = []  # (received, chunk send times)
         self.prompts: list[str] = []
@@ -45,6 +45,7 @@ class FakeServer:
         body = await request.json()
         self.ttft_s, self.itl_s = body["ttft_s"], body["itl_s"]
         self.fail_every = body.get("fail_every", 0)
+        self.root = body.get("root")
         self.num_requests = 0
         self.timings = []
         self.prompts = []
@@ -54,7 +55,8 @@ class FakeServer:
         return {"num_requests": self.num_requests, "timings": self.timings, "prompts": self.prompts}
 
     async def models(self):
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model",
+                                             **({"root": self.root} if self.root else {})}]}
 
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)
@@ -113,9 +115,9 @@ class FakeClient:
     def __init__(self, base_url: str):
         self.base_url = base_url
 
-    def reset(self, ttft_s, itl_s, fail_every=0):
+    def reset(self, ttft_s, itl_s, fail_every=0, root=None):
         httpx.post(self.base_url + "/_reset",
-                   json={"ttft_s": ttft_s, "itl_s": itl_s, "fail_every": fail_every})
+                   json={"ttft_s": ttft_s, "itl_s": itl_s, "fail_every": fail_every, "root": root})
 
     @property
     def num_requests(self) -> int:
@@ -248,7 +250,7 @@ def test_cli_main_chat_endpoint_saves_vllm_keys(fake, tmp_path):
     args = _parse(serve, [
         "--base-url", fake.base_url + "/v1", "--endpoint-type", "chat",
         "--tokenizer", _tokenizer_dir(tmp_path), "--random-input-len", "32",
-        "--random-output-len", "6", "--random-range-ratio", "1.0", "--num-prompts", "4",
+        "--random-output-len", "6", "--random-range-ratio", "0", "--num-prompts", "4",
         "--max-concurrency", "2", "--num-warmups", "2", "--goodput", "ttft:1000",
         "--save-result", "--result-dir", str(tmp_path / "out"), "--result-filename", "r.json",
         "--disable-tqdm"])
@@ -270,6 +272,24 @@ def test_cli_main_chat_endpoint_saves_vllm_keys(fake, tmp_path):
         assert key in saved, key
     assert saved["request_rate"] == "inf" and saved["max_concurrency"] == 2
     assert "itls" not in saved  # per-request lists only with --save-detailed
+    # saved by default, as vLLM does
+    assert len(saved["latencies"]) == 4 and len(saved["start_times"]) == 4 and min(saved["start_times"]) == 0
+    # input tokens as the server counted them (the fake counts characters), not the dataset's
+    assert saved["total_input_tokens"] == sum(len(p) for p in fake.prompts[2:])
+
+
+def test_vllm_bench_serve_flags_and_defaults(fake, tmp_path):
+    fake.reset(ttft_s=0.01, itl_s=0.001, root=_tokenizer_dir(tmp_path))
+    args = _parse(serve, ["--base-url", fake.base_url, "--backend", "openai-chat", "--random-input-len", "16",
+                          "--random-output-len", "3", "--num-prompts", "3", "--disable-tqdm"])
+    assert (args.range_ratio_mode, args.ignore_eos) == ("vllm", False)     # vllm bench serve's defaults
+    result = serve.main(args)                 # no --tokenizer: the server's model root has one
+    assert result["backend"] == "openai-chat" and result["completed"] == 3
+    assert result["tokenizer_id"] == str(tmp_path) and result["random_range_ratio"] == 0.0
+    sweep_args = _parse(sweep, ["--base-url", fake.base_url])
+    assert (sweep_args.range_ratio_mode, sweep_args.ignore_eos) == ("inferencex", True)   # InferenceX's
+    with pytest.raises(ValueError, match="--backend vllm sends completions"):
+        serve.main(_parse(serve, ["--base-url", fake.base_url, "--backend", "vllm", "--endpoint-type", "chat"]))
 
 
 def test_sweep_runs_inferencex_points_and_saves_json(fake, tmp_path):

@@ -216,7 +216,7 @@ def test_metrics_count_tokens_and_latencies(server, client):
 def test_bench_serve_against_the_server(server, tiny_dir, tmp_path):
     cmd = [sys.executable, "-m", "m3serve", "bench", "serve", "--base-url", server.url,
            "--tokenizer", str(tiny_dir), "--num-prompts", "4", "--random-input-len", "24",
-           "--random-output-len", "6", "--random-range-ratio", "1.0", "--max-concurrency", "2",
+           "--random-output-len", "6", "--random-range-ratio", "0", "--ignore-eos", "--max-concurrency", "2",
            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

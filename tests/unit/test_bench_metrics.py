@@ -56,9 +56,20 @@ def test_metrics_match_hand_computed_values():
     assert r["output_lens"] == [3, 4, 1, 0]
     assert r["itls"][0] == pytest.approx([0.1, 0.2])
     assert r["errors"] == ["", "", "", "HTTP 500: boom"]
-    # chunks in second 0: 0.1, 0.2, 0.4, 0.7; requests active in second 0: two
+    # tokens in second 0: 3 + 1, in second 1: 4 (2 chunks of 2); the requests never overlap
     assert r["max_output_tokens_per_s"] == 4.0
-    assert r["max_concurrent_requests"] == 2
+    assert r["max_concurrent_requests"] == 1
+
+
+def test_peak_concurrency_is_exact_and_the_peak_rate_counts_tokens():
+    records = [RequestRecord(prompt_len=1, start_time=s, chunk_times=[e], output_tokens=n, success=True)
+               for s, e, n in ((0.0, 0.3, 1), (0.3, 0.6, 1), (0.6, 0.9, 1), (0.1, 0.95, 12))]
+    r = compute_metrics(records, 1.0)
+    assert r["max_concurrent_requests"] == 2          # back to back is not at once: [start, end)
+    assert r["max_output_tokens_per_s"] == 15.0       # one chunk carried 12 tokens (speculation)
+    spread = RequestRecord(prompt_len=1, start_time=0.0, chunk_times=[0.5, 1.5], chunk_tokens=[7, 1],
+                           output_tokens=8, success=True)
+    assert compute_metrics([spread], 2.0)["max_output_tokens_per_s"] == 7.0   # the server's own counts
 
 
 def test_metric_selection_and_fractional_percentile_keys():
