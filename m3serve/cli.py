@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--dense-layers", type=int, default=1,
                     help="leading dense layers (the real MiniMax-M3: --layers 60 --dense-layers 3)")
     mr.set_defaults(func=cmd_make_realshape)
+    for subparsers in (sub, bench_sub):       # each command reports unknown flags with its own usage
+        for command in subparsers.choices.values():
+            command.set_defaults(command_parser=command)
     return parser
 
 
@@ -136,7 +139,13 @@ def cmd_make_realshape(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:         # reported by the command's own parser, with its usage
+        flags = [u for u in unknown if u.startswith("-")] or unknown
+        getattr(args, "command_parser", parser).error(
+            f"unrecognized argument(s): {' '.join(flags)} (see `{getattr(args, 'command_parser', parser).prog} "
+            f"--help`)")
     try:
         return args.func(args)
     except ValueError as e:

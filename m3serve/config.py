@@ -18,8 +18,11 @@ class ModelConfig:
     device: str = "auto"              # auto | cpu | cuda
     load_format: str = "auto"         # auto (read the checkpoint) | dummy (random weights, real shapes)
     quantization: str | None = None   # None | fp8 (online: per-channel weights, per-token activations)
+    hf_overrides: str | dict | None = None   # JSON laid over config.json (vLLM's --hf-overrides)
 
     def __post_init__(self):
+        if self.hf_overrides is not None:
+            object.__setattr__(self, "hf_overrides", _json_object_option(self.hf_overrides, "hf_overrides"))
         if self.quantization not in (None, "fp8", "fp8_per_channel"):
             raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8)")
         if self.load_format not in ("auto", "dummy"):
@@ -168,12 +171,35 @@ class RankLayout:
         return list(range(node * self.per_node, (node + 1) * self.per_node))
 
 
+_CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     enforce_eager: bool = False                         # no CUDA graphs
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # decode batch sizes; None = 1,2,4,8,16,24,32,48,64,...
+    # vLLM's --compilation-config JSON: cudagraph_mode NONE = enforce_eager, any other mode =
+    # graphs for pure-decode steps (mixed steps run eagerly); cudagraph_capture_sizes as above;
+    # other keys are logged as not applicable (in `not_applicable`)
+    compilation_config: str | dict | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "not_applicable", {})
+        if self.compilation_config is not None:
+            raw = _json_object_option(self.compilation_config, "compilation_config")
+            mode = raw.pop("cudagraph_mode", None)
+            if mode is not None:
+                if str(mode).upper() not in _CUDAGRAPH_MODES:
+                    raise ValueError(f"compilation_config.cudagraph_mode must be one of {list(_CUDAGRAPH_MODES)}, "
+                                     f"got {mode!r}")
+                if str(mode).upper() == "NONE":
+                    object.__setattr__(self, "enforce_eager", True)
+            sizes = raw.pop("cudagraph_capture_sizes", None)
+            if sizes is not None:
+                if not isinstance(sizes, list):
+                    raise ValueError(f"compilation_config.cudagraph_capture_sizes must be a list, got {sizes!r}")
+                object.__setattr__(self, "cudagraph_capture_sizes", tuple(sizes))
+            object.__setattr__(self, "not_applicable", raw)
         sizes = self.cudagraph_capture_sizes
         if isinstance(sizes, str):
             try:

@@ -37,13 +37,13 @@ class LLMEngine:
         self.config = config
         self.model_dir = model_directory(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        check_layout(load_config(self.model_dir), config.parallel)
+        check_layout(load_config(self.model_dir, config.model.hf_overrides), config.parallel)
         self.core = self.worker = self.client = None
         if config.parallel.uses_processes:
             from m3serve.core.core_client import engine_config_for_process
             from m3serve.core.sync_client import SyncEngineClient
             self.client = SyncEngineClient(engine_config_for_process(config, self.model_dir))
-            self.model_config = load_config(self.model_dir)
+            self.model_config = load_config(self.model_dir, config.model.hf_overrides)
             self.front = self.client
         else:
             from m3serve.core.engine_core import EngineCore

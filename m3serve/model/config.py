@@ -171,9 +171,15 @@ def parse_config(raw: dict) -> M3Config:
         raise _bad("index_n_heads (sparse_num_index_heads)", n_index,
                    f"must equal num_key_value_heads={n_kv}")
 
+    for key in ("rope_parameters", "rope_scaling"):      # neither may ask for scaled RoPE
+        given = text.get(key) or {}
+        if not isinstance(given, dict):
+            raise _bad(key, given, "must be an object")
+        kind = given.get("rope_type", given.get("type", "default"))
+        if kind not in ("default", None):
+            raise _bad(f"{key}.rope_type", kind, "only default RoPE is supported (MiniMax-M3 uses plain RoPE "
+                                                  "up to its 1,048,576 positions)")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise _bad("rope_parameters.rope_type", rope.get("rope_type"), "only default RoPE is supported")
     theta = rope.get("rope_theta", text.get("rope_theta", 5_000_000.0))
     factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
     rotary_dim = int(head_dim * factor) if factor is not None else text.get("rotary_dim", head_dim // 2)
@@ -228,9 +234,37 @@ def read_config_json(model_dir: str | Path, what: str = "") -> dict:
     return raw
 
 
-def load_config(model_dir: str | Path) -> M3Config:
-    """Read `<model_dir>/config.json`; a missing or malformed file is a ValueError naming it."""
-    return parse_config(read_config_json(model_dir))
+def load_config(model_dir: str | Path, overrides: dict | None = None) -> M3Config:
+    """Read `<model_dir>/config.json`; a missing or malformed file is a ValueError naming it.
+    `overrides` (vLLM's --hf-overrides) are laid over it first: see `apply_overrides`."""
+    return parse_config(apply_overrides(read_config_json(model_dir), overrides))
+
+
+def apply_overrides(raw: dict, overrides: dict | None) -> dict:
+    """config.json with `overrides` merged in, nested objects key by key. Keys of the text
+    model may be given at the top level or under `text_config`; both land in the text config
+    of a checkpoint that has one (where vLLM applies them)."""
+    if not overrides:
+        return raw
+
+    def merge(base: dict, extra: dict) -> dict:
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    extra = dict(overrides)
+    if "text_config" in raw:
+        text_extra = extra.pop("text_config", {})
+        if not isinstance(text_extra, dict):
+            raise ValueError(f"hf_overrides.text_config must be a JSON object, got {text_extra!r}")
+        top_keys = {"architectures", "model_type", "vision_config", "torch_dtype", "image_token_index",
+                    "video_token_index", "projector_hidden_size", "tie_word_embeddings"}
+        text_extra = {**{k: v for k, v in extra.items() if k not in top_keys}, **text_extra}
+        extra = {k: v for k, v in extra.items() if k in top_keys}
+        if text_extra:
+            extra["text_config"] = text_extra
+    return merge(raw, extra)
 
 
 def canonical_shapes(cfg: M3Config) -> dict[str, tuple[int, ...]]:

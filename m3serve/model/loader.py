@@ -250,14 +250,14 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: ParallelInfo = ParallelInfo(),
                device: str | torch.device = "cpu", progress: bool = True, load_format: str = "auto",
-               seed: int = 0, quantization: str | None = None):
+               seed: int = 0, quantization: str | None = None, hf_overrides: dict | None = None):
     """Build this rank's `MiniMaxM3ForCausalLM` and load its weights. Returns (model, cfg, dir).
 
     load_format "dummy" reads only config.json and makes random weights on the device."""
     from m3serve.model.minimax_m3 import MiniMaxM3ForCausalLM
 
     model_dir = resolve_model_dir(model)
-    cfg = load_config(model_dir)
+    cfg = load_config(model_dir, hf_overrides)
     torch_dtype = resolve_dtype(dtype, cfg)
     with torch.device(device):
         net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)

@@ -122,7 +122,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             default_chat_template_kwargs=dict(config.default_chat_template_kwargs),
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
-            kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None)
+            kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None,
+            stream_interval=config.stream_interval)
         if getattr(client, "config", None) is not None:
             logger.info(describe_engine(client.config, client.info))
         logger.info("serving %s (%s)", model_name, model_dir)
@@ -300,16 +301,20 @@ def run_server(args) -> None:
     from m3serve.plan import check_layout
     from m3serve.sampling_defaults import describe as describe_defaults
     from m3serve.sampling_defaults import load_sampling_defaults
-    from m3serve.serving.server_args import server_config
+    from m3serve.serving.server_args import not_applicable_given, server_config
 
     server = server_config(args)
     engine = EngineConfig.from_kwargs(**engine_kwargs(args))
+    for line in not_applicable_given(args):
+        logger.info("accepted, not applicable: %s", line)
+    if engine.compilation.not_applicable:
+        logger.info("--compilation-config keys not applicable here, ignored: %s", engine.compilation.not_applicable)
     check_port_free(server.host, server.port)       # before minutes of model loading
     if engine.parallel.node_rank > 0:     # another host of a multi-node engine: no API here
         from m3serve.core.engine_group import run_headless
         raise SystemExit(run_headless(engine))
     model_dir = model_directory(engine.model.model)
-    check_layout(load_config(model_dir), engine.parallel)
+    check_layout(load_config(model_dir, engine.model.hf_overrides), engine.parallel)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
     client = EngineCoreClient(engine_config_for_process(engine, model_dir), server.engine_ready_timeout_s)
     defaults = load_sampling_defaults(engine.generation, model_dir)

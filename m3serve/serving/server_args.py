@@ -14,6 +14,18 @@ from m3serve.serving.tool_parser import get_tool_parser
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 
 
+# vLLM serve flags that MiniMax-M3 recipes pass and that have nothing to do in m3serve
+NOT_APPLICABLE_FLAGS = {
+    "--trust-remote-code": "m3serve implements MiniMax-M3 itself and runs no checkpoint code",
+    "--enable-chunked-prefill": "prefill is always chunked by --max-num-batched-tokens",
+    "--disable-log-requests": "m3serve does not log request contents",
+    "--language-model-only": "m3serve serves the text model only",
+    "--attention-backend": "m3serve has one attention implementation per device",
+    "--moe-backend": "m3serve has one fused-MoE implementation per device",
+    "--linear-backend": "m3serve picks its GEMM kernels itself",
+    "--max-num-partial-prefills": "not implemented: prefills share each step's token budget in arrival order",
+}
+_VALUED_FLAGS = ("--attention-backend", "--moe-backend", "--linear-backend", "--max-num-partial-prefills")
 METRIC_NAMES = ("both", "m3serve", "vllm")   # /metrics: both prefixes, or one
 
 
@@ -35,6 +47,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 25.0    # drain: seconds running requests get after SIGTERM
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     metric_names: str = "both"          # /metrics: m3serve:*, vllm:* (vLLM's names) or both
+    stream_interval: int = 1            # a streamed chunk waits for this many new tokens
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -52,6 +65,8 @@ class ServerConfig:
         if mode is not None and mode not in THINKING_MODES:
             raise ValueError(f"default_chat_template_kwargs.thinking_mode must be one of "
                              f"{list(THINKING_MODES)}, got {mode!r}")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval}")
         if self.metric_names not in METRIC_NAMES:
             raise ValueError(f"metric_names must be both, m3serve or vllm, got {self.metric_names!r}")
         if not self.shutdown_timeout_s >= 0:
@@ -87,6 +102,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    group.add_argument("--stream-interval", type=int, default=1,
+                       help="tokens per streamed chunk: a chunk is sent once this many new tokens are "
+                            "ready (and at the end)")
+    compat = parser.add_argument_group(
+        "accepted from vLLM command lines, not applicable to m3serve (each one given is logged)")
+    for flag, why in NOT_APPLICABLE_FLAGS.items():
+        name = flag.lstrip("-").replace("-", "_")
+        if flag in _VALUED_FLAGS:
+            compat.add_argument(flag, dest=f"compat_{name}", default=None, metavar="VALUE", help=why)
+        elif flag == "--enable-chunked-prefill":
+            compat.add_argument(flag, dest=f"compat_{name}", action=argparse.BooleanOptionalAction,
+                                default=None, help=why)
+        else:
+            compat.add_argument(flag, dest=f"compat_{name}", action="store_true", default=None, help=why)
     group.add_argument("--metric-names", choices=METRIC_NAMES, default="both",
                        help="/metrics names: m3serve:*, vLLM's vllm:* (for dashboards and alerts built "
                             "for vLLM), or both (default)")
@@ -107,4 +136,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         max_request_body_bytes=args.max_request_body_bytes, uvicorn_log_level=args.uvicorn_log_level,
         engine_ready_timeout_s=args.engine_ready_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s,
-        disable_fastapi_docs=args.disable_fastapi_docs, metric_names=args.metric_names)
+        disable_fastapi_docs=args.disable_fastapi_docs, metric_names=args.metric_names,
+        stream_interval=args.stream_interval)
+
+
+def not_applicable_given(args: argparse.Namespace) -> list[str]:
+    """The vLLM flags of NOT_APPLICABLE_FLAGS this command line gave, each with why."""
+    out = []
+    for flag, why in NOT_APPLICABLE_FLAGS.items():
+        value = getattr(args, "compat_" + flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            out.append(f"{flag}{'' if value is True else ' ' + str(value)}: {why}")
+    return out

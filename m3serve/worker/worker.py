@@ -47,7 +47,7 @@ class Worker:
         self.model, self.model_config, _ = load_model(
             model_dir, dtype=config.model.dtype, parallel=parallel, device=self.device,
             progress=progress, load_format=config.model.load_format, seed=config.model.seed,
-            quantization=config.model.quantization)
+            quantization=config.model.quantization, hf_overrides=config.model.hf_overrides)
         cfg = self.model_config
         self.block_size = config.cache.block_size or cfg.index_block_size
         if self.block_size != cfg.index_block_size:

@@ -70,3 +70,28 @@ def test_llm_default_sampling_params(tiny_dir, tmp_path):
     [out] = llm.generate("hello there", use_tqdm=False)     # no params: top_k 1 is greedy, 4 tokens
     [greedy] = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_vllm_compilation_config_and_hf_overrides(tiny_dir):
+    from m3serve.config import CompilationConfig
+    from m3serve.model.config import load_config
+    c = CompilationConfig(compilation_config='{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 1, 2]}')
+    assert (c.enforce_eager, c.cudagraph_capture_sizes, c.not_applicable) == (False, (1, 2, 4), {})
+    assert CompilationConfig(compilation_config={"cudagraph_mode": "NONE", "level": 3}).enforce_eager
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
+        CompilationConfig(compilation_config={"cudagraph_mode": "SOMETIMES"})
+    base = load_config(tiny_dir)
+    over = load_config(tiny_dir, {"max_position_embeddings": 1024, "text_config": {"rms_norm_eps": 1e-5}})
+    assert (over.max_position_embeddings, over.rms_norm_eps) == (1024, 1e-5) != (base.max_position_embeddings,
+                                                                                  base.rms_norm_eps)
+    with pytest.raises(ValueError, match="only default RoPE"):    # a YaRN override is refused, not ignored
+        load_config(tiny_dir, {"text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}})
+
+
+def test_unknown_flags_are_named_with_the_commands_usage(capsys):
+    from m3serve.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--no-such-flag", "5", "some/model"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "usage: m3serve serve" in err and "unrecognized argument(s): --no-such-flag" in err

@@ -129,7 +129,8 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                for _ in range(request.n)]
     header = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
     if request.stream:
-        return StreamingResponse(_stream({**header, "object": "chat.completion.chunk"}, request, stream, choices),
+        return StreamingResponse(_stream({**header, "object": "chat.completion.chunk"}, request, stream, choices,
+                                         ctx.stream_interval),
                                  media_type="text/event-stream")
     [state] = await collect([stream], is_disconnected)
     out = []
@@ -143,7 +144,8 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                          **kv_transfer_field([state], request.kv_transfer_params is not None)})
 
 
-async def _stream(header: dict, request: ChatCompletionRequest, stream, choices: list[_Choice]):
+async def _stream(header: dict, request: ChatCompletionRequest, stream, choices: list[_Choice],
+                  stream_interval: int = 1):
     k = (request.top_logprobs or 0) if request.logprobs else None
     for i in range(request.n):
         yield sse({**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -156,8 +158,10 @@ async def _stream(header: dict, request: ChatCompletionRequest, stream, choices:
             for seq, choice in zip(state.sequences, choices):
                 if done[seq.index]:
                     continue
-                delta = choice.delta(seq.text_delta(), seq.finished)
                 start, end = sent_tokens[seq.index], len(seq.token_ids)
+                if not seq.finished and end - start < stream_interval:
+                    continue          # --stream-interval: the next chunk carries these tokens too
+                delta = choice.delta(seq.text_delta(), seq.finished)
                 if not delta and start == end and not seq.finished:
                     continue
                 sent_tokens[seq.index] = end

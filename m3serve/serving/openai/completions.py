@@ -83,7 +83,8 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     header = {"id": request_id, "object": "text_completion", "created": ctx.created,
               "model": ctx.model_name}
     if request.stream:
-        return StreamingResponse(_stream(header, request, streams), media_type="text/event-stream")
+        return StreamingResponse(_stream(header, request, streams, ctx.stream_interval),
+                                 media_type="text/event-stream")
     ordered = await collect(streams, is_disconnected)
     choices = []
     for i, state in enumerate(ordered):
@@ -97,7 +98,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
                          **kv_transfer_field(ordered, request.kv_transfer_params is not None)})
 
 
-async def _stream(header: dict, request: CompletionRequest, streams):
+async def _stream(header: dict, request: CompletionRequest, streams, stream_interval: int = 1):
     states: dict[int, RequestState] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
     sent_chars: dict[tuple[int, int], int] = {}
@@ -109,8 +110,10 @@ async def _stream(header: dict, request: CompletionRequest, streams):
                 key = (index, seq.index)
                 if key in done:
                     continue
-                delta = seq.text_delta()
                 start, end = sent_tokens.get(key, 0), len(seq.token_ids)
+                if not seq.finished and end - start < stream_interval:
+                    continue          # --stream-interval: the next chunk carries these tokens too
+                delta = seq.text_delta()
                 if not delta and start == end and not seq.finished:
                     continue
                 logprobs = None
