@@ -40,7 +40,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None      # bytes for the KV cache (any device); overrides the above
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"            # auto | fp8 (e4m3, per-layer scales)
-    index_cache_dtype: str = "auto"         # auto | fp8 (plain e4m3 cast, spec §4)
+    index_cache_dtype: str = "auto"         # auto | fp8 (plain e4m3 cast, docs/model.md §4)
 
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -1,6 +1,6 @@
 """Benchmark datasets: the random-token workload of `m3serve bench serve`.
 
-Owns the per-request length sampling (both range-ratio conventions of BENCHMARKS.md), the
+Owns the per-request length sampling (both range-ratio conventions of docs/benchmarks.md), the
 tokenizer loading, and the prompt builder that turns random token ids into text that
 re-tokenizes to the requested length. Everything is seeded and deterministic.
 """

@@ -1,4 +1,4 @@
-"""Serving metrics from per-request records, with the definitions of BENCHMARKS.md.
+"""Serving metrics from per-request records, with the definitions of docs/benchmarks.md.
 
 Pure functions: a list of `RequestRecord` and the benchmark duration in, the result dict out.
 Keys follow `vllm bench serve --save-result` (`completed`, `mean_ttft_ms`, `p99_itl_ms`, ...);

@@ -4,7 +4,7 @@ MoE layer and the prefill MFU. Prints one JSON line per point. Two TPOTs:
 
 - `tpot_peer_ms`: the vLLM peer script's method (a run of OSL + 1 tokens, minus the time of a
   max_tokens=1 run of the same shapes, divided by OSL): the figure to set beside vLLM's;
-- `tpot_ms`: BENCHMARKS.md's per-request TPOT, (last token time - first token time) /
+- `tpot_ms`: docs/benchmarks.md's per-request TPOT, (last token time - first token time) /
   (tokens - 1) averaged over requests, which also carries the mixed prefill+decode steps a
   request waits through when the batch's prompts take several steps to prefill.
 """
@@ -23,8 +23,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--points", nargs="+", default=["1024:1,8"],
                         help="ISL:batch,batch,... groups, e.g. 1024:1,8,32 8192:4,16")
     parser.add_argument("--osl", type=int, default=64)
-    parser.add_argument("--check-reference", action="store_true",
-                        help="also compare a greedy decode against the reference ops")
     add_engine_args(parser)
 
 

@@ -1,4 +1,4 @@
-"""Decode-step roofline for MiniMax-M3 (BENCHMARKS.md): bytes a step must read / HBM bandwidth.
+"""Decode-step roofline for MiniMax-M3 (docs/benchmarks.md): bytes a step must read / HBM bandwidth.
 
 Bytes = weights touched (attention, indexer, dense MLP, shared experts, router, the DISTINCT
 routed experts the batch selects — measured, not assumed — and lm_head) + KV read (dense layers:
@@ -7,8 +7,8 @@ index-key scan).
 """
 from __future__ import annotations
 
-HBM_READ_TBPS = 4.19          # measured on one H200 (BENCHMARKS.md)
-BF16_TFLOPS = 795.0           # dense bf16 GEMM ceiling on one H200 (BENCHMARKS.md)
+HBM_READ_TBPS = 4.19          # measured on one H200 (docs/benchmarks.md)
+BF16_TFLOPS = 795.0           # dense bf16 GEMM ceiling on one H200 (docs/benchmarks.md)
 FP8_TFLOPS = 1465.0
 
 

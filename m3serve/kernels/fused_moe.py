@@ -1,7 +1,7 @@
 """Fused MoE for MiniMax-M3 in Triton: sigmoid top-k routing, token alignment by expert, and two
 grouped GEMMs (gate_up with SwiGLU-OAI in the epilogue; down with the routing weight and the sum
 over the chosen experts in the epilogue). bf16 weights, or FP8 e4m3 weights with per-output-channel
-scales and per-token dynamic activation scales (spec §8.3). The shared expert runs as one more,
+scales and per-token dynamic activation scales (docs/model.md §8.3). The shared expert runs as one more,
 always-selected expert with weight 1.0.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid router with a selection-only correction bias (spec §3.7).
+    """Sigmoid router with a selection-only correction bias (docs/model.md §3.7).
 
     x: [T, H]; gate_weight: [E, H] fp32; bias: [E] fp32.
     Returns (weights [T, K] fp32, renormalised over the chosen experts and multiplied by

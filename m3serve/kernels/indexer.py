@@ -79,7 +79,7 @@ def _index_score_kernel(iq_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_ptr, score_ptr, 
         d = tl.arange(0, DI)
         q = tl.load(iq_ptr + tok[:, None].to(tl.int64) * iq_s0 + head[:, None] * iq_s1
                     + d[None, :], mask=row_ok[:, None], other=0.0)        # [BLOCK_M, DI]
-        if Q_FP8:  # fp8 index cache: queries plain-cast to e4m3 (spec §4), e4m3 x e4m3 MMA
+        if Q_FP8:  # fp8 index cache: queries plain-cast to e4m3 (docs/model.md §4), e4m3 x e4m3 MMA
             q = cast_rne(q.to(tl.float32), tl.float8e4nv, EMULATE)
         if DOT_FP32:
             q = q.to(tl.float32)

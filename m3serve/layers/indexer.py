@@ -30,7 +30,7 @@ def index_topk_ref(iq: torch.Tensor, index_cache: torch.Tensor, meta, topk: int,
         n_blocks = -(-L // bs)
         keys = flat[context_slots(meta, r)].to(acc)                          # [L, Di]
         queries = iq[qs:qe]
-        if index_cache.dtype == torch.float8_e4m3fn:                          # plain e4m3 cast, spec §4
+        if index_cache.dtype == torch.float8_e4m3fn:                          # plain e4m3 cast, docs/model.md §4
             queries = queries.to(torch.float8_e4m3fn)
         q_pos = torch.arange(L - (qe - qs), L, device=iq.device)             # [Tq]
         scores = torch.einsum("thd,ld->thl", queries.to(acc), keys)           # [Tq, Hi, L]

@@ -1,5 +1,5 @@
 """Online FP8 quantisation (`--quantization fp8`, per-token activation / per-channel weight,
-spec §8.3): weights are quantised once after loading, activations per call.
+docs/model.md §8.3): weights are quantised once after loading, activations per call.
 
 GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU; the CPU reference
 dequantises both operands and multiplies in fp64 (same products, one rounding).

@@ -5,7 +5,7 @@ project's docs, plus the prose and pseudo-words below), so the result does not d
 code around it and needs no download. The default tiny model does not even retrain: its
 2048-token tokenizer is stored (`tiny_tokenizer.json`, made by `build_tokenizer` with that
 corpus) and written as is, so its bytes cannot drift with the `tokenizers` library either. The MiniMax-M3 marker
-strings (§1.6 of the spec) are appended as added tokens with fixed ids at the end of the vocab.
+strings (docs/model.md §1.6) are appended as added tokens with fixed ids at the end of the vocab.
 """
 from __future__ import annotations
 

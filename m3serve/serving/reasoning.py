@@ -1,6 +1,6 @@
 """Reasoning parsers: split a model's output into reasoning (the thinking block) and content.
 
-Owns the `minimax_m3` parser (spec §7: `<mm:think>…</mm:think>` matched as text, in streaming
+Owns the `minimax_m3` parser (docs/model.md §7: `<mm:think>…</mm:think>` matched as text, in streaming
 and non-streaming form) and the name -> parser registry behind `--reasoning-parser`.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def partial_suffix_len(text: str, marker: str) -> int:
 
 
 class MiniMaxM3ReasoningParser:
-    """Splits MiniMax-M3 output into (reasoning, content) following the spec's split rules.
+    """Splits MiniMax-M3 output into (reasoning, content) following the split rules of docs/model.md §7.
 
     `thinking_mode` is the request's chat-template kwarg (None when unset). With "enabled" the
     template prefilled `<mm:think>`, so the output starts inside the thinking block:
@@ -39,7 +39,7 @@ class MiniMaxM3ReasoningParser:
     4. no markers: everything is content.
 
     Rule 1 is read causally: in enabled mode an opener later in the output stays literal text
-    (the spec's "no `<mm:think>` in the output" cannot be known while streaming reasoning that
+    (docs/model.md's "no `<mm:think>` in the output" cannot be known while streaming reasoning that
     was already sent). Markers after the split point are ordinary text. Empty parts are None.
 
     One instance parses one output: `extract` for a whole text, or `stream` per delta followed

@@ -1,6 +1,6 @@
 """Tool-call parsers: turn a model's tool-call markup into OpenAI `tool_calls`.
 
-Owns the `minimax_m3` parser (spec §7: namespace-prefixed `<tool_call>` / `<invoke>` blocks with
+Owns the `minimax_m3` parser (docs/model.md §7: namespace-prefixed `<tool_call>` / `<invoke>` blocks with
 one element per argument), the schema-driven typing of argument values, and the name -> parser
 registry behind `--tool-call-parser`. Streaming and non-streaming share one state machine.
 """
@@ -354,7 +354,7 @@ def _tool_schemas(tools: list[dict] | None) -> dict[str, _Type | None]:
 
 
 class MiniMaxM3ToolParser:
-    """Parses MiniMax-M3 tool-call markup into OpenAI tool calls (spec §7).
+    """Parses MiniMax-M3 tool-call markup into OpenAI tool calls (docs/model.md §7).
 
     `tools` are the request's tools (OpenAI shape, `{"type": "function", "function": {...}}`);
     their `parameters` schemas type the argument values. With tool_choice "none" nothing is

@@ -93,7 +93,7 @@ def test_greedy_32_tokens_match_hf(fp32_model, hf_results):
 
 
 def test_bf16_logits_close_to_hf(hf_checkpoints):
-    """bf16 numerics against transformers in bf16 (router kept fp32 on both sides, spec §11.1).
+    """bf16 numerics against transformers in bf16 (router kept fp32 on both sides, docs/model.md §11.1).
 
     With random weights, bf16 rounding flips near-tied expert and block choices on either side,
     and one flip changes a token's output completely (transformers' own bf16 run drifts from its

@@ -8,7 +8,7 @@ from m3serve.model.tiny import tiny_config_dict
 
 
 def real_text_config() -> dict:
-    """The real MiniMax-M3 text_config (spec §1.2), in the checkpoint's legacy naming."""
+    """The real MiniMax-M3 text_config (docs/model.md §1.2), in the checkpoint's legacy naming."""
     return {
         "hidden_size": 6144, "intermediate_size": 3072, "dense_intermediate_size": 12288,
         "shared_intermediate_size": 3072, "num_hidden_layers": 60, "num_attention_heads": 64,

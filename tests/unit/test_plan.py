@@ -1,5 +1,5 @@
 """`m3serve plan` for the real 60-layer MiniMax-M3: weights and KV bytes per GPU at TP 4 and TP 8
-against numbers computed by hand from the spec's parameter table (§10.1) and KV table (§5), and
+against numbers computed by hand from the parameter table (docs/model.md §10.1) and KV table (§5), and
 the planner's per-rank counts against the shards the engine really builds (meta device)."""
 import json
 
@@ -11,7 +11,7 @@ from m3serve.config import ParallelConfig
 from m3serve.model.config import parse_config
 from m3serve.plan import GIB, H200_MEMORY_GIB, capacity, check_layout, plan
 
-# spec §10.1, per component (parameters)
+# docs/model.md §10.1, per component (parameters)
 EMBED = LM_HEAD = 1_229_193_216
 Q = O = 64 * 128 * 6144                       # q_proj, o_proj of one layer
 K = V = 4 * 128 * 6144                        # k_proj, v_proj (4 KV heads)
@@ -64,7 +64,7 @@ def test_weights_per_gpu_fp8_tp8(real):
 
 
 def test_kv_bytes_per_token(real):
-    # spec §5: 137,472 B per token at TP 1 (bf16), 76,032 with an fp8 main cache and bf16 index
+    # docs/model.md §5: 137,472 B per token at TP 1 (bf16), 76,032 with an fp8 main cache and bf16 index
     assert plan(real, ParallelConfig()).total_kv_bytes_per_token == 137_472
     assert plan(real, ParallelConfig(), kv_cache_dtype="fp8").total_kv_bytes_per_token == 76_032
     # TP 4 and TP 8: one KV head per rank (replicated at TP 8), the index key head on every rank

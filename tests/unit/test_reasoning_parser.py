@@ -1,4 +1,4 @@
-"""minimax_m3 reasoning parser: spec §7 split rules, streamed at every chunk boundary."""
+"""minimax_m3 reasoning parser: docs/model.md §7 split rules, streamed at every chunk boundary."""
 import itertools
 
 import pytest

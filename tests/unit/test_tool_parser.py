@@ -1,6 +1,6 @@
-"""minimax_m3 tool-call parser: spec §7 markup -> OpenAI tool_calls, streamed at every boundary.
+"""minimax_m3 tool-call parser: docs/model.md §7 markup -> OpenAI tool_calls, streamed at every boundary.
 
-Expected arguments are written by hand from the spec's typing rules; every case is also
+Expected arguments are written by hand from the typing rules of docs/model.md §7; every case is also
 streamed split at each single boundary and char by char, and must assemble to the same result.
 """
 import json

@@ -13,7 +13,7 @@ from m3serve.kernels.fused_moe import (
     moe_route,
 )
 
-# Floor of a weight row's scale (spec §8.3), so an all-zero row stays finite.
+# Floor of a weight row's scale (docs/model.md §8.3), so an all-zero row stays finite.
 FP8_MIN_WEIGHT_SCALE = 1.0 / (FP8_MAX * 512)
 
 moe_route_ref = moe_route  # the router is plain PyTorch already

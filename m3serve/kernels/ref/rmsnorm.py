@@ -4,7 +4,7 @@
 Residual rounding: the new residual is `bf16(x + residual)` (the sum formed in fp32, rounded once,
 which is what a bf16 add does) and the norm reads that ROUNDED sum, so the fused op equals
 `s = x + residual; gemma_rms_norm(s)` exactly (the HF order; vLLM normalises the unrounded sum,
-a difference of at most one bf16 ulp of the sum, spec §3.2).
+a difference of at most one bf16 ulp of the sum, docs/model.md §3.2).
 """
 from __future__ import annotations
 
