@@ -44,8 +44,8 @@ def test_cancelled_requests_free_their_blocks_at_once(server):
 
     asyncio.run(storm())
     gone = time.time()
-    metrics = server.wait_idle(timeout_s=10)        # would take minutes if any kept running
-    assert time.time() - gone < 10
+    metrics = server.wait_idle(timeout_s=5)         # a sequence left running would take minutes
+    assert time.time() - gone < 5
     assert metrics["m3serve:num_requests_running"] == 0 and metrics["m3serve:num_requests_waiting"] == 0
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": MODEL_NAME, "prompt": "after the storm", "max_tokens": 3, "ignore_eos": True})
