@@ -35,6 +35,44 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of `json` (a JSON schema, as an
+    object or its text), `regex`, `choice` (the output is one of these strings), `grammar`
+    (EBNF), `json_object` (any JSON object). `disable_any_whitespace`: no free whitespace
+    between JSON tokens. The grammar is compiled by the engine (an invalid one is refused
+    there, naming the problem) and applied as a token mask before every sampled token."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+
+    def key(self) -> tuple:
+        """Hashable identity of the grammar (compiled grammars are cached by it)."""
+        import json as _json
+        schema = _json.dumps(self.json, sort_keys=True) if isinstance(self.json, dict) else self.json
+        return (schema, self.regex, tuple(self.choice or ()), self.grammar, bool(self.json_object),
+                self.disable_any_whitespace)
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request's output tokens (vLLM-compatible fields and defaults).
 
@@ -62,6 +100,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine from the model's generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -127,6 +166,11 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {token_id!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            if isinstance(self.structured_outputs, dict):
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            else:
+                raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @property
     def is_greedy(self) -> bool:

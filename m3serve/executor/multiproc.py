@@ -47,6 +47,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_dir, rank: int, master_port: int, on_fatal,
                  progress: bool = False):
         self.config, self.rank, self.on_fatal = config, rank, on_fatal
+        self.model_dir = model_dir
         self.layout = layout = config.parallel.layout
         self.needs_lockstep = layout.dp > 1
         self.global_busy = False          # whether any replica had work at the last agreement

@@ -9,6 +9,7 @@ class UniProcExecutor:
     needs_lockstep = False
 
     def __init__(self, config: EngineConfig, model_dir, progress: bool = True):
+        self.model_dir = model_dir
         self.worker = Worker(config, model_dir, progress=progress)
         self.worker.initialize(self.worker.available_blocks())
         self.model_config = self.worker.model_config

@@ -62,6 +62,7 @@ class ModelRunner:
         self.record_selections: list | None = None   # tests: sparse layers append their choices
         self.hidden: torch.Tensor | None = None      # the last step's final hidden states
         self.num_graph_steps = self.num_eager_steps = 0
+        self.grammars = None          # worker.structured.GrammarBook on the sampling rank (set by the worker)
         self._allocate_caches()
 
     def _allocate_caches(self) -> None:
@@ -89,6 +90,9 @@ class ModelRunner:
         """One step. `dp` is set when the MoE layers exchange tokens with other DP replicas:
         then a step without requests still runs a padding forward. Returns None on ranks that
         do not sample."""
+        if self.grammars is not None:
+            for req_id in so.finished_req_ids:
+                self.grammars.drop(req_id)
         self.batch.apply(so)
         if not so.num_scheduled_tokens:
             if dp is not None:
@@ -185,9 +189,16 @@ class ModelRunner:
         sampling = SamplingMetadata.from_params(
             params, [b.output_token_ids(r) for r in row_list], [b.prompt_token_ids(r) for r in row_list],
             [b.generators[r] for r in row_list], self.vocab_size, self.device)
-        out = self.sampler(logits[torch.from_numpy(index).to(logits.device)], sampling)
+        picked = logits[torch.from_numpy(index).to(logits.device)]              # [R', V]
+        req_ids = [b.req_ids[r] for r in row_list]
+        if self.grammars is not None:
+            self.grammars.mask(picked, req_ids, params)
+        out = self.sampler(picked, sampling)
         for i, token in zip(index.tolist(), out.sampled_token_ids.tolist()):
             sampled[i] = token
+        if self.grammars is not None:
+            for req_id, p, token in zip(req_ids, params, out.sampled_token_ids.tolist()):
+                self.grammars.accept(req_id, p, token)
         if out.logprobs is None:
             return sampled, None
         for i, entry in zip(index.tolist(), self._sample_logprobs(out.logprobs, params)):

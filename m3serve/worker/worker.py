@@ -41,6 +41,7 @@ class Worker:
     def __init__(self, config: EngineConfig, model_dir, parallel: ParallelInfo = ParallelInfo(),
                  device: torch.device | None = None, is_driver: bool = True, progress: bool = True):
         self.config, self.parallel, self.is_driver = config, parallel, is_driver
+        self.model_dir = model_dir
         self.device = device if device is not None else resolve_device(config.model.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -95,6 +96,9 @@ class Worker:
             index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
             sample_everywhere=self.proposer is not None,
             extra_positions=config.speculative.num_speculative_tokens)
+        if self.is_driver and self.proposer is None:
+            from m3serve.worker.structured import GrammarBook
+            self.runner.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
         if self.proposer is not None:
             from m3serve.spec.rejection import RejectionSampler
             spec = config.speculative

@@ -110,8 +110,6 @@ def render_request(ctx: ServerContext, request: ChatCompletionRequest):
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, arrival_time: float,
                                  is_disconnected):
     ctx.check_model(request.model)
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise ValueError(f"response_format {request.response_format.get('type')!r} is not supported")
     if request.top_logprobs is not None and not request.logprobs:
         raise ValueError("top_logprobs requires logprobs to be true")
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from m3serve.sampling_params import MAX_LOGPROBS, SamplingParams
+from m3serve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # parallel samples per request; more is a client bug, not a workload
 
@@ -162,6 +162,45 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None   # P/D legs (vLLM's NIXL protocol)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint (ValueError naming the field when malformed)."""
+        given = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type", "text")
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format.json_schema.schema is required: a JSON schema object")
+                given["response_format"] = {"json": schema}
+            elif kind != "text":
+                raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = dict(self.structured_outputs)
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, "guided_" + name)
+            if value is not None:
+                given["guided_" + name] = {name: value}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"structured_outputs: give one constraint, got {sorted(given)}")
+        [spec] = given.values()
+        try:
+            return StructuredOutputsParams(**spec)
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
@@ -183,7 +222,7 @@ class _SamplingRequest(_Strict):
             n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, **optional)
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(), **optional)
 
     @property
     def include_usage(self) -> bool:
@@ -211,7 +250,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):

@@ -1,0 +1,85 @@
+"""Structured outputs through the server (xgrammar token masks): OpenAI's response_format,
+vLLM's structured_outputs and guided_* fields, streaming and not; a bad grammar is a 400.
+The tiny model's text is noise, so every constraint must hold by the mask alone."""
+import json
+import re
+
+import httpx
+import pytest
+from serverutil import MODEL_NAME, LiveServer
+
+pytest.importorskip("xgrammar", reason="structured outputs need xgrammar")
+
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["color", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    srv = LiveServer(tiny_dir, log_path=tmp_path_factory.mktemp("logs") / "server.log")
+    yield srv
+    srv.stop()
+
+
+def chat(server, **fields):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "pick one"}], "max_tokens": 80, **fields}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    return r
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_json_schema_holds(server, temperature):
+    for seed in range(3):
+        r = chat(server, temperature=temperature, seed=seed,
+                 structured_outputs={"json": COLOR, "disable_any_whitespace": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        value = json.loads(choice["message"]["content"])
+        assert choice["finish_reason"] == "stop" and value["color"] in ("red", "green", "blue")
+        assert isinstance(value["n"], int) and 0 <= value["n"] <= 99
+
+
+def test_response_format_json_schema_and_object(server):
+    r = chat(server, temperature=0, max_tokens=300,
+             response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert json.loads(choice["message"]["content"])["color"] in ("red", "green", "blue")
+    else:     # free whitespace may run long on random weights, but the text is still a JSON prefix
+        assert choice["message"]["content"].lstrip().startswith("{")
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": MODEL_NAME, "prompt": "data:", "max_tokens": 20, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].lstrip().startswith("{")
+
+
+def test_regex_and_choice_streaming_and_not(server):
+    for seed in range(3):
+        r = chat(server, temperature=1.0, seed=seed, structured_outputs={"regex": r"[0-9]{3}-[a-z]{2}"})
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.json()["choices"][0]["message"]["content"]), r.text
+    choices = ["alpha", "beta", "gamma delta"]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+            "model": MODEL_NAME, "prompt": "x", "max_tokens": 20, "temperature": 1.0, "seed": 3,
+            "guided_choice": choices, "stream": True}) as r:
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                       if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"])
+    assert text in choices
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex is not valid"),
+    ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs.json is not valid"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice must be"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+    ({"structured_outputs": {"colour": "red"}}, "colour"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema is required"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "give one constraint"),
+    ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "needs a stop token"),
+])
+def test_bad_constraints_are_400(server, fields, words):
+    r = chat(server, **fields)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+    assert chat(server, max_tokens=2).status_code == 200
