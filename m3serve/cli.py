@@ -59,7 +59,7 @@ def cmd_make_tiny(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="m3serve", description="Serve MiniMax-M3.")
-    from m3serve.serving.openai.common import package_version
+    from m3serve.version import package_version
     parser.add_argument("--version", action="version", version=f"m3serve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 

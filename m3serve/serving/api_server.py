@@ -26,7 +26,8 @@ from m3serve.serving.lifecycle import Drain, DrainingServer, describe_engine, ra
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
 from m3serve.serving.openai import chat, completions
 from m3serve.serving.openai import tokenize as tokenize_api
-from m3serve.serving.openai.common import ClientDisconnected, ServerContext, internal_error, package_version
+from m3serve.serving.openai.common import ClientDisconnected, ServerContext, internal_error
+from m3serve.version import package_version
 from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest,
                                              DetokenizeRequest, TokenizeRequest, check_json, error_body,

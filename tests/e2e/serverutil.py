@@ -34,7 +34,8 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+        path = os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        env = {**os.environ, "PYTHONPATH": path, **(env or {})}
         cmd = [sys.executable, "-m", "m3serve", "serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--served-model-name", MODEL_NAME,
                "--uvicorn-log-level", "warning", *flags]

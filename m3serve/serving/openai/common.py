@@ -42,15 +42,6 @@ class ServerContext:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 
-def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("m3serve")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from m3serve.serving.chat_template import render_chat
-from m3serve.serving.openai.common import ServerContext, package_version
+from m3serve.serving.openai.common import ServerContext
+from m3serve.version import package_version
 from m3serve.serving.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 
