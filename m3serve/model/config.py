@@ -8,6 +8,7 @@ Unsupported values raise `ValueError` naming the field and the value.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -26,6 +27,26 @@ _LEGACY_SPARSE = {
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "vocab_size")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's parameters (rope_type "yarn"): positions interpolated by `factor` on the low
+    frequencies, kept on the high ones, with a linear ramp between the dimensions that turn
+    `beta_fast` and `beta_slow` times over `original_max_position_embeddings`; cos/sin scaled
+    by `attention_factor` (default 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio)."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def to_dict(self) -> dict:
+        return {"rope_type": "yarn", "factor": self.factor, "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow, "attention_factor": self.attention_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "truncate": self.truncate}
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,8 @@ class M3Config:
     eos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
     vision_config: dict | None = field(default=None, compare=False)
+    # YaRN context extension (rope_type "yarn", e.g. through --hf-overrides); None = plain RoPE
+    rope_yarn: YarnScaling | None = None
 
     @property
     def sparse_layer_ids(self) -> list[int]:
@@ -76,12 +99,42 @@ class M3Config:
         """transformers' flat text-config dict for this config (used to build reference models)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)
              if f.name not in ("rope_theta", "rotary_dim", "index_init_blocks", "torch_dtype",
-                               "vision_config", "layer_types", "mlp_layer_types")}
+                               "vision_config", "layer_types", "mlp_layer_types", "rope_yarn")}
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                 "partial_rotary_factor": self.rotary_dim / self.head_dim}
+        if self.rope_yarn is not None:
+            d["rope_parameters"].update(self.rope_yarn.to_dict())
         return d
+
+
+def _yarn(given: dict, max_position_embeddings: int) -> YarnScaling:
+    """YarnScaling from a rope_type "yarn" dict (transformers' and vLLM's keys)."""
+    def number(key, default=None):
+        value = given.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise _bad(f"rope_scaling.{key}", value, "must be a positive number")
+        return float(value)
+
+    original = number("original_max_position_embeddings")
+    factor = number("factor")
+    if original is None and factor is None:
+        raise _bad("rope_scaling", given, "yarn needs factor and/or original_max_position_embeddings")
+    if factor is None:
+        factor = max_position_embeddings / original
+    if original is None:
+        original = max_position_embeddings / factor
+    attention = number("attention_factor")
+    if attention is None:
+        def m(scale, k=1.0):
+            return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+        mscale, mscale_all = number("mscale"), number("mscale_all_dim")
+        attention = m(factor, mscale) / m(factor, mscale_all) if mscale and mscale_all else m(factor)
+    return YarnScaling(factor, int(original), number("beta_fast", 32.0) or 32.0, number("beta_slow", 1.0) or 1.0,
+                       attention, bool(given.get("truncate", True)))
 
 
 def _bad(name: str, value, why: str) -> ValueError:
@@ -171,20 +224,26 @@ def parse_config(raw: dict) -> M3Config:
         raise _bad("index_n_heads (sparse_num_index_heads)", n_index,
                    f"must equal num_key_value_heads={n_kv}")
 
-    for key in ("rope_parameters", "rope_scaling"):      # neither may ask for scaled RoPE
+    # plain RoPE, or YaRN asked for by either key (rope_scaling, e.g. from --hf-overrides, wins)
+    rope, yarn_source = {}, None
+    for key in ("rope_parameters", "rope_scaling"):
         given = text.get(key) or {}
         if not isinstance(given, dict):
             raise _bad(key, given, "must be an object")
         kind = given.get("rope_type", given.get("type", "default"))
-        if kind not in ("default", None):
-            raise _bad(f"{key}.rope_type", kind, "only default RoPE is supported (MiniMax-M3 uses plain RoPE "
-                                                  "up to its 1,048,576 positions)")
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if kind not in ("default", None, "yarn"):
+            raise _bad(f"{key}.rope_type", kind, "only default and yarn RoPE are supported")
+        if given and not rope:
+            rope = given
+        if kind == "yarn":
+            yarn_source = given
+    max_pos = int(text.get("max_position_embeddings", 4096))
     theta = rope.get("rope_theta", text.get("rope_theta", 5_000_000.0))
     factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor"))
     rotary_dim = int(head_dim * factor) if factor is not None else text.get("rotary_dim", head_dim // 2)
     if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
         raise _bad("partial_rotary_factor/rotary_dim", rotary_dim, f"must be even and <= head_dim={head_dim}")
+    rope_yarn = _yarn(yarn_source, max_pos) if yarn_source is not None else None
 
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     if isinstance(eos, list):
@@ -203,7 +262,7 @@ def parse_config(raw: dict) -> M3Config:
         num_local_experts=n_experts, num_experts_per_tok=top_k,
         routed_scaling_factor=float(text.get("routed_scaling_factor", 2.0)),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-        rotary_dim=rotary_dim,
+        rotary_dim=rotary_dim, rope_yarn=rope_yarn,
         max_position_embeddings=int(text.get("max_position_embeddings", 524288)),
         swiglu_alpha=float(text.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(text.get("swiglu_limit", 7.0)),

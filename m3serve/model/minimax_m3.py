@@ -127,7 +127,7 @@ class TextModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel.tp, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)
 
 
 class MiniMaxM3ForCausalLM(nn.Module):

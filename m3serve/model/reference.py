@@ -21,6 +21,8 @@ def gemma_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def rope_cos_sin(cfg: M3Config, positions: torch.Tensor, dtype: torch.dtype):
+    if cfg.rope_yarn is not None:
+        raise NotImplementedError("the dense reference has plain RoPE only; YaRN is checked against transformers")
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32)
                                          / cfg.rotary_dim))
     angle = positions.float()[:, None] * inv_freq[None, :]          # [S, half]

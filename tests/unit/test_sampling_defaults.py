@@ -84,8 +84,10 @@ def test_vllm_compilation_config_and_hf_overrides(tiny_dir):
     over = load_config(tiny_dir, {"max_position_embeddings": 1024, "text_config": {"rms_norm_eps": 1e-5}})
     assert (over.max_position_embeddings, over.rms_norm_eps) == (1024, 1e-5) != (base.max_position_embeddings,
                                                                                   base.rms_norm_eps)
-    with pytest.raises(ValueError, match="only default RoPE"):    # a YaRN override is refused, not ignored
-        load_config(tiny_dir, {"text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}})
+    yarn = load_config(tiny_dir, {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})   # not ignored
+    assert yarn.rope_yarn.factor == 2.0 and yarn.rope_yarn.original_max_position_embeddings == 2048
+    with pytest.raises(ValueError, match="only default and yarn RoPE"):        # nor is an unknown kind
+        load_config(tiny_dir, {"text_config": {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}})
 
 
 def test_unknown_flags_are_named_with_the_commands_usage(capsys):
