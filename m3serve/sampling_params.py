@@ -101,6 +101,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None        # token id -> added to its logit, in [-100, 100]
     # Set by the engine from the model's generation config, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -166,6 +167,15 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids must hold integers >= 0, got {token_id!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for {token_id}")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             if isinstance(self.structured_outputs, dict):
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

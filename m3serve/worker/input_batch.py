@@ -44,7 +44,8 @@ class ScheduledBatch:
 def _plain_params(p: SamplingParams) -> bool:
     """Sampling reduces to argmax whatever the history: greedy, no logprobs, no penalties."""
     return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.structured_outputs is None)
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.structured_outputs is None
+            and not p.logit_bias)
 
 
 class InputBatch:

@@ -56,6 +56,7 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token_ids) to forbid
     max_num_logprobs: int | None              # largest `logprobs` in the batch; None = none asked
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, added values)
 
     @classmethod
     def from_params(
@@ -114,7 +115,17 @@ class SamplingMetadata:
             min_tokens_mask=_build_min_tokens_mask(params_list, output_token_ids, vocab_size,
                                                    device),
             max_num_logprobs=max(max_logprobs) if max_logprobs else None,
+            logit_bias=_build_logit_bias(params_list, device),
         )
+
+
+def _build_logit_bias(params_list, device):
+    entries = [(row, token, bias) for row, p in enumerate(params_list) for token, bias in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, ids, values = zip(*entries)
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def _token_index(rows_of_ids, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +284,9 @@ class Sampler(nn.Module):
         """logits: [num_reqs, vocab]. The input tensor is not modified."""
         raw_logits = logits.float()  # [num_reqs, vocab]
         logits = raw_logits
+        if metadata.logit_bias is not None:        # OpenAI's logit_bias: added to the raw logits
+            rows, ids, values = metadata.logit_bias
+            logits = logits.index_put((rows, ids), values, accumulate=True)
         if metadata.min_tokens_mask is not None:
             logits = logits.index_put(metadata.min_tokens_mask,
                                       torch.tensor(float("-inf"), device=logits.device))

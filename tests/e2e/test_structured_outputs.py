@@ -83,3 +83,20 @@ def test_bad_constraints_are_400(server, fields, words):
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
     assert chat(server, max_tokens=2).status_code == 200
+
+
+def test_logit_bias_steers_sampling(server):
+    def tokens(**fields):
+        body = {"model": MODEL_NAME, "prompt": "the river", "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+                "logprobs": 0, **fields}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    plain = tokens()
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": " cache"}, timeout=30).json()["tokens"]
+    forced = tokens(logit_bias={str(ids[0]): 100})
+    favoured = httpx.post(server.url + "/detokenize", json={"tokens": ids[:1]}, timeout=30).json()["prompt"]
+    assert forced == [favoured] * 6 and forced != plain              # every step picks the favoured token
+    first = httpx.post(server.url + "/tokenize", json={"prompt": plain[0]}, timeout=30).json()["tokens"]
+    assert tokens(logit_bias={str(first[0]): -100})[0] != plain[0]    # and a banned one is never picked

@@ -87,6 +87,8 @@ class ServingEngine:
         EngineOverloaded / EngineError before the first yield when the engine refuses it.
         Closing the generator early (a client disconnect, a cancelled task) aborts the
         unfinished children in the engine, which frees their blocks."""
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
         requests = []
         for seq in state.sequences:

@@ -208,8 +208,12 @@ class _SamplingRequest(_Strict):
         (generation config) for the fields the request leaves unset."""
         if not isinstance(self.n, int) or self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
+        bias = None
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}") from None
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
         optional = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
@@ -222,7 +226,8 @@ class _SamplingRequest(_Strict):
             n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(), **optional)
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(), logit_bias=bias,
+            **optional)
 
     @property
     def include_usage(self) -> bool:
