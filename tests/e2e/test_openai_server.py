@@ -225,3 +225,15 @@ def test_bench_serve_against_the_server(server, tiny_dir, tmp_path):
     assert result["model_id"] == MODEL_NAME
     assert result["total_output_tokens"] == 4 * 6  # from usage.completion_tokens, ignore_eos
     assert result["mean_ttft_ms"] > 0 and math.isfinite(result["mean_tpot_ms"])
+
+
+def test_echo_prepends_the_prompt(server):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    echoed = httpx.post(server.url + "/v1/completions", json={**body, "echo": True}, timeout=60).json()
+    assert echoed["choices"][0]["text"] == PROMPT + plain
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "echo": True, "stream": True},
+                      timeout=60) as r:
+        pieces = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert pieces[0] == PROMPT and "".join(pieces) == PROMPT + plain

@@ -41,7 +41,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "logit_bias": {"five": 1.0}}, 400, "logit_bias keys must be token ids", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "outside the vocabulary", "logit_bias"),
-    (C, {"prompt": "hi", "echo": True}, 400, "echo", "echo"),
+    (C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo with logprobs is not supported", "echo"),
     (C, {"prompt": ""}, 400, "prompt is empty", "prompt"),
     (C, {"prompt": [1] * 5000}, 400, "prompt is too long", "prompt"),
     (C, {"prompt": [999999]}, 400, "outside the vocabulary", "prompt"),

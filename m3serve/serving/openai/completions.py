@@ -64,8 +64,8 @@ def _logprobs(seq: SequenceState, start: int, end: int, text_offset: int, k: int
 async def create_completion(ctx: ServerContext, request: CompletionRequest, arrival_time: float,
                             is_disconnected):
     ctx.check_model(request.model)
-    if request.echo:
-        raise ValueError("echo is not supported")
+    if request.echo and request.logprobs is not None:
+        raise ValueError("echo with logprobs is not supported yet (echo alone is)")
     if request.suffix:
         raise ValueError("suffix is not supported")
     if request.best_of is not None and request.best_of != request.n:
@@ -73,6 +73,9 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await asyncio.to_thread(prompts_of, ctx, request)     # long prompts: off the event loop
     kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids for _, ids in prompts], request.n)
+    # echo: each choice's text starts with its prompt (token-id prompts are decoded)
+    echoed = [(text if text is not None else ctx.engine.tokenizer.decode(ids, skip_special_tokens=False))
+              if request.echo else "" for text, ids in prompts]
     streams = []
     for i, (text, ids) in enumerate(prompts):
         max_tokens = ctx.engine.resolve_max_tokens(len(ids), request.max_tokens)
@@ -83,14 +86,14 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     header = {"id": request_id, "object": "text_completion", "created": ctx.created,
               "model": ctx.model_name}
     if request.stream:
-        return StreamingResponse(_stream(header, request, streams, ctx.stream_interval),
+        return StreamingResponse(_stream(header, request, streams, ctx.stream_interval, echoed),
                                  media_type="text/event-stream")
     ordered = await collect(streams, is_disconnected)
     choices = []
     for i, state in enumerate(ordered):
         for seq in state.sequences:
             choices.append({
-                "index": i * request.n + seq.index, "text": seq.text,
+                "index": i * request.n + seq.index, "text": echoed[i] + seq.text,
                 "logprobs": (_logprobs(seq, 0, len(seq.token_ids), 0, request.logprobs)
                              if request.logprobs is not None else None),
                 "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason})
@@ -98,12 +101,18 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
                          **kv_transfer_field(ordered, request.kv_transfer_params is not None)})
 
 
-async def _stream(header: dict, request: CompletionRequest, streams, stream_interval: int = 1):
+async def _stream(header: dict, request: CompletionRequest, streams, stream_interval: int = 1,
+                  echoed: list[str] | None = None):
     states: dict[int, RequestState] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
     sent_chars: dict[tuple[int, int], int] = {}
     done: set[tuple[int, int]] = set()
     try:
+        for index, text in enumerate(echoed or []):      # echo: the prompts come first
+            if text:
+                for j in range(request.n):
+                    yield sse({**header, "choices": [{"index": index * request.n + j, "text": text, "logprobs": None,
+                                                      "finish_reason": None, "stop_reason": None}]})
         async for index, state in merge(streams):
             states[index] = state
             for seq in state.sequences:
