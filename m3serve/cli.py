@@ -6,6 +6,7 @@ with vLLM's names, so the CLI, `LLM(**kwargs)` and the server accept the same op
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -138,9 +139,12 @@ def cmd_make_realshape(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     import logging
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "log_level", None):
+        os.environ["M3SERVE_LOG_LEVEL"] = args.log_level       # the engine and rank processes too
+    from m3serve import envs
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(name)s: %(message)s")
     if unknown:         # reported by the command's own parser, with its usage
         flags = [u for u in unknown if u.startswith("-")] or unknown
         getattr(args, "command_parser", parser).error(

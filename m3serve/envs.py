@@ -10,6 +10,13 @@ FORCE_REFERENCE_OPS = os.environ.get("M3SERVE_FORCE_REFERENCE_OPS", "0") == "1"
 CACHE_DIR = os.environ.get("M3SERVE_CACHE", str(Path.home() / ".cache" / "m3serve"))
 
 
+def log_level() -> int:
+    """The logging level of m3serve's processes (`--log-level`, passed to the engine and rank
+    processes as M3SERVE_LOG_LEVEL; default INFO)."""
+    import logging
+    return getattr(logging, os.environ.get("M3SERVE_LOG_LEVEL", "INFO").upper(), logging.INFO)
+
+
 def torchrun_defaults() -> dict:
     """Defaults for the multi-node flags from torchrun's variables, when it launched us:
     master address/port, this node's rank (GROUP_RANK, or NODE_RANK) and the node count

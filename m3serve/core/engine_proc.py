@@ -19,6 +19,7 @@ import traceback
 
 import zmq
 
+from m3serve import envs
 from m3serve import protocol
 from m3serve.config import EngineConfig
 from m3serve.core.engine_core import EngineCore
@@ -214,7 +215,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
                        master_port: int | None = None) -> None:
     """Spawn target: build the executor and core, announce `EngineReady`, serve until
     `Shutdown`, a fatal failure, or the end of the process that started it."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s engine{dp_rank} %(name)s: %(message)s")
+    logging.basicConfig(level=envs.log_level(), format=f"%(levelname)s engine{dp_rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
     from m3serve.executor.supervisor import start_heartbeat
     start_heartbeat()                             # exits with the process that started us
@@ -236,7 +237,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         executor = make_executor(config, model_directory(config.model.model), dp_rank, master_port, on_fatal)
         core = EngineCore(config, executor)
     except Exception as e:
-        logger.exception("engine start-up failed")
+        # one line (the API process repeats it); the traceback with --log-level debug
+        logger.error("engine start-up failed: %s: %s", type(e).__name__, e)
+        logger.debug("engine start-up failure", exc_info=True)
         push.send(protocol.encode(protocol.EngineDead(f"{type(e).__name__}: {e}", dp_rank=dp_rank)))
         push.close(linger=2000)
         context.term()

@@ -14,6 +14,7 @@ import signal
 import torch
 import torch.distributed as dist
 
+from m3serve import envs
 from m3serve.config import EngineConfig
 from m3serve.distributed import RankGroups, destroy_rank_groups, init_rank_groups
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
@@ -77,7 +78,7 @@ def rank_report(worker, groups: RankGroups) -> dict:
 def run_follower(config: EngineConfig, model_dir: str, rank: int, master_port: int,
                  beats=None, slot: int = 0) -> None:
     """Spawn target of a follower rank."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(level=envs.log_level(), format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the API process handles Ctrl-C
     start_heartbeat(beats, slot)
     try:

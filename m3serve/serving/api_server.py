@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
+import sys
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -116,7 +118,12 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await client.start()
+        try:
+            await client.start()
+        except RuntimeError as e:       # the engine could not start: one line, exit at once
+            logger.debug("engine start-up failure", exc_info=True)
+            print(f"m3serve: error: {e}", file=sys.stderr, flush=True)
+            os._exit(2)
         holder["ctx"] = ServerContext(
             engine=ServingEngine(client, tokenizer, metrics, sampling_defaults), model_name=model_name,
             model_root=str(model_dir), chat_template=template,

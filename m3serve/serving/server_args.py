@@ -102,6 +102,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    group.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
+                       help="m3serve's logging level (default info); debug adds tracebacks to errors")
     group.add_argument("--stream-interval", type=int, default=1,
                        help="tokens per streamed chunk: a chunk is sent once this many new tokens are "
                             "ready (and at the end)")

@@ -39,3 +39,17 @@ def test_another_architecture_is_named(tmp_path):
 def test_version():
     done, _ = serve("--version")
     assert done.returncode == 0 and done.stdout.strip().startswith("m3serve ")
+
+
+def test_an_engine_start_up_failure_is_one_line_and_exits(tiny_dir, tmp_path):
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    (bad / "model.safetensors").write_bytes((tiny_dir / "model.safetensors").read_bytes()[:1000])
+    done, _ = serve("serve", str(bad), "--host", "127.0.0.1", "--port", str(free_port()))
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-2000:]
+    assert "m3serve: error: the engine failed to start" in done.stderr and "corrupt safetensors file" in done.stderr
+    assert "Traceback" not in out
+    debug, _ = serve("serve", str(bad), "--host", "127.0.0.1", "--port", str(free_port()), "--log-level", "debug")
+    assert debug.returncode == 2 and "Traceback" in debug.stdout + debug.stderr     # details when asked
