@@ -61,8 +61,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # token budget of one engine step
     max_num_seqs: int = 256             # running requests at most
     max_waiting_requests: int = 4096    # admission bound of the waiting queue (server answers 503 past it)
+    long_prefill_token_threshold: int = 0   # tokens one request may compute per step (0 = no cap)
 
     def __post_init__(self):
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:

@@ -74,6 +74,10 @@ class Scheduler:
         self.remote_waiting: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self._failed_outputs: list[EngineCoreOutput] = []
+        # --long-prefill-token-threshold: no request computes more tokens than this in one step
+        # (a long prompt is chunked, so the decodes sharing its steps wait less); drafts fit
+        threshold = scheduler_config.long_prefill_token_threshold
+        self._long_cap = max(threshold, 1 + num_speculative_tokens) if threshold > 0 else max_model_len
 
     # ---------------------------------------------------------------- admission and abort
 
@@ -203,7 +207,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_with_spec, self.max_model_len)
-            num_new = min(num_new - request.num_computed_tokens, budget)
+            num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             if num_new <= 0:
                 i += 1
                 continue
@@ -247,7 +251,7 @@ class Scheduler:
                         break    # no blocks for it yet
                     if started:
                         continue
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = min(request.num_tokens - num_hit, budget, self._long_cap)
             new_block_ids = self.kv_manager.allocate_slots(request, num_new, 0 if pulled else num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is None:

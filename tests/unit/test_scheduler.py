@@ -105,10 +105,11 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
-def make(num_blocks=64, block_size=4, max_batched=64, max_seqs=16, max_model_len=256, caching=True):
+def make(num_blocks=64, block_size=4, max_batched=64, max_seqs=16, max_model_len=256, caching=True,
+         long_prefill=0):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs),
-                      kv, max_model_len)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
+                                      long_prefill_token_threshold=long_prefill), kv, max_model_len)
     return sched, FakeRunner(block_size)
 
 
@@ -208,6 +209,24 @@ def test_budget_shared_between_decodes_and_a_prefill_chunk():
     run.until_done()
     assert run.tokens["c"] == reference(range(10, 20), 2)
     assert run.tokens["a"] == reference([1, 2], 6)
+
+
+def test_long_prefill_token_threshold_chunks_long_prompts_beside_decodes():
+    sched, runner = make(max_batched=64, long_prefill=8)
+    sched.add_request(req("a", [1, 2], max_tokens=8))
+    run = Run(sched, runner)
+    run.step()
+    sched.add_request(req("long", list(range(10, 40)), max_tokens=2))     # 30 prompt tokens
+    chunks = []
+    while "long" not in run.tokens or not run.tokens["long"]:
+        so = run.step()
+        assert so.num_scheduled_tokens.get("a", 1) == 1           # the decode runs every step
+        chunks.append(so.num_scheduled_tokens.get("long", 0))
+    assert chunks[:4] == [8, 8, 8, 6]          # the budget had room for all 30 at once
+    run.until_done()
+    assert run.tokens["long"] == reference(range(10, 40), 2) and run.tokens["a"] == reference([1, 2], 8)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_max_num_seqs_limits_running():
