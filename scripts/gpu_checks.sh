@@ -74,16 +74,16 @@ if [ "${1:-}" = serve ]; then
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
   qflag=""; [ "$Q" != none ] && qflag="--quantization $Q"
   sflag=(); [ -n "${SPEC_JSON:-}" ] && sflag=(--speculative-config "$SPEC_JSON")
-  echo "\$ python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag ${SPEC_JSON:+--speculative-config '$SPEC_JSON'}" > "$OUT/server_L${L}_$Q.txt"
+  echo "\$ python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag ${EXTRA:-} ${SPEC_JSON:+--speculative-config '$SPEC_JSON'}" > "$OUT/server_L${L}_$Q${TAG:-}.txt"
   python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 \
-    --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag "${sflag[@]}" >> "$OUT/server_L${L}_$Q.txt" 2>&1 &
+    --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag ${EXTRA:-} "${sflag[@]}" >> "$OUT/server_L${L}_$Q${TAG:-}.txt" 2>&1 &
   srv=$!
   for i in $(seq 1 240); do curl -sf http://127.0.0.1:8011/ready > /dev/null && break; sleep 1; done
-  step sweep_L${L}_$Q timeout ${TMO:-560} python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
+  step sweep_L${L}_$Q${TAG:-} timeout ${TMO:-560} python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
     --tokenizer /tmp/rs$L --random-input-len 8192 --random-output-len 1024 --concurrencies $CONC \
-    --prompts-per-concurrency $PPC --warmups-per-concurrency 1 --num-gpus 1 --label L${L}_$Q \
+    --prompts-per-concurrency $PPC --warmups-per-concurrency 1 --num-gpus 1 --label L${L}_$Q${TAG:-} \
     --result-dir "$OUT" --disable-tqdm
-  curl -s http://127.0.0.1:8011/metrics | grep -E "^m3serve:(num_requests|kv_cache|prefix)" >> "$OUT/server_L${L}_$Q.txt"
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^m3serve:(num_requests|kv_cache|prefix)" >> "$OUT/server_L${L}_$Q${TAG:-}.txt"
   kill $srv; wait $srv 2>/dev/null
 fi
 # profile L B ISL [QUANT]: where one decode step's time goes
