@@ -7,6 +7,7 @@ and the engine never sees an invalid request.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -66,8 +67,7 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple:
         """Hashable identity of the grammar (compiled grammars are cached by it)."""
-        import json as _json
-        schema = _json.dumps(self.json, sort_keys=True) if isinstance(self.json, dict) else self.json
+        schema = json.dumps(self.json, sort_keys=True) if isinstance(self.json, dict) else self.json
         return (schema, self.regex, tuple(self.choice or ()), self.grammar, bool(self.json_object),
                 self.disable_any_whitespace)
 

@@ -12,6 +12,7 @@ steps every iteration, work or not, because the replicas' MoE layers run in lock
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -124,13 +125,7 @@ class EngineLoop:
         connector = self.core.scheduler.connector
         if connector is None:
             return {}
-        s = connector.stats
-        return dict(kv_held_requests=s.held_requests, kv_held_blocks=s.held_blocks,
-                    kv_holds_released=s.holds_released, kv_holds_expired=s.holds_expired,
-                    kv_pulls_active=s.pulls_active, kv_pulls_done=s.pulls_done, kv_pulls_failed=s.pulls_failed,
-                    kv_fallbacks=s.fallbacks, kv_bytes_transferred=s.num_bytes,
-                    kv_num_descriptors=s.num_descriptors, kv_xfer_seconds_sum=s.xfer_seconds_sum,
-                    kv_xfer_count=s.xfer_count)
+        return {"kv_" + name: value for name, value in dataclasses.asdict(connector.stats).items()}
 
     def state(self, query_id: int) -> protocol.EngineState:
         scheduler, kv = self.core.scheduler, self.core.kv_manager

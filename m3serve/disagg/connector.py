@@ -79,6 +79,7 @@ class _Pull:
 
 @dataclass
 class KVTransferStats:
+    """Counters and gauges of KV transfer; each travels to the API as EngineStats' `kv_<name>`."""
     held_requests: int = 0
     held_blocks: int = 0
     holds_released: int = 0
@@ -87,7 +88,7 @@ class KVTransferStats:
     pulls_done: int = 0
     pulls_failed: int = 0
     fallbacks: int = 0
-    num_bytes: int = 0
+    bytes_transferred: int = 0
     num_descriptors: int = 0
     xfer_seconds_sum: float = 0.0
     xfer_count: int = 0
@@ -292,7 +293,7 @@ class KVTransferScheduler:
     def update(self, results: list[RankResult]) -> None:
         """Every rank's report of one step (in TP order)."""
         for rank, res in enumerate(results):
-            self.stats.num_bytes += res.num_bytes
+            self.stats.bytes_transferred += res.num_bytes
             self.stats.num_descriptors += res.num_descriptors
             self.stats.xfer_seconds_sum += sum(res.xfer_seconds)
             self.stats.xfer_count += len(res.xfer_seconds)

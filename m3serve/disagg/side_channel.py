@@ -12,6 +12,7 @@ import queue
 import socket
 import threading
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -93,6 +94,20 @@ def _sync_context() -> zmq.Context:
     return _context
 
 
+def _no_answer(address: str, timeout_s: float) -> SideChannelError:
+    return SideChannelError(f"no answer from the KV side channel at {address} within {timeout_s:g} s")
+
+
+def _reply(address: str, data: bytes) -> Reply:
+    try:
+        reply = messages.decode_side(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise SideChannelError(f"KV side channel at {address} sent a malformed reply: {e}") from None
+    if not isinstance(reply, Reply):
+        raise SideChannelError(f"KV side channel at {address} answered with {type(reply).__name__}")
+    return reply
+
+
 def call(address: str, message, timeout_s: float) -> Reply:
     """Send one message to a side channel and wait for its reply (any thread)."""
     sock = _sync_context().socket(zmq.REQ)
@@ -101,15 +116,12 @@ def call(address: str, message, timeout_s: float) -> Reply:
         sock.connect(address)
         sock.send(messages.encode(message))
         if not sock.poll(int(timeout_s * 1000)):
-            raise SideChannelError(f"no answer from the KV side channel at {address} within {timeout_s:g} s")
-        reply = messages.decode_side(sock.recv())
+            raise _no_answer(address, timeout_s)
+        return _reply(address, sock.recv())
     except zmq.ZMQError as e:
         raise SideChannelError(f"KV side channel at {address}: {e}") from None
     finally:
         sock.close(linger=0)
-    if not isinstance(reply, Reply):
-        raise SideChannelError(f"KV side channel at {address} answered with {type(reply).__name__}")
-    return reply
 
 
 async def call_async(address: str, message, timeout_s: float) -> Reply:
@@ -120,19 +132,12 @@ async def call_async(address: str, message, timeout_s: float) -> Reply:
         sock.connect(address)
         await sock.send(messages.encode(message))
         if not await sock.poll(int(timeout_s * 1000)):
-            raise SideChannelError(f"no answer from the KV side channel at {address} within {timeout_s:g} s")
-        reply = messages.decode_side(await sock.recv())
+            raise _no_answer(address, timeout_s)
+        return _reply(address, await sock.recv())
     except zmq.ZMQError as e:
         raise SideChannelError(f"KV side channel at {address}: {e}") from None
-    except Exception as e:
-        if isinstance(e, SideChannelError):
-            raise
-        raise SideChannelError(f"KV side channel at {address} sent a malformed reply: {e}") from None
     finally:
         sock.close(linger=0)
-    if not isinstance(reply, Reply):
-        raise SideChannelError(f"KV side channel at {address} answered with {type(reply).__name__}")
-    return reply
 
 
 class Caller:

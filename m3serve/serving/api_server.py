@@ -66,6 +66,9 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+_PARSE_ON_LOOP_BYTES = 64 * 1024     # larger bodies are parsed in a thread
+
+
 async def _read_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -80,9 +83,6 @@ async def _read_body(request: Request, model: type[BaseModel], limit: int) -> Ba
     if len(body) > _PARSE_ON_LOOP_BYTES:        # a large body is parsed off the event loop
         return await asyncio.to_thread(_parse_body, body, model)
     return _parse_body(body, model)
-
-
-_PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
 def _parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:

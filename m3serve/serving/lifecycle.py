@@ -113,8 +113,8 @@ def raise_fd_limit(max_num_seqs: int, max_waiting: int) -> tuple[int, int]:
     full engine may need (a connection per running and per waiting request, and a reserve for
     the model files, sockets and processes). Returns (soft, hard)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard or (hard == resource.RLIM_INFINITY and soft != hard):
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    target = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard
+    if soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target

@@ -94,20 +94,18 @@ class GrammarBook:
         self._matchers: dict = {}
 
     def mask(self, logits: torch.Tensor, req_ids: list[str], params: list) -> None:
-        """logits [R, V] of the rows being sampled: tokens a row's grammar forbids get -inf."""
-        xgr = _xgr()
+        """logits [R, V] fp32 of the rows being sampled: tokens a row's grammar forbids get -inf."""
         rows = [i for i, p in enumerate(params) if p.structured_outputs is not None]
         if not rows:
             return
+        xgr = _xgr()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for slot, i in enumerate(rows):
             self._matcher(req_ids[i], params[i]).fill_next_token_bitmask(bitmask, slot)
         index = torch.tensor(rows, device=logits.device)
-        sub = logits[index, :self.vocab_size].float()
+        sub = logits[index]                     # [len(rows), V], a copy
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device))
-        logits[index, :self.vocab_size] = sub.to(logits.dtype)
-        if logits.shape[1] > self.vocab_size:       # padding rows of the head: never allowed
-            logits[index, self.vocab_size:] = float("-inf")
+        logits[index] = sub
 
     def accept(self, req_id: str, params, token: int) -> None:
         if params.structured_outputs is None:

@@ -32,37 +32,52 @@ MAX_JSON_DEPTH = 64
 _INT64 = 1 << 63
 
 
+def _path(where: tuple) -> str:
+    return ".".join(map(str, where))
+
+
+def _check_text(text: str, where: tuple, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        path = _path(where)
+        raise APIError(400, f"{path or 'body'}: {what} an unpaired UTF-16 surrogate (\\ud800-\\udfff)",
+                       path or None) from None
+
+
+def _check_int(value: int, where: tuple) -> None:
+    if not -_INT64 <= value < _INT64:
+        path = _path(where)
+        raise APIError(400, f"{path}: integer out of the 64-bit range", path or None)
+
+
 def check_json(data, max_depth: int = MAX_JSON_DEPTH) -> None:
     """Refuse what no field may hold, before the models see it (each a 400 naming its path):
     nesting deeper than `max_depth`, strings with unpaired UTF-16 surrogates (they cannot be
-    encoded back), integers outside 64 bits."""
-    stack = [(data, "", 0)]
+    encoded back), integers outside 64 bits. Paths are spelled only for the error; a list of
+    plain integers (token ids) is checked at C speed."""
+    stack = [(data, (), 0)]
     while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(400, f"{path or 'body'}: contains an unpaired UTF-16 surrogate (\\ud800-\\udfff)",
-                               path or None) from None
-            continue
-        if isinstance(value, bool) or value is None or isinstance(value, float):
-            continue
-        if isinstance(value, int):
-            if not -_INT64 <= value < _INT64:
-                raise APIError(400, f"{path}: integer out of the 64-bit range", path or None)
-            continue
-        if depth >= max_depth:
-            raise APIError(400, f"{path or 'body'}: nested deeper than {max_depth} levels", path or None)
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(key, str):
-                try:
-                    key.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise APIError(400, f"{path or 'body'}: a key contains an unpaired UTF-16 surrogate",
-                                   path or None) from None
-            stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+        value, where, depth = stack.pop()
+        kind = type(value)
+        if kind is str:
+            _check_text(value, where, "contains")
+        elif kind is int:
+            _check_int(value, where)
+        elif kind is list or kind is dict:
+            if depth >= max_depth:
+                path = _path(where)
+                raise APIError(400, f"{path or 'body'}: nested deeper than {max_depth} levels", path or None)
+            if kind is dict:
+                for key, item in value.items():
+                    _check_text(key, where, "a key contains")
+                    stack.append((item, where + (key,), depth + 1))
+            elif value and all(type(v) is int for v in value):
+                if min(value) < -_INT64 or max(value) >= _INT64:
+                    index = next(i for i, v in enumerate(value) if not -_INT64 <= v < _INT64)
+                    _check_int(value[index], where + (index,))
+            else:
+                stack.extend((item, where + (i,), depth + 1) for i, item in enumerate(value))
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
