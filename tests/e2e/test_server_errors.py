@@ -165,3 +165,14 @@ def test_full_waiting_queue_answers_503_with_retry_after(guarded_server):
             assert r.json()["usage"]["completion_tokens"] == 40
     after = httpx.post(guarded_server.url + C, json={**body, "max_tokens": 2}, headers=auth)
     assert after.status_code == 200
+
+
+def test_disable_fastapi_docs_removes_the_documentation_routes(tiny_dir):
+    from serverutil import InProcessServer
+    for disabled, status in ((False, 200), (True, 404)):
+        srv = InProcessServer(tiny_dir, disable_fastapi_docs=disabled)
+        try:
+            for route in ("/docs", "/redoc", "/openapi.json"):
+                assert httpx.get(srv.url + route, timeout=10).status_code == status, (disabled, route)
+        finally:
+            srv.stop()
