@@ -40,7 +40,9 @@ class EngineCore:
         structured = request.sampling_params.structured_outputs
         if structured is not None:      # compiled now: a bad grammar is the client's 400
             if self.config.speculative.enabled:
-                raise ValueError("structured_outputs cannot be combined with speculative decoding yet")
+                raise ValueError("structured outputs (response_format, structured_outputs, guided_*, "
+                                 "tool_choice 'required' or named) cannot be combined with speculative "
+                                 "decoding yet")
             from m3serve.worker.structured import compile_grammar
             compile_grammar(request.sampling_params, self.executor.model_dir, self.executor.model_config.vocab_size)
         self.scheduler.add_request(request)

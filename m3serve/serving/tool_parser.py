@@ -71,6 +71,8 @@ def _normalize(schema) -> _Type | None:
             return _union([_normalize(option) for option in schema[key]])
     if isinstance(schema.get("enum"), list):
         return _enum_type(schema["enum"])
+    if "const" in schema:
+        return _enum_type([schema["const"]])
     if "items" in schema:
         return _from_kind("array", schema)
     if "properties" in schema or "additionalProperties" in schema:
@@ -79,7 +81,7 @@ def _normalize(schema) -> _Type | None:
 
 
 def _enum_type(values: list) -> _Type | None:
-    """An enum without `type` is typed by its values (integers and floats together: number)."""
+    """An enum (or const) without `type` is typed by its values (integers and floats together: number)."""
     kinds: list[str] = []
     for value in values:
         kind = ("null" if value is None else "boolean" if isinstance(value, bool) else

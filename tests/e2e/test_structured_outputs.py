@@ -17,7 +17,8 @@ COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "bl
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    srv = LiveServer(tiny_dir, log_path=tmp_path_factory.mktemp("logs") / "server.log")
+    srv = LiveServer(tiny_dir, "--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3",
+                     "--enable-auto-tool-choice", log_path=tmp_path_factory.mktemp("logs") / "server.log")
     yield srv
     srv.stop()
 
@@ -100,3 +101,61 @@ def test_logit_bias_steers_sampling(server):
     assert forced == [favoured] * 6 and forced != plain              # every step picks the favoured token
     first = httpx.post(server.url + "/tokenize", json={"prompt": plain[0]}, timeout=30).json()["tokens"]
     assert tokens(logit_bias={str(first[0]): -100})[0] != plain[0]    # and a banned one is never picked
+
+
+LIGHT = {"type": "function", "function": {"name": "set_light", "parameters": {
+    "type": "object", "required": ["room", "on"], "properties": {
+        "room": {"enum": ["hall", "attic"]}, "on": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}}}}}
+DOOR = {"type": "function", "function": {"name": "lock_door", "parameters": {
+    "type": "object", "required": ["locked"], "properties": {"locked": {"type": "boolean"}}}}}
+NO_THINKING = {"thinking_mode": "disabled"}
+
+
+def check_call(call):
+    args = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "set_light":
+        assert args["room"] in ("hall", "attic") and isinstance(args["on"], bool)
+        assert set(args) <= {"room", "on", "level"} and args.get("level", 1) in (1, 2, 3)
+    else:
+        assert call["function"]["name"] == "lock_door" and set(args) == {"locked"}
+        assert isinstance(args["locked"], bool)
+
+
+def test_named_tool_choice_is_enforced(server):
+    """Random weights never write a tool call by themselves: the call comes from the grammar."""
+    for seed in range(3):
+        r = chat(server, temperature=1.0, seed=seed, max_tokens=200, tools=[LIGHT, DOOR],
+                 tool_choice={"type": "function", "function": {"name": "set_light"}},
+                 chat_template_kwargs=NO_THINKING)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "set_light" and not choice["message"]["content"]
+        check_call(call)
+        assert choice["finish_reason"] == "stop"          # OpenAI's for a named choice
+
+
+def test_required_tool_choice_is_enforced_streaming(server):
+    for seed in range(2):
+        calls: dict = {}
+        finish = None
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL_NAME, "messages": [{"role": "user", "content": "do it"}], "max_tokens": 160,
+                "temperature": 1.0, "seed": seed, "stream": True, "tools": [LIGHT, DOOR],
+                "tool_choice": "required", "chat_template_kwargs": NO_THINKING}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                [c] = json.loads(line[6:])["choices"]
+                assert not c["delta"].get("content")
+                for d in c["delta"].get("tool_calls", []):
+                    entry = calls.setdefault(d["index"], {"function": {"name": "", "arguments": ""}})
+                    entry["function"]["name"] += d.get("function", {}).get("name") or ""
+                    entry["function"]["arguments"] += d.get("function", {}).get("arguments") or ""
+                finish = c["finish_reason"] or finish
+        assert finish in ("tool_calls", "length")   # invokes may repeat up to max_tokens, the last one cut
+        complete = list(calls.values())[:-1] if finish == "length" else list(calls.values())
+        assert complete, f"no complete tool call: {calls}"
+        for call in complete:
+            check_call(call)

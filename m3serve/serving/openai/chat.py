@@ -10,6 +10,7 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from m3serve.core.core_client import EngineError
+from m3serve.sampling_params import StructuredOutputsParams
 from m3serve.serving.chat_template import render_chat
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field, merge,
                                            sse, engine_error_event, usage_block)
@@ -18,6 +19,7 @@ from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import ChatCompletionRequest
 from m3serve.serving.output_processor import SequenceState
 from m3serve.serving.reasoning import get_reasoning_parser
+from m3serve.serving.tool_grammar import tool_call_grammar
 from m3serve.serving.tool_parser import get_tool_parser
 
 
@@ -45,7 +47,14 @@ class _Choice:
         self.reasoning = (get_reasoning_parser(ctx.reasoning_parser)(thinking_mode)
                           if ctx.reasoning_parser else None)
         self.tools = get_tool_parser(ctx.tool_call_parser)(tools, tool_choice) if use_tools else None
+        self.named = isinstance(tool_choice, dict)
+        # "required"/named: the grammar allows no content, only the newline after reasoning
+        self.forced = use_tools and tool_choice not in ("auto", "none")
         self.made_calls = False
+
+    def finish_reason(self, seq: SequenceState) -> str | None:
+        """OpenAI's: "tool_calls" when calls were made, except for a named tool_choice ("stop")."""
+        return "tool_calls" if self.made_calls and not self.named else seq.finish_reason
 
     def whole(self, text: str) -> dict:
         reasoning, content = self.reasoning.extract(text) if self.reasoning else (None, text)
@@ -54,6 +63,8 @@ class _Choice:
         if self.tools is not None:
             result = self.tools.extract(content or "")
             message["content"], message["tool_calls"] = result.content, result.tool_calls
+            if self.forced and not (result.content or "").strip():
+                message["content"] = None
             self.made_calls = bool(result.tool_calls)
         return message
 
@@ -75,7 +86,7 @@ class _Choice:
                 content = ((content or "") + (tail.content or "")) or None
                 calls = calls + tail.tool_call_deltas
             self.made_calls = self.made_calls or self.tools.has_tool_calls
-        if content:
+        if content and not (self.forced and not content.strip()):
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
@@ -119,6 +130,11 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     max_tokens = ctx.engine.resolve_max_tokens(len(ids), max_tokens)
     k = (request.top_logprobs or 0) if request.logprobs else None
     params = request.sampling_params(max_tokens, k, ctx.engine.sampling_defaults)
+    if use_tools and tool_choice != "auto":
+        # "required" / named: the output is constrained to the model's tool-call markup (this
+        # replaces any response_format, as in vLLM); the tool parser reads it back as usual.
+        params.structured_outputs = StructuredOutputsParams(
+            grammar=tool_call_grammar(tools, tool_choice, kwargs.get("thinking_mode")))
     kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids], request.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await admit([ctx.engine.generate(request_id, prompt, ids, params, arrival_time,
@@ -128,7 +144,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     header = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
     if request.stream:
         return StreamingResponse(_stream({**header, "object": "chat.completion.chunk"}, request, stream, choices,
-                                         ctx.stream_interval),
+                                         ctx.stream_interval, ids),
                                  media_type="text/event-stream")
     [state] = await collect([stream], is_disconnected)
     out = []
@@ -136,18 +152,21 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         message = choice.whole(seq.text)
         out.append({"index": seq.index, "message": message,
                     "logprobs": _logprobs(seq, 0, len(seq.token_ids), k) if k is not None else None,
-                    "finish_reason": "tool_calls" if choice.made_calls else seq.finish_reason,
-                    "stop_reason": seq.stop_reason})
+                    "finish_reason": choice.finish_reason(seq),
+                    "stop_reason": seq.stop_reason,
+                    **({"token_ids": seq.token_ids} if request.return_token_ids else {})})
     return JSONResponse({**header, "choices": out, "usage": usage_block([state]),
+                         **({"prompt_token_ids": state.prompt_token_ids} if request.return_token_ids else {}),
                          **kv_transfer_field([state], request.kv_transfer_params is not None)})
 
 
 async def _stream(header: dict, request: ChatCompletionRequest, stream, choices: list[_Choice],
-                  stream_interval: int = 1):
+                  stream_interval: int, prompt_token_ids: list[int]):
     k = (request.top_logprobs or 0) if request.logprobs else None
+    prompt_ids = {"prompt_token_ids": prompt_token_ids} if request.return_token_ids else {}
     for i in range(request.n):
         yield sse({**header, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]})
+                                           "logprobs": None, "finish_reason": None}], **prompt_ids})
     sent_tokens = [0] * request.n
     done = [False] * request.n
     state = None
@@ -166,11 +185,12 @@ async def _stream(header: dict, request: ChatCompletionRequest, stream, choices:
                 finish_reason = None
                 if seq.finished:
                     done[seq.index] = True
-                    finish_reason = "tool_calls" if choice.made_calls else seq.finish_reason
+                    finish_reason = choice.finish_reason(seq)
                 yield sse({**header, "choices": [{
                     "index": seq.index, "delta": delta,
                     "logprobs": _logprobs(seq, start, end, k) if k is not None else None,
                     "finish_reason": finish_reason,
+                    **({"token_ids": seq.token_ids[start:end]} if request.return_token_ids else {}),
                     **({"stop_reason": seq.stop_reason} if seq.finished else {})}],
                     **(kv_transfer_field([state], request.kv_transfer_params is not None)
                        if seq.finished else {})})
