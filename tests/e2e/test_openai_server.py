@@ -237,3 +237,48 @@ def test_echo_prepends_the_prompt(server):
         pieces = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert pieces[0] == PROMPT and "".join(pieces) == PROMPT + plain
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_decoding_scored_it(server):
+    """Oracle: the logprobs greedy decoding gave its tokens equal the prompt logprobs the echo
+    computes when those tokens are sent back as part of the prompt (decode path vs prefill path)."""
+    url = server.url + "/v1/completions"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    plain = httpx.post(url, json={**body, "prompt": ids, "return_token_ids": True}, timeout=60).json()["choices"][0]
+    first, generated = plain["logprobs"], plain["token_ids"]
+    assert plain["prompt_token_ids"] == ids and len(generated) == 6
+    whole = ids + generated
+    echoed = httpx.post(url, json={**body, "prompt": whole, "echo": True, "max_tokens": 2}, timeout=60).json()
+    [choice] = echoed["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(whole) + 2 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    prompt_text = httpx.post(server.url + "/detokenize", json={"tokens": whole}, timeout=30).json()["prompt"]
+    assert choice["text"].startswith(prompt_text) and lp["text_offset"][len(whole)] == len(prompt_text)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    assert lp["tokens"][len(ids):len(whole)] == first["tokens"]     # the same tokens went back in
+    assert lp["token_logprobs"][len(ids):len(whole)] == pytest.approx(first["token_logprobs"], abs=2e-3)
+    assert lp["top_logprobs"][len(ids)].keys() == first["top_logprobs"][0].keys()
+    with httpx.stream("POST", url, json={**body, "prompt": whole, "echo": True, "max_tokens": 2, "stream": True},
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    joined = {key: sum((c["logprobs"][key] for c in chunks), []) for key in lp}
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert joined["tokens"] == lp["tokens"] and joined["text_offset"] == lp["text_offset"]
+    assert joined["token_logprobs"][:len(whole)] == lp["token_logprobs"][:len(whole)]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_return_token_ids_streaming_and_not(server, route):
+    chat = route.endswith("chat/completions")
+    body = {"model": MODEL_NAME, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            **({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})}
+    whole = httpx.post(server.url + route, json=body, timeout=60).json()
+    prompt_ids = whole["prompt_token_ids"] if chat else whole["choices"][0]["prompt_token_ids"]
+    assert len(prompt_ids) == whole["usage"]["prompt_tokens"] and len(whole["choices"][0]["token_ids"]) == 7
+    with httpx.stream("POST", server.url + route, json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed_prompt = [e.get("prompt_token_ids") or e["choices"][0].get("prompt_token_ids") for e in events]
+    assert [p for p in streamed_prompt if p] == [prompt_ids]              # once, in the first chunk
+    assert sum((e["choices"][0].get("token_ids") or [] for e in events), []) == whole["choices"][0]["token_ids"]

@@ -177,6 +177,7 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None   # P/D legs (vLLM's NIXL protocol)
+    return_token_ids: bool = False     # vLLM's: the prompt's and each choice's token ids in the reply
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
