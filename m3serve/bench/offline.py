@@ -15,8 +15,6 @@ import json
 import random
 import time
 
-import torch
-
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from m3serve.engine_args import add_engine_args
@@ -26,7 +24,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def _expert_ids(llm) -> list[torch.Tensor | None]:
+def _expert_ids(llm) -> list:
     """Copies of each MoE layer's last expert choices [T, K] (graph buffers are overwritten);
     none when the engine runs in its own processes."""
     if llm.engine.worker is None:
@@ -35,8 +33,9 @@ def _expert_ids(llm) -> list[torch.Tensor | None]:
     return [m.last_expert_ids.clone() if m.last_expert_ids is not None else None for m in layers]
 
 
-def _count(ids: torch.Tensor | None) -> float:
-    return float(torch.unique(ids).numel()) if ids is not None else 0.0
+def _count(ids) -> float:
+    """Distinct experts in one layer's choices (a tensor [T, K], or None)."""
+    return float(ids.unique().numel()) if ids is not None else 0.0
 
 
 def _spec_counts(llm) -> tuple[int, int, int] | None:
@@ -69,6 +68,8 @@ def _expected_experts(cfg, tokens: int) -> list[float]:
 
 
 def main(args) -> list[dict]:
+    import torch
+
     from m3serve.bench.jit_stats import compiled_variants
     from m3serve.bench.roofline import (BF16_TFLOPS, FP8_TFLOPS, decode_floor_ms, decode_step_bytes,
                                         prefill_flops)
