@@ -62,6 +62,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256             # running requests at most
     max_waiting_requests: int = 4096    # admission bound of the waiting queue (server answers 503 past it)
     long_prefill_token_threshold: int = 0   # tokens one request may compute per step (0 = no cap)
+    # schedule step N+1 while step N runs on the device (its argmax tokens feed N+1 there);
+    # None: on wherever it applies (vLLM's default), True: on or a start-up error, False: off
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
@@ -451,6 +454,15 @@ class EngineConfig:
         if self.kv_transfer.enabled and self.parallel.data_parallel_size > 1:
             raise ValueError("--kv-transfer-config needs data_parallel_size 1 for now: run one "
                              "prefill or decode server per replica behind the router instead")
+        if self.scheduler.async_scheduling and self.async_scheduling_blocker():
+            raise ValueError(f"--async-scheduling cannot be combined with {self.async_scheduling_blocker()} "
+                             f"yet: drop the flag (by default it is used wherever it applies)")
+
+    def async_scheduling_blocker(self) -> str | None:
+        """What keeps async scheduling off in this engine, if anything."""
+        return ("--speculative-config" if self.speculative.enabled else
+                "--kv-transfer-config" if self.kv_transfer.enabled else
+                "--data-parallel-size > 1" if self.parallel.data_parallel_size > 1 else None)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -149,7 +149,8 @@ class LLMEngine:
                             num_waiting=core.scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
                             num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
                             ranks=core.executor.describe(), num_preemptions=core.scheduler.num_preemptions,
-                            prefix_cache_hits=kv.prefix_cache_hits)]
+                            prefix_cache_hits=kv.prefix_cache_hits,
+                            num_deferred_steps=core.scheduler.num_deferred_steps)]
 
     def shutdown(self) -> None:
         if self.client is not None:

@@ -147,6 +147,7 @@ class EngineState(msgspec.Struct, tag="state"):
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    num_deferred_steps: int = 0      # async scheduling: steps whose tokens stayed on the device
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

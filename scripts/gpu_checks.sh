@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
 #   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | profile L B ISL | pd L | vllm
+#   | startup L | kvacc L
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
@@ -17,7 +18,7 @@ case "${1:-tests}" in
     python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
     step offline_L$L${3:+_$3}${TAG:-} timeout ${TMO:-420} python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
       --points ${POINTS:-1024:1,8,32 8192:4,16,64} --osl ${OSL:-64} --max-model-len 9472 \
-      --max-num-seqs ${MAXSEQS:-64} --max-num-batched-tokens 16384 ${3:+--quantization $3} ;;
+      --max-num-seqs ${MAXSEQS:-64} --max-num-batched-tokens 16384 ${3:+--quantization $3} ${EXTRA:-} ;;
   executor)
     # the uni-process executor against the multiprocess one at world size 1 (engine process,
     # NCCL world of one), L = 4 real shapes, twice each, interleaved
@@ -119,8 +120,34 @@ fi
 # vllm: vLLM 0.26 side by side with us in one call (after six calls that each carried one batch:
 # `mkdir -p /tmp/w && cp -r .vbN/* /tmp/w/`, N = 1..6, peer.py in .vb6), then ours at the same points.
 if [ "${1:-}" = vllm ]; then
-  POINTS="1024:1,8 8192:4" bash "$0" offline 4
+  POINTS=${POINTS:-"1024:1,8 8192:4"} bash "$0" offline 4
   ( bash /tmp/w/install.sh /tmp/w /tmp/vsite > /dev/null &&
     cd /tmp && PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-      timeout 400 python /tmp/w/peer.py 4 none all ) > "$OUT/vllm_L4.txt" 2>&1
+      VP=${VP:-"1024:1,8 8192:4"} timeout 400 python /tmp/w/peer.py 4 none all ) > "$OUT/vllm_L4.txt" 2>&1
+fi
+# startup L: start-up of the offline engine on a cold Triton cache, then warm (same machine), and
+# the server's time to /ready warm (RUNS=none: only the server); weights generated on the GPU (dummy), default graph sizes
+if [ "${1:-}" = startup ]; then
+  L=${2:-4}
+  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  for run in ${RUNS:-cold warm}; do
+    [ $run = cold ] && rm -rf ~/.triton/cache "$M3SERVE_CACHE"
+    step startup_L${L}_$run timeout 300 python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
+      --points 1024:1 --osl 8 --max-model-len 9472 --max-num-seqs 64 --max-num-batched-tokens 16384
+  done
+  log="$OUT/startup_L${L}_server_warm.txt"
+  echo "\$ python -m m3serve serve /tmp/rs$L --load-format dummy --port 8013 --max-model-len 9472 --max-num-seqs 64 --log-level debug (lines stamped with seconds since launch)" > "$log"
+  t0=$(date +%s.%N)
+  python -m m3serve serve /tmp/rs$L --load-format dummy --port 8013 --max-model-len 9472 --max-num-seqs 64 --log-level debug 2>&1 |
+    python3 -u -c "import sys, time; [print(f'{time.time() - $t0:6.2f} {line}', end='', flush=True) for line in sys.stdin]" >> "$log" &
+  srv=$!
+  for i in $(seq 1 2400); do curl -sf http://127.0.0.1:8013/ready > /dev/null && break; sleep 0.1; done
+  echo "time to /ready: $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" >> "$log"
+  pkill -f "port 8013"; wait $srv 2>/dev/null
+fi
+# kvacc L: FP8 KV (and FP8 index cache) against bf16 KV on the same weights, teacher-forced
+if [ "${1:-}" = kvacc ]; then
+  L=${2:-4}
+  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  step kv_accuracy_L$L timeout ${TMO:-400} python scripts/kv_dtype_accuracy.py /tmp/rs$L --isl ${ISL:-4096} --steps 64 --batch 4
 fi

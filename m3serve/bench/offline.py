@@ -70,7 +70,7 @@ def _expected_experts(cfg, tokens: int) -> list[float]:
 def main(args) -> list[dict]:
     import torch
 
-    from m3serve.bench.jit_stats import compiled_variants
+    from m3serve.bench.jit_stats import new_variants, variants_by_kernel
     from m3serve.bench.roofline import (BF16_TFLOPS, FP8_TFLOPS, decode_floor_ms, decode_step_bytes,
                                         prefill_flops)
     from m3serve.engine_args import engine_kwargs
@@ -108,7 +108,7 @@ def main(args) -> list[dict]:
         # no Triton JIT specialisation is compiled inside a measured step
         llm.generate(prompts(), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
                      use_tqdm=False)
-        jit_before = compiled_variants()
+        jit_before = variants_by_kernel()
         spec_before = _spec_counts(llm)
         batch = prompts()
         sync(); a = time.perf_counter()
@@ -163,7 +163,8 @@ def main(args) -> list[dict]:
                "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
                "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),
                                                 round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
-               "jit_compiles_measured": compiled_variants() - jit_before,
+               "jit_compiles_measured": sum(new_variants(jit_before).values()),
+               "jit_kernels_measured": new_variants(jit_before),
                "graph_steps": runner.num_graph_steps if runner else None,
                "eager_steps": runner.num_eager_steps if runner else None,
                "experts_measured": bool(expert_ids) or in_process,

@@ -11,9 +11,26 @@ from m3serve.config import EngineConfig
 from m3serve.core.kv_cache.manager import KVCacheManager
 from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler
-from m3serve.core.scheduler_output import EngineCoreOutput
+from m3serve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def nothing_to_run(so: SchedulerOutput) -> bool:
+    """A step without tokens, news for the ranks, or KV-transfer work for them."""
+    return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
+                or so.kv_connector_metadata is not None)
+
+
+def async_scheduling_applies(config: EngineConfig) -> bool:
+    """--async-scheduling: on unless turned off or this engine cannot run it (logged)."""
+    if config.scheduler.async_scheduling is False:
+        return False
+    blocker = config.async_scheduling_blocker()
+    if blocker is not None:
+        logger.info("async scheduling is off with %s: steps run one after another", blocker)
+        return False
+    return True
 
 
 class EngineCore:
@@ -33,8 +50,10 @@ class EngineCore:
             connector = KVTransferScheduler(config.kv_transfer, executor.block_size, executor.num_blocks,
                                             executor.kv_rank_metadata())
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
-                                   config.speculative.num_speculative_tokens, connector)
+                                   config.speculative.num_speculative_tokens, connector,
+                                   async_scheduling=async_scheduling_applies(config))
         self.num_steps = 0
+        self._deferred: SchedulerOutput | None = None   # the step whose output comes next
 
     def add_request(self, request: Request) -> None:
         structured = request.sampling_params.structured_outputs
@@ -73,10 +92,37 @@ class EngineCore:
             self.scheduler.connector.shutdown()
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        """One step. With async scheduling a deferred step's outputs come with the next call:
+        that call schedules and launches its own step first, then applies the deferred one."""
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.execute(self.scheduler.schedule())
+
+    @property
+    def deferred_request_ids(self) -> list[str]:
+        """The requests of the deferred step whose outputs have not come back yet."""
+        return list(self._deferred.num_scheduled_tokens) if self._deferred is not None else []
+
+    def drop_deferred(self) -> None:
+        """After a failed step: the deferred step's output will never come (its requests are
+        aborted by the caller)."""
+        self._deferred = None
+
+    def execute(self, scheduler_output: SchedulerOutput, skip_idle: bool = False) -> list[EngineCoreOutput]:
+        """Run a scheduled step and apply its output (and the deferred step's). `skip_idle`:
+        a step with nothing for the ranks does not reach them, unless a deferred output is due."""
+        if skip_idle and self._deferred is None and nothing_to_run(scheduler_output):
+            runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
+        else:
+            runner_output = self.executor.execute_model(scheduler_output)
+        outputs = []
+        if self._deferred is not None:
+            if runner_output.previous is None:
+                raise RuntimeError("the worker did not return the output of the deferred step")
+            outputs = self.scheduler.update_from_output(self._deferred, runner_output.previous)
+        self._deferred = scheduler_output if scheduler_output.deferred else None
+        if not scheduler_output.deferred:
+            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs
 
     def integrity_error(self) -> str | None:
         """The scheduler's and KV manager's consistency check, as a message (None = fine)."""

@@ -79,22 +79,16 @@ class EngineLoop:
         `ExecutorFailure` (the ranks are gone) propagates."""
         from m3serve.executor import ExecutorFailure
 
-        from m3serve.core.scheduler_output import ModelRunnerOutput
-
         scheduler = self.core.scheduler
         scheduler_output = scheduler.schedule()
-        executor = self.core.executor
         try:
-            if _nothing_to_run(scheduler_output) and not executor.needs_lockstep:
-                runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
-            else:
-                runner_output = executor.execute_model(scheduler_output)
-            outputs = scheduler.update_from_output(scheduler_output, runner_output)
+            outputs = self.core.execute(scheduler_output, skip_idle=not self.core.executor.needs_lockstep)
         except ExecutorFailure:
             raise
         except Exception as e:
             self.num_step_errors += 1
-            failed = list(scheduler_output.num_scheduled_tokens)
+            failed = list(dict.fromkeys(self.core.deferred_request_ids + list(scheduler_output.num_scheduled_tokens)))
+            self.core.drop_deferred()
             logger.error("engine step failed for requests %s:\n%s", failed, traceback.format_exc())
             scheduler.abort_requests(failed)
             message = f"engine step failed: {type(e).__name__}: {e}"
@@ -136,7 +130,8 @@ class EngineLoop:
             ranks=self.core.executor.describe(), num_preemptions=scheduler.num_preemptions,
             prefix_cache_hits=kv.prefix_cache_hits, spec_num_drafts=scheduler.spec_stats.num_drafts,
             spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
-            spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens)
+            spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
+            num_deferred_steps=scheduler.num_deferred_steps)
 
 
 def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
@@ -171,12 +166,6 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
                                                   dp_rank=loop.dp_rank)))
         for query_id in state_queries:     # after the step: finished requests are flushed
             push.send(protocol.encode(loop.state(query_id)))
-
-
-def _nothing_to_run(so) -> bool:
-    """A step without tokens, news for the ranks, or KV-transfer work for them."""
-    return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
-                or so.kv_connector_metadata is not None)
 
 
 def _report_fatal(output_addr: str, dp_rank: int, message: str) -> None:

@@ -72,6 +72,8 @@ class Request:
         self.num_cached_tokens = 0
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Async scheduling: tokens sampled by steps still running, not yet appended (0 or 1).
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:

@@ -50,7 +50,8 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
-                 max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None):
+                 max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
+                 async_scheduling: bool = False):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -78,6 +79,11 @@ class Scheduler:
         # (a long prompt is chunked, so the decodes sharing its steps wait less); drafts fit
         threshold = scheduler_config.long_prefill_token_threshold
         self._long_cap = max(threshold, 1 + num_speculative_tokens) if threshold > 0 else max_model_len
+        # Async scheduling (the engine core checked it applies): a step whose requests all sample
+        # by argmax is deferred, and the next one is scheduled before its tokens are known, each
+        # in-flight token counted as a placeholder (docs/architecture.md, "Async scheduling").
+        self.async_scheduling = async_scheduling
+        self.num_deferred_steps = 0
 
     # ---------------------------------------------------------------- admission and abort
 
@@ -203,10 +209,17 @@ class Scheduler:
         preempted: set[str] = set()
         scheduled: list[Request] = []
 
+        # Requests with a token in flight cannot be preempted (it would be lost): when blocks run
+        # out, this step schedules what fits and the next one, after the tokens land, preempts.
+        in_flight = self.async_scheduling and any(r.num_output_placeholders for r in self.running)
+        short_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_spec, self.max_model_len)
+            if request.num_output_placeholders and self._ends_with_placeholder(request):
+                i += 1
+                continue     # its in-flight token is its last one
+            num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             if num_new <= 0:
                 i += 1
@@ -214,7 +227,7 @@ class Scheduler:
             while True:
                 new_block_ids = self.kv_manager.allocate_slots(
                     request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
-                if new_block_ids is not None:
+                if new_block_ids is not None or in_flight:
                     break
                 # Preempted requests always come from the tail, past index i: never one that
                 # is already scheduled in this step, except possibly `request` itself.
@@ -224,6 +237,10 @@ class Scheduler:
                 if victim is request:
                     break
             if new_block_ids is None:
+                short_of_blocks = True
+                if in_flight:        # no preemption now: others may still fit in their blocks
+                    i += 1
+                    continue
                 break
             num_spec = request.num_computed_tokens + num_new - request.num_tokens
             if num_spec > 0:
@@ -235,7 +252,7 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt is short of blocks; admitting now would only thrash.
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and not short_of_blocks and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             pulled = self.kv_manager.has_blocks(request.request_id)   # KV pulled from a prefill worker
@@ -276,6 +293,9 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
 
+        deferred = self.async_scheduling and bool(scheduled) and all(map(self._argmax_only, scheduled))
+        sampled = [r.request_id for r in scheduled
+                   if r.num_computed_tokens + num_scheduled[r.request_id] >= r.num_tokens + r.num_output_placeholders]
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -285,13 +305,36 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
+            deferred=deferred, sampled_req_ids=sampled if deferred else [],
         )
         self.finished_req_ids = set()
         # Advance now: the KV of these tokens is being written by this step.
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
             request.spec_token_ids = []
+        if deferred:
+            self.num_deferred_steps += 1
+            for req_id in sampled:
+                self.requests[req_id].num_output_placeholders += 1
         return output
+
+    def _ends_with_placeholder(self, request: Request) -> bool:
+        """Whether the request's token in flight will be its last (max_tokens, max_model_len)."""
+        params = request.sampling_params
+        outputs = request.num_output_tokens + request.num_output_placeholders
+        return ((params.max_tokens is not None and outputs >= params.max_tokens)
+                or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
+
+    @staticmethod
+    def _argmax_only(request: Request) -> bool:
+        """The request's next token is the argmax of its logits whatever its history (so a
+        step can be deferred): greedy, no logprobs, penalties, bias, grammar or prompt logprobs,
+        and min_tokens already met (else EOS would be masked)."""
+        p = request.sampling_params
+        return bool(getattr(p, "is_greedy", False) and p.logprobs is None and p.prompt_logprobs is None
+                    and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                    and p.frequency_penalty == 0.0 and p.structured_outputs is None and not p.logit_bias
+                    and request.num_output_tokens + request.num_output_placeholders >= p.min_tokens)
 
     # ---------------------------------------------------------------- KV transfer
 
@@ -352,7 +395,8 @@ class Scheduler:
         cached.new_token_ids.append(request.all_token_ids[num_sent:])
         cached.new_block_ids.append(new_block_ids)
         cached.num_computed_tokens.append(request.num_computed_tokens)
-        self._num_tokens_sent[request.request_id] = request.num_tokens
+        # a token in flight reaches the worker from the device, not from here
+        self._num_tokens_sent[request.request_id] = request.num_tokens + request.num_output_placeholders
 
     # ---------------------------------------------------------------- results of one step
 
@@ -366,6 +410,7 @@ class Scheduler:
                 self.connector.update(model_runner_output.kv_connector_output)
             outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
+        sampled_ids = set(scheduler_output.sampled_req_ids)
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -375,7 +420,12 @@ class Scheduler:
             i = index[req_id]
             new_token_ids: list[int] = []
             # A partial prefill chunk has no next token yet: its sample is discarded.
-            caught_up = request.num_computed_tokens >= request.num_tokens
+            if scheduler_output.deferred:      # the next step has been scheduled since
+                caught_up = req_id in sampled_ids
+                if caught_up:
+                    request.num_output_placeholders -= 1
+            else:
+                caught_up = request.num_computed_tokens >= request.num_tokens
             if caught_up:
                 sampled = model_runner_output.sampled_token_ids[i]
                 drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])

@@ -84,6 +84,13 @@ class SchedulerOutput:
     block ids, but keeps their tokens for a later resume."""
     kv_connector_metadata: KVConnectorMetadata | None = None
     """KV-transfer work of the ranks this step (pulls to start, whether to report); None = none."""
+    deferred: bool = False
+    """Async scheduling: the step's sampled tokens stay on the device (the next step's inputs
+    take them from there) and its output comes with the next call (`ModelRunnerOutput.previous`).
+    Only for steps whose every request samples by argmax alone."""
+    sampled_req_ids: list[str] = field(default_factory=list)
+    """Deferred steps: the requests whose context is complete after the step (their sampled token
+    is real; the others are partial prefill chunks)."""
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -108,6 +115,8 @@ class ModelRunnerOutput:
     engine does not speculate."""
     kv_connector_output: list[RankResult] | None = None
     """When the step's metadata asked for it: every rank's report of its KV pulls, in TP order."""
+    previous: "ModelRunnerOutput | None" = None
+    """Async scheduling: the output of the previous step when that step was deferred."""
 
 
 @dataclass

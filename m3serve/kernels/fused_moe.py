@@ -19,16 +19,94 @@ FP8_MIN_SCALE = 1e-12
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Tokens up to this count route in one fused kernel (decode); more go through torch (prefill),
+# where the GEMM dominates and the few extra launches do not matter.
+ROUTE_FUSED_MAX_TOKENS = 256
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_scores_kernel(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partial router logits: program (t, e, s) writes x[t-block] . w[e-block]^T over the s-th
+    slice of the hidden dimension into part[s] (CUDA-core fp32 products, exact like the
+    reference). Many programs share the weight read, which one program could not do fast."""
+    pid_t, pid_e, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    t_ok = offs_t < num_tokens
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    start = pid_s * k_per_split
+    for k0 in range(start, start + k_per_split, BLOCK_K):
+        cols = k0 + offs_k
+        k_ok = cols < hidden
+        xt = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + cols[None, :],
+                     mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + offs_e[:, None] * hidden + cols[None, :], mask=k_ok[None, :], other=0.0)
+        acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)              # [BLOCK_T, BLOCK_E]
+    num_e = tl.num_programs(1) * BLOCK_E
+    out = part_ptr + (pid_s * num_tokens + offs_t.to(tl.int64))[:, None] * num_e + offs_e[None, :]
+    tl.store(out, acc, mask=t_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale,
+                       E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
+    """One token per program: logits = the partials summed in split order, sigmoid, top-k of
+    score + bias (lowest id among equal values), chosen scores renormalised and scaled."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, E)
+    logits = tl.zeros((E,), dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):
+        logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e)
+    scores = tl.sigmoid(logits)
+    choice = scores + tl.load(bias_ptr + offs_e)
+    offs_k = tl.arange(0, TOP_K)
+    picked_w = tl.zeros((TOP_K,), dtype=tl.float32)
+    picked_id = tl.zeros((TOP_K,), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        at = tl.min(tl.where(choice == best, offs_e, E), axis=0)
+        hit = offs_e == at
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=0)
+        picked_w = tl.where(offs_k == k, w, picked_w)
+        picked_id = tl.where(offs_k == k, at, picked_id)
+        choice = tl.where(hit, float("-inf"), choice)
+    picked_w = picked_w / tl.sum(picked_w, axis=0) * scale
+    tl.store(weights_ptr + t * TOP_K + offs_k, picked_w)
+    tl.store(ids_ptr + t * TOP_K + offs_k, picked_id)
+
+
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router with a selection-only correction bias (docs/model.md §3.7).
 
     x: [T, H]; gate_weight: [E, H] fp32; bias: [E] fp32.
     Returns (weights [T, K] fp32, renormalised over the chosen experts and multiplied by
-    routed_scaling_factor; ids [T, K] int32).
+    routed_scaling_factor; ids [T, K] int32). Up to ROUTE_FUSED_MAX_TOKENS tokens on a GPU: two
+    kernels (split-hidden partial logits, then sum + sigmoid + top-k); otherwise the same math in
+    torch (cuBLAS fp32), which sums in another order: scores agree to fp32 rounding.
     """
-    if top_k < 1 or top_k > gate_weight.shape[0]:
-        raise ValueError(f"top_k={top_k} must be in [1, num_experts={gate_weight.shape[0]}]")
+    num_experts = gate_weight.shape[0]
+    if top_k < 1 or top_k > num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    num_tokens, hidden = x.shape
+    if ((x.is_cuda or _INTERPRET) and 0 < num_tokens <= ROUTE_FUSED_MAX_TOKENS
+            and num_experts == triton.next_power_of_2(num_experts) and num_experts <= 256
+            and top_k == triton.next_power_of_2(top_k) and x.stride(1) == 1):
+        w, b = gate_weight.float().contiguous(), bias.float().contiguous()
+        splits, block_e, block_k = 16, min(16, num_experts), 32
+        block_t = min(16, triton.next_power_of_2(num_tokens))
+        k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
+        part = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        _route_scores_kernel[(triton.cdiv(num_tokens, block_t), num_experts // block_e, splits)](
+            x, w, part, num_tokens, hidden, x.stride(0), k_per_split,
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+        _route_topk_kernel[(num_tokens,)](part, b, weights, ids, num_tokens, routed_scaling_factor,
+                                          E=num_experts, SPLITS=splits, TOP_K=top_k, num_warps=4)
+        return weights, ids
     scores = torch.sigmoid(x.float() @ gate_weight.float().t())           # [T, E]
     ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices         # [T, K]
     weights = scores.gather(1, ids)                                         # [T, K]

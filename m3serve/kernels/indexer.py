@@ -189,8 +189,9 @@ def _launch_scores(iq, index_cache, query_start_loc, seq_lens, block_tables, sco
         R, max(TPR, 1), Hi, iq.stride(0), iq.stride(1), block_tables.stride(0), scores.stride(0),
         scores.stride(1), max_blocks, local_blocks, init_blocks,
         BS=block_size, DI=Di, HP=HP, BLOCK_M=BLOCK_M, TPT=TPT,
-        # request-count buckets from 16 up: few compiled variants as the batch changes
-        R_P=1 if direct else max(16, triton.next_power_of_2(R)), DIRECT=direct, Q_FP8=q_fp8,
+        # one request-count bucket up to 256 (more only past that): a batch that grows while
+        # serving compiles nothing new (a compile stalls every request for ~0.5 s)
+        R_P=1 if direct else max(256, triton.next_power_of_2(R)), DIRECT=direct, Q_FP8=q_fp8,
         DOT_FP32=interp or iq.dtype == torch.float32,
         IEEE=(not interp) and iq.dtype == torch.float32, EMULATE=interp,
         num_warps=4, num_stages=3)

@@ -43,7 +43,8 @@ class StepBuffers:
         self.block_size, self.device = block_size, device
         R, T, W = max_reqs, max_tokens, max_blocks
         self._seq, self._qsl, self._tok = 0, R, 2 * R + 1
-        self._bt = 2 * R + 1 + T
+        self._feed = 2 * R + 1 + T               # async scheduling: [R] token slots, [R] sources
+        self._bt = self._feed + 2 * R
         size = self._bt + R * W
         cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
@@ -51,16 +52,20 @@ class StepBuffers:
         self.dev = self.host.to(device) if cuda else torch.zeros(size, dtype=torch.int32)
         self.seq_lens = self.dev[self._seq:self._qsl]
         self.query_start_loc = self.dev[self._qsl:self._tok]
-        self.token_ids = self.dev[self._tok:self._bt]
+        self.token_ids = self.dev[self._tok:self._feed]
+        self.feed_slots = self.dev[self._feed:self._feed + R]
+        self.feed_sources = self.dev[self._feed + R:self._bt]
         self.block_tables = self.dev[self._bt:].view(R, W)
         # the host copy of the previous step may still be in flight when the next one is staged
         self._copied = torch.cuda.Event() if cuda else None
 
     def stage(self, batch: ScheduledBatch | None, input_batch: InputBatch, pad_to: int = 0,
-              pad_query_len: int = 1) -> int:
+              pad_query_len: int = 1, feed: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """Write a step's inputs (None: no requests) plus padding rows up to `pad_to` requests
-        (`pad_query_len` tokens each), and start the copy to the device. Returns the number of
-        rows staged."""
+        (`pad_query_len` tokens each), and start the copy to the device. `feed` (async
+        scheduling): token slots of this step and the positions, in the previous step's sampled
+        ids, of the tokens that fill them; they travel with the same copy and `feed_tokens`
+        applies them. Returns the number of rows staged."""
         n = batch.num_reqs if batch is not None else 0
         rows_total = max(n, pad_to)
         t = batch.num_tokens if batch is not None else 0
@@ -83,6 +88,10 @@ class StepBuffers:
             np.take(input_batch.block_table, batch.rows, axis=0, out=table[:n])
         else:
             qsl[0] = 0
+        if feed is not None:
+            k = len(feed[0])
+            h[self._feed:self._feed + k] = feed[0]
+            h[self._feed + self.max_reqs:self._feed + self.max_reqs + k] = feed[1]
         if rows_total > n:                  # padding: q tokens each, on the null page
             seq[n:] = q
             qsl[n + 1:] = t + q * np.arange(1, rows_total - n + 1, dtype=np.int32)
@@ -93,6 +102,13 @@ class StepBuffers:
         if self._copied is not None:
             self._copied.record()
         return rows_total
+
+    def feed_tokens(self, num: int, sampled: torch.Tensor) -> None:
+        """Write the previous step's sampled ids [R'] (still on the device) into the first `num`
+        staged feed slots."""
+        if num:
+            slots, sources = self.feed_slots[:num].long(), self.feed_sources[:num].long()
+            self.token_ids.index_copy_(0, slots, sampled.index_select(0, sources).to(self.token_ids.dtype))
 
     def inputs(self, num_reqs: int, num_tokens: int, one_token_each: bool,
                query_start_loc_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int = 0,

@@ -158,8 +158,11 @@ class InputBatch:
         elif replace:
             self.num_blocks[row] = 0
 
-    def apply(self, so: SchedulerOutput) -> None:
-        """Bring the rows up to date with one step's diff (see `SchedulerOutput`)."""
+    def apply(self, so: SchedulerOutput, in_flight=()) -> list[tuple[str, int]]:
+        """Bring the rows up to date with one step's diff (see `SchedulerOutput`). `in_flight`:
+        requests whose newest token is still on the device (async scheduling): each scheduled
+        one gets a placeholder slot after its tokens, filled when the token lands. Returns the
+        placeholders made: (request id, position)."""
         for req_id in so.finished_req_ids:
             self.remove(req_id)
         for req_id in so.preempted_req_ids:
@@ -170,9 +173,13 @@ class InputBatch:
             self.add(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
                      new.num_computed_tokens)
         c = so.scheduled_cached_reqs
+        placeholders = []
         for i, req_id in enumerate(c.req_ids):
             row = self.index[req_id]
-            new_tokens = c.new_token_ids[i]
+            new_tokens = list(c.new_token_ids[i])
+            if req_id in in_flight:
+                new_tokens.append(0)             # its value arrives from the device
+                placeholders.append((req_id, int(self.num_tokens[row]) + len(new_tokens) - 1))
             if new_tokens:
                 n = int(self.num_tokens[row])
                 if n + len(new_tokens) > self.max_model_len:
@@ -181,6 +188,7 @@ class InputBatch:
                 self.num_tokens[row] = n + len(new_tokens)
             self._set_blocks(row, c.new_block_ids[i], replace=c.resumed_from_preemption[i])
             self.num_computed[row] = c.num_computed_tokens[i]
+        return placeholders
 
     # ---------------------------------------------------------------- one step
 

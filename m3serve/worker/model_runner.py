@@ -25,6 +25,17 @@ LogprobEntry = tuple[int, float, int, list[int], list[float]]
 
 
 @dataclass
+class _DeferredTokens:
+    """A deferred step's sampled ids (async scheduling): on the device for the next step's
+    inputs, and on their way to a pinned host buffer for the output."""
+    req_ids: list[str]            # the step's requests, in batch order
+    sampled: dict[str, int]       # request id -> index of its real token (complete contexts)
+    device: torch.Tensor          # [R] int64
+    host: torch.Tensor            # [>= R] int64, pinned on a GPU
+    copied: object                # torch.cuda.Event, or None on CPU
+
+
+@dataclass
 class DPStep:
     """What the DP replicas agreed on for one step, so their MoE exchanges line up: the
     largest token and request counts among them, and whether every one is a pure decode."""
@@ -63,6 +74,11 @@ class ModelRunner:
         self.hidden: torch.Tensor | None = None      # the last step's final hidden states
         self.num_graph_steps = self.num_eager_steps = 0
         self.grammars = None          # worker.structured.GrammarBook on the sampling rank (set by the worker)
+        self._deferred: _DeferredTokens | None = None
+        # async scheduling: two pinned buffers, so a step's copy never overwrites the one being read
+        self._host_ids = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+                          for _ in range(2)]
+        self._feed: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None
         self._allocate_caches()
 
     def _allocate_caches(self) -> None:
@@ -89,26 +105,101 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput, dp: DPStep | None = None) -> ModelRunnerOutput | None:
         """One step. `dp` is set when the MoE layers exchange tokens with other DP replicas:
         then a step without requests still runs a padding forward. Returns None on ranks that
-        do not sample."""
+        do not sample.
+
+        Async scheduling: a `deferred` step leaves its argmax ids on the device and returns no
+        tokens; the next call takes them as its inputs (placeholders the scheduler counted),
+        launches its own forward, and only then waits for them, returning them as `previous`."""
         if self.grammars is not None:
             for req_id in so.finished_req_ids:
                 self.grammars.drop(req_id)
-        self.batch.apply(so)
+        prev, self._deferred = self._deferred, None
+        placeholders = self.batch.apply(so, prev.sampled if prev is not None else ())
         if not so.num_scheduled_tokens:
             if dp is not None:
                 self._forward(None, dp)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
+            previous = self._land(prev, placeholders)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         batch = self.batch.schedule(so)
         if self.proposer is not None:
             return self._speculative_step(so, batch, dp)
+        self._feed = self._feed_of(batch, prev, placeholders)
         hidden, local, greedy = self._forward(batch, dp)
+        self._feed = None
+        if so.deferred:
+            self._defer(batch, local, greedy, so.sampled_req_ids)
+            self.batch.advance(batch)
+            previous = self._land(prev, placeholders)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
+        previous = self._land(prev, placeholders)       # before sampling: the host history is whole
         sampled, logprobs = self._sample(batch, local, greedy)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         self.batch.advance(batch)
         if not self.is_driver:
             return None
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[[t] for t in sampled],
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 previous=previous)
+
+    # ------------------------------------------------------------ async scheduling
+
+    def _feed_of(self, batch: ScheduledBatch, prev: _DeferredTokens | None, placeholders):
+        """(this step's token slots, their sources in prev's ids, prev's device ids) for the
+        placeholders this step reads, or None."""
+        if not placeholders:
+            return None
+        where = {req_id: i for i, req_id in enumerate(batch.req_ids)}
+        start = batch.seq_lens - batch.num_scheduled                       # [R]
+        slots, sources = [], []
+        for req_id, pos in placeholders:
+            i = where.get(req_id)
+            if i is not None and start[i] <= pos < batch.seq_lens[i]:
+                slots.append(int(batch.query_start_loc[i]) + pos - int(start[i]))
+                sources.append(prev.sampled[req_id])
+        if not slots:
+            return None
+        return np.asarray(slots, dtype=np.int32), np.asarray(sources, dtype=np.int32), prev.device
+
+    def _stage(self, batch: ScheduledBatch | None, pad_to: int = 0) -> None:
+        """Stage the step's inputs; with async scheduling, then write the previous step's
+        sampled ids (still on the device) into the slots that wait for them."""
+        feed = self._feed if batch is not None else None
+        self.buffers.stage(batch, self.batch, pad_to=pad_to, feed=feed[:2] if feed else None)
+        if feed:
+            self.buffers.feed_tokens(len(feed[0]), feed[2])
+
+    def _defer(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor | None,
+               sampled_req_ids: list[str]) -> None:
+        rows = batch.rows[batch.seq_lens >= self.batch.num_tokens[batch.rows]]
+        if not self.batch.all_plain_greedy(rows):
+            raise RuntimeError("a deferred step has a request that does not sample by argmax")
+        ids = (greedy if greedy is not None else self.model.lm_head.greedy(local)).clone()    # [R]
+        host = self._host_ids[0]
+        self._host_ids.reverse()
+        host[:len(ids)].copy_(ids, non_blocking=True)
+        copied = None
+        if ids.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        where = {req_id: i for i, req_id in enumerate(batch.req_ids)}
+        self._deferred = _DeferredTokens(list(batch.req_ids), {r: where[r] for r in sampled_req_ids},
+                                         ids, host, copied)
+
+    def _land(self, prev: _DeferredTokens | None, placeholders) -> ModelRunnerOutput | None:
+        """Wait for the previous deferred step's ids and write them into their placeholders;
+        that step's output on the driver (None without one)."""
+        if prev is None:
+            return None
+        if prev.copied is not None:
+            prev.copied.synchronize()
+        tokens = prev.host[:len(prev.req_ids)].tolist()
+        for req_id, pos in placeholders:
+            row = self.batch.index.get(req_id)
+            if row is not None:
+                self.batch.token_ids[row, pos] = tokens[prev.sampled[req_id]]
+        if not self.is_driver:
+            return None
+        return ModelRunnerOutput(req_ids=prev.req_ids, sampled_token_ids=[[t] for t in tokens])
 
     def forward_hidden(self, so: SchedulerOutput, taps: tuple[int, ...] = ()):
         """Apply one step and return the final hidden states of all its tokens [T, H] (with
@@ -134,7 +225,7 @@ class ModelRunner:
         b = self._graph_size(batch, dp)
         if b is not None:
             self.num_graph_steps += 1
-            self.buffers.stage(batch, self.batch, pad_to=b)
+            self._stage(batch, pad_to=b)
             n = batch.num_reqs if batch is not None else 0
             return self.graphs.replay(b, n)
         self.num_eager_steps += 1
@@ -146,10 +237,10 @@ class ModelRunner:
 
     def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None, taps: tuple[int, ...] = ()) -> torch.Tensor:
         if batch is None:                       # a padding forward: one token on the null page
-            self.buffers.stage(None, self.batch, pad_to=1)
+            self._stage(None, pad_to=1)
             n, t, decode, qsl, seq = 1, 1, True, [0, 1], [1]
         else:
-            self.buffers.stage(batch, self.batch)
+            self._stage(batch)
             n, t, decode = batch.num_reqs, batch.num_tokens, batch.is_decode
             qsl, seq = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
         ids, positions, meta = self.buffers.inputs(

@@ -52,6 +52,22 @@ def _inputs(weights, num_tokens, seed):
     return x, route_w, ids
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256])
+def test_fused_route_matches_torch_route_real_shapes(num_tokens):
+    """The decode router kernels at the real 128 experts x 6144, logits of order 1: the same
+    experts as the layer's torch route (fp32 cuBLAS) and weights equal to fp32 rounding."""
+    from m3serve.kernels.fused_moe import moe_route
+    from m3serve.layers.moe import route
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 6144, device="cuda", generator=g, dtype=torch.bfloat16)
+    gate = torch.randn(128, 6144, device="cuda", generator=g) * 6144 ** -0.5
+    bias = torch.randn(128, device="cuda", generator=g) * 0.05
+    weights, ids = moe_route(x, gate, bias, 4, 2.5)
+    ref_w, ref_ids = route(x, gate, bias, 4, 2.5)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256, 4096])
 def test_bf16_matches_ref(weights, num_tokens):
     from m3serve.kernels.fused_moe import fused_moe

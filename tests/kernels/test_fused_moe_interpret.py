@@ -65,6 +65,20 @@ def test_route_matches_layer_route(num_tokens):
     torch.testing.assert_close(weights.sum(-1), torch.full((num_tokens,), 2.0))
 
 
+@pytest.mark.parametrize("num_tokens", [2, 40])
+def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
+    """The two routing kernels (split-hidden partial logits, then sum, sigmoid and top-k), at
+    router logits of order 1 as a trained model has them, against the layer's torch route."""
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16)
+    gate = torch.randn(E, H, generator=g) * H ** -0.5
+    bias = torch.randn(E, generator=g) * 0.05
+    weights, ids = moe_route(x, gate, bias, 2, 2.5)
+    ref_w, ref_ids = route(x, gate, bias, 2, 2.5)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("num_tokens,top_k,block_m,first_expert,shared_expert", [
     (1, 2, 16, 0, False), (3, 4, 4, 0, True), (17, 2, 16, 2, True), (64, 4, 8, 0, False),
     (300, 4, 16, 0, True)])

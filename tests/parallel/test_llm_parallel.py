@@ -91,3 +91,16 @@ def test_frozen_rank_is_named_and_ends_the_engine(tiny_dir):
             os.kill(follower, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_async_scheduling_at_tp2_equals_one_rank(tiny_dir, reference):
+    """--async-scheduling across rank processes: every rank takes the in-flight tokens from its
+    own device, and the result is still the one rank's, token for token."""
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **{**engine_flags(2), "async_scheduling": True})
+    try:
+        assert run(llm) == reference
+        [state] = llm.engine.engine_states()
+        assert state.num_deferred_steps > 10 and state.integrity_error is None
+        check_ranks([state], 2, 1, False)
+    finally:
+        llm.shutdown()

@@ -20,7 +20,8 @@ from workload import LAYOUTS, engine_flags, layout_sizes, run, run_http
 def _server_flags(tp: int, num_blocks: int) -> list[str]:
     f = engine_flags(tp, num_blocks)
     return ["--dtype", "float32", "--max-num-batched-tokens", str(f["max_num_batched_tokens"]),
-            "--max-num-seqs", str(f["max_num_seqs"]), "--kv-cache-memory", str(f["kv_cache_memory"])]
+            "--max-num-seqs", str(f["max_num_seqs"]), "--kv-cache-memory", str(f["kv_cache_memory"]),
+            "--no-async-scheduling"]
 
 
 def _layout_flags(flags: dict) -> list[str]:

@@ -31,11 +31,13 @@ def prompts(lens=PROMPT_LENS, seed=0):
 
 def engine_flags(tensor_parallel_size: int = 1, num_blocks: int = NUM_BLOCKS) -> dict:
     """Chunking and a pool of `num_blocks` blocks on every rank (fp32 tiny model: 5 layers of 2
-    KV heads of 32 channels, split over TP up to 2 heads; 3 sparse layers of 32 index channels)."""
+    KV heads of 32 channels, split over TP up to 2 heads; 3 sparse layers of 32 index channels).
+    Steps one after another, so the small pool preempts (async scheduling never preempts a
+    request with a token in flight; it has its own test)."""
     kv_heads = 2 if tensor_parallel_size == 1 else 1
     bytes_per_token = 5 * 2 * kv_heads * 32 * 4 + 3 * 32 * 4
     return dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
-                kv_cache_memory=num_blocks * 16 * bytes_per_token)
+                kv_cache_memory=num_blocks * 16 * bytes_per_token, async_scheduling=False)
 
 
 def waves() -> list[list[tuple[list[int], SamplingParams]]]:
