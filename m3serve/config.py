@@ -62,6 +62,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256             # running requests at most
     max_waiting_requests: int = 4096    # admission bound of the waiting queue (server answers 503 past it)
     long_prefill_token_threshold: int = 0   # tokens one request may compute per step (0 = no cap)
+    max_num_partial_prefills: int = 0       # requests prefilling in one step at most (0 = no cap)
     # schedule step N+1 while step N runs on the device (its argmax tokens feed N+1 there);
     # None: on wherever it applies (vLLM's default), True: on or a start-up error, False: off
     async_scheduling: bool | None = None
@@ -70,6 +71,9 @@ class SchedulerConfig:
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got "
                              f"{self.long_prefill_token_threshold}")
+        if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 0:
+            raise ValueError(f"max_num_partial_prefills must be an integer >= 0 (0: no cap), got "
+                             f"{self.max_num_partial_prefills}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:

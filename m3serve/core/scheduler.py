@@ -84,6 +84,8 @@ class Scheduler:
         # in-flight token counted as a placeholder (docs/architecture.md, "Async scheduling").
         self.async_scheduling = async_scheduling
         self.num_deferred_steps = 0
+        # --max-num-partial-prefills: requests computing prompt (or recompute) tokens per step
+        self._prefill_cap = scheduler_config.max_num_partial_prefills or None
 
     # ---------------------------------------------------------------- admission and abort
 
@@ -213,6 +215,7 @@ class Scheduler:
         # out, this step schedules what fits and the next one, after the tokens land, preempts.
         in_flight = self.async_scheduling and any(r.num_output_placeholders for r in self.running)
         short_of_blocks = False
+        prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -221,7 +224,8 @@ class Scheduler:
                 continue     # its in-flight token is its last one
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
-            if num_new <= 0:
+            prefill = self._is_prefill(request)
+            if num_new <= 0 or (prefill and prefills == self._prefill_cap):
                 i += 1
                 continue
             while True:
@@ -249,11 +253,12 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             scheduled.append(request)
             budget -= num_new
+            prefills += prefill
             i += 1
 
         # A step that had to preempt is short of blocks; admitting now would only thrash.
         while (not preempted and not short_of_blocks and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs and prefills != self._prefill_cap):
             request = self.waiting[0]
             pulled = self.kv_manager.has_blocks(request.request_id)   # KV pulled from a prefill worker
             if pulled:     # its blocks already cover the pulled tokens (num_computed_tokens)
@@ -292,6 +297,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             scheduled.append(request)
             budget -= num_new
+            prefills += 1
 
         deferred = self.async_scheduling and bool(scheduled) and all(map(self._argmax_only, scheduled))
         sampled = [r.request_id for r in scheduled
@@ -317,6 +323,11 @@ class Scheduler:
             for req_id in sampled:
                 self.requests[req_id].num_output_placeholders += 1
         return output
+
+    @staticmethod
+    def _is_prefill(request: Request) -> bool:
+        """More than the next token (and its drafts) to compute: a prompt or a recompute."""
+        return request.num_computed_tokens + 1 < request.num_tokens + request.num_output_placeholders
 
     def _ends_with_placeholder(self, request: Request) -> bool:
         """Whether the request's token in flight will be its last (max_tokens, max_model_len)."""

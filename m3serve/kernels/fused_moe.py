@@ -19,9 +19,10 @@ FP8_MIN_SCALE = 1e-12
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Tokens up to this count route in one fused kernel (decode); more go through torch (prefill),
-# where the GEMM dominates and the few extra launches do not matter.
-ROUTE_FUSED_MAX_TOKENS = 256
+# Tokens up to this count route in the fused kernels; more go through torch, which is faster
+# from about 40 tokens on (measured on the H200 at 128 x 6144: 8.5 vs 25.6 us at 1 token,
+# 17.0 vs 35.7 at 8, 48.0 vs 38.6 at 64; docs/performance.md)
+ROUTE_FUSED_MAX_TOKENS = 32
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -23,9 +23,8 @@ NOT_APPLICABLE_FLAGS = {
     "--attention-backend": "m3serve has one attention implementation per device",
     "--moe-backend": "m3serve has one fused-MoE implementation per device",
     "--linear-backend": "m3serve picks its GEMM kernels itself",
-    "--max-num-partial-prefills": "not implemented: prefills share each step's token budget in arrival order",
 }
-_VALUED_FLAGS = ("--attention-backend", "--moe-backend", "--linear-backend", "--max-num-partial-prefills")
+_VALUED_FLAGS = ("--attention-backend", "--moe-backend", "--linear-backend")
 METRIC_NAMES = ("both", "m3serve", "vllm")   # /metrics: both prefixes, or one
 
 

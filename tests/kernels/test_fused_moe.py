@@ -52,7 +52,7 @@ def _inputs(weights, num_tokens, seed):
     return x, route_w, ids
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 17, 32])
 def test_fused_route_matches_torch_route_real_shapes(num_tokens):
     """The decode router kernels at the real 128 experts x 6144, logits of order 1: the same
     experts as the layer's torch route (fp32 cuBLAS) and weights equal to fp32 rounding."""

@@ -65,7 +65,7 @@ def test_route_matches_layer_route(num_tokens):
     torch.testing.assert_close(weights.sum(-1), torch.full((num_tokens,), 2.0))
 
 
-@pytest.mark.parametrize("num_tokens", [2, 40])
+@pytest.mark.parametrize("num_tokens", [2, 29])
 def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
     """The two routing kernels (split-hidden partial logits, then sum, sigmoid and top-k), at
     router logits of order 1 as a trained model has them, against the layer's torch route."""

@@ -106,10 +106,11 @@ class FakeRunner:
 
 
 def make(num_blocks=64, block_size=4, max_batched=64, max_seqs=16, max_model_len=256, caching=True,
-         long_prefill=0):
+         long_prefill=0, partial_prefills=0):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
-                                      long_prefill_token_threshold=long_prefill), kv, max_model_len)
+                                      long_prefill_token_threshold=long_prefill,
+                                      max_num_partial_prefills=partial_prefills), kv, max_model_len)
     return sched, FakeRunner(block_size)
 
 
@@ -227,6 +228,30 @@ def test_long_prefill_token_threshold_chunks_long_prompts_beside_decodes():
     assert run.tokens["long"] == reference(range(10, 40), 2) and run.tokens["a"] == reference([1, 2], 8)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+def test_max_num_partial_prefills_caps_prefilling_requests_per_step():
+    """Two at a time: a third prompt waits although the budget has room, decodes never wait."""
+    sched, runner = make(max_batched=64, long_prefill=4, partial_prefills=2)
+    sched.add_request(req("a", [1, 2], max_tokens=12))
+    run = Run(sched, runner)
+    run.step()
+    for name, start in (("p", 10), ("q", 30), ("r", 50)):
+        sched.add_request(req(name, list(range(start, start + 12)), max_tokens=2))
+    seen = []
+    while not all(run.tokens.get(n) for n in "pqr"):
+        so = run.step()
+        assert so.num_scheduled_tokens.get("a", 1) == 1
+        prefilling = [n for n in "pqr" if so.num_scheduled_tokens.get(n, 0) > 1]
+        assert len(prefilling) <= 2
+        seen.append(prefilling)
+    assert seen[0] == ["p", "q"] and "r" in seen[3]          # r starts once p or q is done
+    run.until_done()
+    for name, start in (("p", 10), ("q", 30), ("r", 50)):
+        assert run.tokens[name] == reference(range(start, start + 12), 2)
+    assert run.tokens["a"] == reference([1, 2], 12)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=-1)
 
 
 def test_max_num_seqs_limits_running():
