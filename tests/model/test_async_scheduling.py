@@ -12,11 +12,14 @@ from m3serve.sampling_params import SamplingParams
 
 def workload(seed=0):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(5, 2000) for _ in range(rng.randrange(3, 200))] for _ in range(14)]
+    prompts = [[rng.randrange(5, 2000) for _ in range(rng.randrange(3, 200))] for _ in range(16)]
     params = []
-    for i in range(14):
-        kind = i % 7
-        if kind == 5:
+    for i in range(16):
+        kind = i % 8
+        if kind == 7:       # stop tokens masked until min_tokens: argmax alone only from then on
+            params.append(SamplingParams(temperature=0, max_tokens=30, min_tokens=6,
+                                         stop_token_ids=list(range(100, 900))))
+        elif kind == 5:
             params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=9, ignore_eos=True))
         elif kind == 6:
             params.append(SamplingParams(temperature=0, max_tokens=6, logprobs=2, n=2, ignore_eos=True))
