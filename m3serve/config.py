@@ -463,10 +463,16 @@ class EngineConfig:
                              f"yet: drop the flag (by default it is used wherever it applies)")
 
     def async_scheduling_blocker(self) -> str | None:
-        """What keeps async scheduling off in this engine, if anything."""
+        """What this engine cannot combine async scheduling with, if anything."""
         return ("--speculative-config" if self.speculative.enabled else
                 "--kv-transfer-config" if self.kv_transfer.enabled else
                 "--data-parallel-size > 1" if self.parallel.data_parallel_size > 1 else None)
+
+    def async_scheduling_off(self) -> str | None:
+        """Why async scheduling is off in this engine (None: it is on)."""
+        if self.scheduler.async_scheduling is False:
+            return "--no-async-scheduling"
+        return self.async_scheduling_blocker()
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

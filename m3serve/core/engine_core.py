@@ -24,13 +24,10 @@ def nothing_to_run(so: SchedulerOutput) -> bool:
 
 def async_scheduling_applies(config: EngineConfig) -> bool:
     """--async-scheduling: on unless turned off or this engine cannot run it (logged)."""
-    if config.scheduler.async_scheduling is False:
-        return False
-    blocker = config.async_scheduling_blocker()
-    if blocker is not None:
-        logger.info("async scheduling is off with %s: steps run one after another", blocker)
-        return False
-    return True
+    off = config.async_scheduling_off()
+    if off is not None and off != "--no-async-scheduling":
+        logger.info("async scheduling is off with %s: steps run one after another", off)
+    return off is None
 
 
 class EngineCore:

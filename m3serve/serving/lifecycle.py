@@ -142,7 +142,10 @@ def describe_engine(config, info) -> str:
         f"KV cache dtype {c.kv_cache_dtype}, index cache dtype {c.index_cache_dtype}, prefix caching "
         f"{'on' if c.enable_prefix_caching else 'off'}",
         f"scheduler: {s.max_num_batched_tokens} tokens per step, {s.max_num_seqs} running, "
-        f"{s.max_waiting_requests} waiting at most",
+        f"{s.max_waiting_requests} waiting at most, async scheduling "
+        f"{'off (' + blocker + ')' if (blocker := config.async_scheduling_off()) else 'on'}"
+        f"{f', {s.long_prefill_token_threshold} tokens per request per step' if s.long_prefill_token_threshold else ''}"
+        f"{f', {s.max_num_partial_prefills} prefills per step' if s.max_num_partial_prefills else ''}",
         f"CUDA graphs {'off (--enforce-eager)' if config.compilation.enforce_eager else 'on where a GPU runs'}"
         f"{', speculative ' + config.speculative.method if config.speculative.enabled else ''}"
         f"{', KV transfer ' + config.kv_transfer.kv_role if config.kv_transfer.enabled else ''}",

@@ -26,6 +26,7 @@ def test_generation_config_defaults_through_the_server(tiny_dir, tmp_path):
         log = server.log_path.read_text()
         assert "request sampling defaults from the generation config" in log
         assert "engine configuration:" in log and "memory plan:" in log and "KV blocks of 16 tokens" in log
+        assert "async scheduling on" in log
         for flag in ("--trust-remote-code", "--language-model-only", "--attention-backend FLASH_ATTN"):
             assert f"accepted, not applicable: {flag}" in log, flag
         assert "--compilation-config keys not applicable here, ignored: {'pass_config'" in log
