@@ -187,6 +187,15 @@ class SamplingParams:
         """True when sampling reduces to argmax (temperature below GREEDY_EPS)."""
         return self.temperature < GREEDY_EPS
 
+    @property
+    def samples_by_argmax(self) -> bool:
+        """The next token is the argmax of the logits whatever the history: greedy, and no
+        logprobs, penalties, logit bias or grammar (min_tokens aside, which masks stop tokens
+        for a while)."""
+        return (self.is_greedy and self.logprobs is None and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and self.structured_outputs is None and not self.logit_bias)
+
     def add_eos_token_ids(self, eos_token_ids) -> None:
         """Called by the engine with the model's EOS ids: they stop generation (and are held
         back while min_tokens is unmet) unless ignore_eos is set."""

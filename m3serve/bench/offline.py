@@ -153,6 +153,7 @@ def main(args) -> list[dict]:
         if llm.engine.config.speculative.enabled:
             floor = None     # a verify + draft step is not the decode step this roofline counts
         flops = prefill_flops(cfg, bs, isl)
+        compiled = new_variants(jit_before)
         row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3),
                "prefill_tflops": round(flops / prefill / 1e12, 1),
                "prefill_mfu": round(flops / prefill / 1e12 / peak, 3),
@@ -163,8 +164,7 @@ def main(args) -> list[dict]:
                "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
                "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),
                                                 round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
-               "jit_compiles_measured": sum(new_variants(jit_before).values()),
-               "jit_kernels_measured": new_variants(jit_before),
+               "jit_compiles_measured": sum(compiled.values()), "jit_kernels_measured": compiled,
                "graph_steps": runner.num_graph_steps if runner else None,
                "eager_steps": runner.num_eager_steps if runner else None,
                "experts_measured": bool(expert_ids) or in_process,

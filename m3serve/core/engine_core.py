@@ -16,7 +16,7 @@ from m3serve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, S
 logger = logging.getLogger(__name__)
 
 
-def nothing_to_run(so: SchedulerOutput) -> bool:
+def _nothing_to_run(so: SchedulerOutput) -> bool:
     """A step without tokens, news for the ranks, or KV-transfer work for them."""
     return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
                 or so.kv_connector_metadata is not None)
@@ -94,20 +94,16 @@ class EngineCore:
         self.num_steps += 1
         return self.execute(self.scheduler.schedule())
 
-    @property
-    def deferred_request_ids(self) -> list[str]:
-        """The requests of the deferred step whose outputs have not come back yet."""
-        return list(self._deferred.num_scheduled_tokens) if self._deferred is not None else []
-
-    def drop_deferred(self) -> None:
-        """After a failed step: the deferred step's output will never come (its requests are
-        aborted by the caller)."""
-        self._deferred = None
+    def abandon_deferred(self) -> list[str]:
+        """After a failed step: the deferred step's output will never come. Returns its
+        requests, for the caller to abort."""
+        deferred, self._deferred = self._deferred, None
+        return list(deferred.num_scheduled_tokens) if deferred is not None else []
 
     def execute(self, scheduler_output: SchedulerOutput, skip_idle: bool = False) -> list[EngineCoreOutput]:
         """Run a scheduled step and apply its output (and the deferred step's). `skip_idle`:
         a step with nothing for the ranks does not reach them, unless a deferred output is due."""
-        if skip_idle and self._deferred is None and nothing_to_run(scheduler_output):
+        if skip_idle and self._deferred is None and _nothing_to_run(scheduler_output):
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
         else:
             runner_output = self.executor.execute_model(scheduler_output)

@@ -87,8 +87,7 @@ class EngineLoop:
             raise
         except Exception as e:
             self.num_step_errors += 1
-            failed = list(dict.fromkeys(self.core.deferred_request_ids + list(scheduler_output.num_scheduled_tokens)))
-            self.core.drop_deferred()
+            failed = list(dict.fromkeys(self.core.abandon_deferred() + list(scheduler_output.num_scheduled_tokens)))
             logger.error("engine step failed for requests %s:\n%s", failed, traceback.format_exc())
             scheduler.abort_requests(failed)
             message = f"engine step failed: {type(e).__name__}: {e}"

@@ -338,14 +338,12 @@ class Scheduler:
 
     @staticmethod
     def _argmax_only(request: Request) -> bool:
-        """The request's next token is the argmax of its logits whatever its history (so a
-        step can be deferred): greedy, no logprobs, penalties, bias, grammar or prompt logprobs,
-        and min_tokens already met (else EOS would be masked)."""
+        """The request's next token can stay on the device (a step of such requests can be
+        deferred): it samples by argmax, wants no prompt logprobs, and has met min_tokens (else
+        its stop tokens are masked)."""
         p = request.sampling_params
-        return bool(getattr(p, "is_greedy", False) and p.logprobs is None and p.prompt_logprobs is None
-                    and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                    and p.frequency_penalty == 0.0 and p.structured_outputs is None and not p.logit_bias
-                    and request.num_output_tokens + request.num_output_placeholders >= p.min_tokens)
+        return (p.samples_by_argmax and p.prompt_logprobs is None
+                and request.num_output_tokens + request.num_output_placeholders >= p.min_tokens)
 
     # ---------------------------------------------------------------- KV transfer
 

@@ -41,13 +41,6 @@ class ScheduledBatch:
         return int(self.query_start_loc[-1])
 
 
-def _plain_params(p: SamplingParams) -> bool:
-    """Sampling reduces to argmax whatever the history: greedy, no logprobs, no penalties."""
-    return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.structured_outputs is None
-            and not p.logit_bias)
-
-
 class InputBatch:
     """Rows of every request this worker knows (running, or preempted and waiting to resume)."""
 
@@ -77,7 +70,7 @@ class InputBatch:
             "num_computed": np.zeros(capacity, dtype=np.int32),      # tokens with KV in the cache
             "block_table": np.zeros((capacity, self.max_blocks), dtype=np.int32),
             "num_blocks": np.zeros(capacity, dtype=np.int32),
-            "plain": np.zeros(capacity, dtype=bool),                  # `_plain_params`
+            "plain": np.zeros(capacity, dtype=bool),                  # `samples_by_argmax`
             "min_tokens": np.zeros(capacity, dtype=np.int32),
         }
         if old is not None:
@@ -118,7 +111,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._set_blocks(row, block_ids, replace=True)
         self.params.append(params)
-        self.plain[row] = _plain_params(params)
+        self.plain[row] = params.samples_by_argmax
         self.min_tokens[row] = params.min_tokens
         gen = None
         if self.make_generators and params.seed is not None and not params.is_greedy:

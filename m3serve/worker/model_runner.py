@@ -75,10 +75,11 @@ class ModelRunner:
         self.num_graph_steps = self.num_eager_steps = 0
         self.grammars = None          # worker.structured.GrammarBook on the sampling rank (set by the worker)
         self._deferred: _DeferredTokens | None = None
-        # async scheduling: two pinned buffers, so a step's copy never overwrites the one being read
-        self._host_ids = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
-                          for _ in range(2)]
-        self._feed: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None
+        # async scheduling: two pinned buffers (each with its copy's event), used in turn, so a
+        # step's copy never overwrites the one being read
+        cuda = device.type == "cuda"
+        self._host_ids = [(torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda),
+                           torch.cuda.Event() if cuda else None) for _ in range(2)]
         self._allocate_caches()
 
     def _allocate_caches(self) -> None:
@@ -123,9 +124,7 @@ class ModelRunner:
         batch = self.batch.schedule(so)
         if self.proposer is not None:
             return self._speculative_step(so, batch, dp)
-        self._feed = self._feed_of(batch, prev, placeholders)
-        hidden, local, greedy = self._forward(batch, dp)
-        self._feed = None
+        hidden, local, greedy = self._forward(batch, dp, self._feed_of(batch, prev, placeholders))
         if so.deferred:
             self._defer(batch, local, greedy, so.sampled_req_ids)
             self.batch.advance(batch)
@@ -160,10 +159,9 @@ class ModelRunner:
             return None
         return np.asarray(slots, dtype=np.int32), np.asarray(sources, dtype=np.int32), prev.device
 
-    def _stage(self, batch: ScheduledBatch | None, pad_to: int = 0) -> None:
-        """Stage the step's inputs; with async scheduling, then write the previous step's
+    def _stage(self, batch: ScheduledBatch | None, pad_to: int = 0, feed=None) -> None:
+        """Stage the step's inputs; with a `feed` (`_feed_of`), then write the previous step's
         sampled ids (still on the device) into the slots that wait for them."""
-        feed = self._feed if batch is not None else None
         self.buffers.stage(batch, self.batch, pad_to=pad_to, feed=feed[:2] if feed else None)
         if feed:
             self.buffers.feed_tokens(len(feed[0]), feed[2])
@@ -174,12 +172,10 @@ class ModelRunner:
         if not self.batch.all_plain_greedy(rows):
             raise RuntimeError("a deferred step has a request that does not sample by argmax")
         ids = (greedy if greedy is not None else self.model.lm_head.greedy(local)).clone()    # [R]
-        host = self._host_ids[0]
+        host, copied = self._host_ids[0]
         self._host_ids.reverse()
         host[:len(ids)].copy_(ids, non_blocking=True)
-        copied = None
-        if ids.is_cuda:
-            copied = torch.cuda.Event()
+        if copied is not None:
             copied.record()
         where = {req_id: i for i, req_id in enumerate(batch.req_ids)}
         self._deferred = _DeferredTokens(list(batch.req_ids), {r: where[r] for r in sampled_req_ids},
@@ -219,28 +215,29 @@ class ModelRunner:
             return self.graphs.padded_size(dp.num_reqs) if dp.all_decode else None
         return self.graphs.padded_size(batch.num_reqs) if batch.is_decode else None
 
-    def _forward(self, batch: ScheduledBatch | None, dp: DPStep | None):
+    def _forward(self, batch: ScheduledBatch | None, dp: DPStep | None, feed=None):
         """-> (final hidden states [T, H], local logits [R, V_local] of each request's last
         token, argmax ids [R] or None when not computed yet)."""
         b = self._graph_size(batch, dp)
         if b is not None:
             self.num_graph_steps += 1
-            self._stage(batch, pad_to=b)
+            self._stage(batch, pad_to=b, feed=feed)
             n = batch.num_reqs if batch is not None else 0
             return self.graphs.replay(b, n)
         self.num_eager_steps += 1
-        hidden = self._eager(batch, dp)
+        hidden = self._eager(batch, dp, feed=feed)
         if batch is None:
             return hidden, None, None
         last = self.buffers.query_start_loc[1:batch.num_reqs + 1].long() - 1
         return hidden, self.model.lm_head.local_logits(hidden[last]), None
 
-    def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None, taps: tuple[int, ...] = ()) -> torch.Tensor:
+    def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None, taps: tuple[int, ...] = (),
+               feed=None) -> torch.Tensor:
         if batch is None:                       # a padding forward: one token on the null page
             self._stage(None, pad_to=1)
             n, t, decode, qsl, seq = 1, 1, True, [0, 1], [1]
         else:
-            self._stage(batch)
+            self._stage(batch, feed=feed)
             n, t, decode = batch.num_reqs, batch.num_tokens, batch.is_decode
             qsl, seq = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
         ids, positions, meta = self.buffers.inputs(

@@ -48,9 +48,13 @@ class _Choice:
                           if ctx.reasoning_parser else None)
         self.tools = get_tool_parser(ctx.tool_call_parser)(tools, tool_choice) if use_tools else None
         self.named = isinstance(tool_choice, dict)
-        # "required"/named: the grammar allows no content, only the newline after reasoning
-        self.forced = use_tools and tool_choice not in ("auto", "none")
+        self.forced = use_tools and tool_choice != "auto"     # "required" or named
         self.made_calls = False
+
+    def _content(self, text: str | None) -> str | None:
+        """Content as sent: with a forced tool call the grammar allows no content, only the
+        newline the template puts after reasoning, which is not sent."""
+        return None if self.forced and not (text or "").strip() else text
 
     def finish_reason(self, seq: SequenceState) -> str | None:
         """OpenAI's: "tool_calls" when calls were made, except for a named tool_choice ("stop")."""
@@ -62,9 +66,7 @@ class _Choice:
                    "reasoning": reasoning, "tool_calls": []}
         if self.tools is not None:
             result = self.tools.extract(content or "")
-            message["content"], message["tool_calls"] = result.content, result.tool_calls
-            if self.forced and not (result.content or "").strip():
-                message["content"] = None
+            message["content"], message["tool_calls"] = self._content(result.content), result.tool_calls
             self.made_calls = bool(result.tool_calls)
         return message
 
@@ -86,7 +88,8 @@ class _Choice:
                 content = ((content or "") + (tail.content or "")) or None
                 calls = calls + tail.tool_call_deltas
             self.made_calls = self.made_calls or self.tools.has_tool_calls
-        if content and not (self.forced and not content.strip()):
+        content = self._content(content)
+        if content:
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
