@@ -24,7 +24,8 @@ def main() -> None:
     from m3serve.sampling_params import SamplingParams
 
     llm = LLM(model=a.model, load_format="dummy", max_model_len=a.isl + 1280, max_num_seqs=64,
-              max_num_batched_tokens=16384, quantization=a.quantization, enforce_eager=a.enforce_eager)
+              max_num_batched_tokens=16384, quantization=a.quantization, enforce_eager=a.enforce_eager,
+              async_scheduling=False)   # steps in turn: this loop drives schedule/execute/update itself
     eng = llm.engine
     rng = random.Random(0)
     for i in range(a.batch):
@@ -74,6 +75,35 @@ def main() -> None:
             eng.step()
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print_timeline(eng, sync)
+
+
+def print_timeline(eng, sync) -> None:
+    """One step's GPU kernels in launch order: start offset, duration and the idle gap before each
+    (µs), then the totals; the gaps are what launch latency and host work cost inside the step."""
+    import os
+    import tempfile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eng.step()
+        sync()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        print("timeline: the profiler recorded no kernels")
+        return
+    t0, end, busy = kernels[0]["ts"], kernels[0]["ts"], 0.0
+    print(f"timeline of one step ({len(kernels)} kernels/copies): start  dur  gap  name")
+    for e in kernels:
+        gap = max(0.0, e["ts"] - end)
+        print(f"{e['ts'] - t0:9.1f} {e['dur']:7.1f} {gap:6.1f}  {e['name'][:90]}")
+        end, busy = max(end, e["ts"] + e["dur"]), busy + e["dur"]
+    span = end - t0
+    print(json.dumps({"timeline_span_us": round(span, 1), "kernel_busy_us": round(busy, 1),
+                      "idle_us": round(span - busy, 1), "kernels": len(kernels)}))
 
 
 if __name__ == "__main__":

@@ -247,8 +247,8 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
     if _INTERPRET:
         return _config(16, 32, 32, 1, 4, 1)
     fp8 = dtype == torch.float8_e4m3fn
-    if M <= 16:
-        cfg = _config(16, 64, 256 if fp8 else 128, 1, 4, 4)
+    if M <= 16:   # bf16: 3 stages beat 4 (143 vs 151 µs for 5 experts at 1 token, H200)
+        cfg = _config(16, 64, 256 if fp8 else 128, 1, 4, 4 if fp8 else 3)
     elif M <= 48:
         cfg = _config(32, 64, 256 if fp8 else 128, 4, 4, 4)
     elif M <= 192:

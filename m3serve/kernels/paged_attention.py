@@ -30,6 +30,9 @@ _SPARSE_PREFILL_TILED = True
 TOKEN_KERNEL_MAX_QUERY = 8
 _PROGRAMS_PER_SM = 2          # split-K aims for this many programs per SM
 _MIN_KEYS_PER_SPLIT = 256     # below this the partial-output traffic outweighs the parallelism
+# Sparse layers: at most top-k blocks per query, so the split count is known to be useful
+# (measured on an H200 at 1 token: 6.3 vs 9.0 µs with 64 rather than 256 keys per split).
+_MIN_KEYS_PER_SPLIT_SPARSE = 64
 _MAX_SPLITS = 64
 _DEFAULT_SMS = 132            # H200; used when no CUDA device is visible (interpreter runs)
 
@@ -271,11 +274,12 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _num_splits(num_programs: int, max_tiles: int, block_n: int, device: torch.device) -> int:
+def _num_splits(num_programs: int, max_tiles: int, block_n: int, device: torch.device,
+                min_keys: int = 0) -> int:
     """Splits per (token, group): enough programs to fill the SMs, but each split keeps at least
-    _MIN_KEYS_PER_SPLIT keys. A power of two (the merge kernel's tile width)."""
+    min_keys (default _MIN_KEYS_PER_SPLIT) keys. A power of two (the merge kernel's tile width)."""
     want = _num_sms(device) * _PROGRAMS_PER_SM // max(1, num_programs)
-    cap = max_tiles // max(1, _MIN_KEYS_PER_SPLIT // block_n)
+    cap = max_tiles // max(1, (min_keys or _MIN_KEYS_PER_SPLIT) // block_n)
     return _pow2_floor(min(want, cap, _MAX_SPLITS))
 
 
@@ -364,7 +368,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             topk = 0
             max_tiles = triton.cdiv(max_seq_len, block_n)
             ids, id_strides = seq_lens, (0, 0, 0)
-        splits = _num_splits(T * G, max_tiles, block_n, q.device)
+        splits = _num_splits(T * G, max_tiles, block_n, q.device,
+                             _MIN_KEYS_PER_SPLIT_SPARSE if sparse else _MIN_KEYS_PER_SPLIT)
         part_o = part_lse = out  # placeholders when there is a single split
         if splits > 1:
             part_o = torch.empty((T, H, splits, D), dtype=torch.float32, device=q.device)

@@ -1,0 +1,78 @@
+"""Skinny GEMM for decode: y = x @ w^T with few rows in x (M <= MAX_ROWS), bound by reading w.
+
+Each program owns BLOCK_N output rows of w and streams them over the whole reduction (measured
+on an H200 with scripts/decode_kernels_bench.py: splitting K was never faster at these shapes),
+so every output is one fp32 dot product rounded once. Against cuBLAS at M = 1..8 and the real
+MiniMax-M3 shapes it reads the weights 3-10 % faster (lm_head 532 vs 567 µs, fused qkv 31 vs
+35 µs); `linear` uses it for the shapes in `skinny_eligible`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from m3serve.kernels.rmsnorm import cast_rne, interpreting
+
+MAX_ROWS = 8
+_MIN_DIM = 4096   # smaller N or K (e.g. TP shards): cuBLAS, the measured range ends here
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]                  # [BM, BK]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]    # [BN, BK]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:                        # the interpreter's bf16 dot is not exact
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc)                                          # [BM, BN]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             cast_rne(acc, out_ptr.dtype.element_ty, UPCAST), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_config(N: int, K: int) -> dict:
+    """Tiles by shape (measured): a deep pipeline of long K steps for the projections up to
+    12288 rows, shorter ones for wider weights (dense gate_up, the vocabulary-wide head)."""
+    if N > 12288:
+        return {"BLOCK_N": 64, "BLOCK_K": 256 if N >= 65536 else 128, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 5}
+
+
+def skinny_eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The shapes the kernel is used for: <= MAX_ROWS rows, both dimensions >= 4096, 16-bit
+    floats of one dtype, unit last strides."""
+    return (x.dim() == 2 and w.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and x.shape[1] == w.shape[1] and min(w.shape) >= _MIN_DIM
+            and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and w.stride(-1) == 1)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x: [M <= 16, K], w: [N, K], both bf16/fp16 with unit last stride -> [M, N] in x's dtype,
+    accumulated in fp32. `config` overrides the tiles (benchmarks)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M > 16 or w.shape[1] != K or x.dtype != w.dtype or x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError(f"skinny_linear needs x [M <= 16, K] and w [N, K] of one dtype with unit "
+                         f"last strides, got {tuple(x.shape)} {x.dtype} and {tuple(w.shape)} {w.dtype}")
+    cfg = config or skinny_config(N, K)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=16, UPCAST=interpreting(), **cfg)
+    return out

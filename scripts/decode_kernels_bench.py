@@ -1,0 +1,121 @@
+"""Decode-shape kernel choices at the real MiniMax-M3 shapes, timed by CUDA-graph replay (µs):
+  gemv   cuBLAS (F.linear) against the Triton skinny GEMM of m3serve/kernels/gemv.py, per shape
+         and token count, with the bandwidth each reaches (gemv_sweep: and the best tiles);
+  attn   the paged decode attention's split heuristic (_MIN_KEYS_PER_SPLIT), dense and sparse;
+  moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared).
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [moe]`"""
+import sys
+
+import torch
+import triton
+import torch.nn.functional as F
+
+TBPS = 4.19e12
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+
+
+def gemv(sweep: bool = False) -> None:
+    shapes = {"qkv (sparse)": (9856, 6144), "o_proj": (6144, 8192), "dense gate_up": (24576, 6144),
+              "dense down": (6144, 12288), "lm_head": (200064, 6144)}
+    try:
+        from m3serve.kernels.gemv import skinny_linear
+    except ImportError:
+        skinny_linear = None
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ideal = (n * k + m * k + m * n) * 2 / TBPS * 1e6
+            t = bench(lambda: F.linear(x, w))
+            line = f"gemv {name:14s} M={m}: cuBLAS {t:7.1f} us ({ideal / t:4.0%})"
+            if skinny_linear is not None:
+                ref = F.linear(x.float(), w.float())
+                err = (skinny_linear(x, w).float() - ref).abs().max().item()
+                t2 = bench(lambda: skinny_linear(x, w))
+                line += f", triton {t2:7.1f} us ({ideal / t2:4.0%}), max err {err:.3g}"
+                if sweep and m in (1, 8):
+                    res = []
+                    for bn in (32, 64, 128):
+                        for bk in (128, 256):
+                            for st in (3, 4, 5):
+                                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
+                                try:
+                                    res.append((bench(lambda: skinny_linear(x, w, cfg)), f"n{bn} k{bk} st{st}"))
+                                except triton.runtime.errors.OutOfResources:
+                                    pass
+                    res.sort()
+                    line += "; best " + ", ".join(f"{c} {t:.1f}" for t, c in res[:4])
+            print(line, flush=True)
+
+
+def gemv_sweep() -> None:
+    gemv(sweep=True)
+
+
+def attn() -> None:
+    import m3serve.kernels.paged_attention as pa
+    bs, G, H, D = 128, 4, 64, 128
+    for T, ctx in ((1, 1024), (8, 1024), (4, 8192), (1, 8192)):
+        blocks = -(-ctx // bs)
+        kv = torch.randn(2, T * blocks + 1, bs, G, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.arange(T + 1, device="cuda", dtype=torch.int32)
+        seq = torch.full((T,), ctx, device="cuda", dtype=torch.int32)
+        tables = torch.arange(T * blocks, device="cuda", dtype=torch.int32).view(T, blocks)
+        sel = torch.full((T, G, 16), -1, device="cuda", dtype=torch.int32)
+        nsel = min(16, blocks)
+        sel[:, :, :nsel] = torch.arange(blocks - nsel, blocks, device="cuda", dtype=torch.int32)
+        for sparse in (False, True):
+            row = []
+            for keys in (64, 128, 256, 512):
+                pa._MIN_KEYS_PER_SPLIT = pa._MIN_KEYS_PER_SPLIT_SPARSE = keys
+                fn = lambda: pa.paged_attention(q, kv, qsl, seq, tables, 0.088, block_ids=sel if sparse else None,
+                                                max_query_len=1, max_seq_len=9472)
+                row.append(f"{keys}: {bench(fn):5.1f}")
+            print(f"attn T={T} ctx={ctx} {'sparse' if sparse else 'dense '} keys/split -> us  " + "  ".join(row),
+                  flush=True)
+    pa._MIN_KEYS_PER_SPLIT, pa._MIN_KEYS_PER_SPLIT_SPARSE = 256, 64
+
+
+def moe() -> None:
+    from m3serve.kernels.fused_moe import _config, fused_moe, get_config
+    E, H, I = 128, 6144, 3072
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
+    shared = (torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5,
+              torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5)
+    for T in (1, 8):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda")[:4] for _ in range(T)]).int()
+        wts = torch.rand(T, 4, device="cuda")
+        out = torch.empty(T, H, device="cuda", dtype=torch.float32)
+        distinct = ids.unique().numel() + 1
+        ideal = distinct * 3 * H * I * 2 / TBPS * 1e6
+        base = get_config(1, I, H, torch.bfloat16)
+        cands = {"table": None}
+        for bn in (32, 64, 128):
+            for bk in (64, 128, 256):
+                for st in (3, 4, 5):
+                    for wp in (4, 8):
+                        cands[f"n{bn} k{bk} s{st} w{wp}"] = _config(base["BLOCK_M"], bn, bk, 1, wp, st)
+        res = []
+        for name, cfg in cands.items():
+            try:
+                t = bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, config=cfg))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"moe T={T} {name}: {type(e).__name__}")
+                continue
+            res.append((t, name))
+        res.sort()
+        table = next(t for t, n in res if n == "table")
+        print(f"moe T={T} ({distinct} experts, ideal {ideal:.1f} us): table {table:.1f} us; best: " +
+              ", ".join(f"{n} {t:.1f}" for t, n in res[:6]), flush=True)
+
+
+if __name__ == "__main__":
+    todo = sys.argv[1:] or ["gemv", "attn", "moe"]
+    for name in todo:
+        globals()[name]()
