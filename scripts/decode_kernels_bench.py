@@ -2,8 +2,9 @@
   gemv   cuBLAS (F.linear) against the Triton skinny GEMM of m3serve/kernels/gemv.py, per shape
          and token count, with the bandwidth each reaches (gemv_sweep: and the best tiles);
   attn   the paged decode attention's split heuristic (_MIN_KEYS_PER_SPLIT), dense and sparse;
+  route  the router's partial-logit tiles (K steps per program, split cap), 1-32 tokens;
   moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared).
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [moe]`"""
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe]`"""
 import sys
 
 import torch
@@ -78,6 +79,24 @@ def attn() -> None:
             print(f"attn T={T} ctx={ctx} {'sparse' if sparse else 'dense '} keys/split -> us  " + "  ".join(row),
                   flush=True)
     pa._MIN_KEYS_PER_SPLIT, pa._MIN_KEYS_PER_SPLIT_SPARSE = 256, 64
+
+
+def route() -> None:
+    import m3serve.kernels.fused_moe as fm
+    gate = torch.randn(128, 6144, device="cuda") * 6144 ** -0.5
+    bias = torch.randn(128, device="cuda") * 0.05
+    for t in (1, 2, 4, 8, 16, 32):
+        x = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
+        row = []
+        for iters in (1, 2, 4, 8, 16):
+            for cap in (16, 32, 48):
+                fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = iters, cap
+                row.append((bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0)), f"it{iters} cap{cap}"))
+        fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = 2, 48
+        default = bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0))
+        row.sort()
+        print(f"route T={t}: default {default:.1f} us; best " + ", ".join(f"{n} {v:.1f}" for v, n in row[:5]),
+              flush=True)
 
 
 def moe() -> None:

@@ -78,6 +78,22 @@ def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, sca
     tl.store(ids_ptr + t * TOP_K + offs_k, picked_id)
 
 
+def route_tiles(num_tokens: int, num_experts: int, hidden: int,
+                iters: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K, splits) of the router's partial-logit kernel: a product tile
+    of about 2048 elements (longer K steps for fewer tokens), and enough hidden-dimension splits
+    that each program runs `iters` K steps (the 3 MB fp32 gate then streams from many SMs)."""
+    block_t = min(16, triton.next_power_of_2(num_tokens))
+    block_e = min(16, num_experts)
+    block_k = max(32, 2048 // (block_t * block_e))
+    splits = max(1, min(ROUTE_MAX_SPLITS, triton.cdiv(hidden, block_k * (iters or ROUTE_ITERS))))
+    return block_t, block_e, block_k, splits
+
+
+ROUTE_ITERS = 2         # K steps per router program (scripts/decode_kernels_bench.py route)
+ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
+
+
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router with a selection-only correction bias (docs/model.md §3.7).
@@ -96,8 +112,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
             and num_experts == triton.next_power_of_2(num_experts) and num_experts <= 256
             and top_k == triton.next_power_of_2(top_k) and x.stride(1) == 1):
         w, b = gate_weight.float().contiguous(), bias.float().contiguous()
-        splits, block_e, block_k = 16, min(16, num_experts), 32
-        block_t = min(16, triton.next_power_of_2(num_tokens))
+        block_t, block_e, block_k, splits = route_tiles(num_tokens, num_experts, hidden)
         k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
         part = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
         _route_scores_kernel[(triton.cdiv(num_tokens, block_t), num_experts // block_e, splits)](

@@ -44,10 +44,13 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
 
 
 def skinny_config(N: int, K: int) -> dict:
-    """Tiles by shape (measured): a deep pipeline of long K steps for the projections up to
-    12288 rows, shorter ones for wider weights (dense gate_up, the vocabulary-wide head)."""
+    """Tiles by shape (measured): deep pipelines for the projections up to 12288 rows (wide
+    tiles for the short-K fused qkv, long K steps for o_proj and the dense down_proj), shorter
+    ones for wider weights (dense gate_up, the vocabulary-wide head)."""
     if N > 12288:
         return {"BLOCK_N": 64, "BLOCK_K": 256 if N >= 65536 else 128, "num_warps": 4, "num_stages": 3}
+    if K <= 6144:
+        return {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5}
     return {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 5}
 
 

@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from m3serve.layers.dispatch import use_triton
+
 
 def yarn_inv_freq(rotary_dim: int, theta: float, yarn) -> torch.Tensor:
     """YaRN's inverse frequencies [rotary_dim / 2] (`model.config.YarnScaling`): dimension i
@@ -48,6 +50,10 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions: [T] -> cos, sin: [T, rotary_dim / 2] in `dtype` (YaRN: times its
         attention factor, as transformers applies it)."""
+        half = self.inv_freq.shape[0]
+        if positions.dim() == 1 and half & (half - 1) == 0 and use_triton("rope_cos_sin", positions):
+            from m3serve.kernels.step_inputs import rope_cos_sin
+            return rope_cos_sin(positions, self.inv_freq.to(positions.device), self.scale, dtype)
         angle = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         if self.scale == 1.0:
             return angle.cos().to(dtype), angle.sin().to(dtype)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from m3serve.layers.attention_metadata import AttentionMetadata
+from m3serve.layers.dispatch import use_triton
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
 
 
@@ -23,6 +24,9 @@ def positions_and_slots(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     """Position [T] int64 and cache slot [T] int64 of every query token, on the device. The
     queries of request r are the last tokens of its context of seq_lens[r] tokens."""
     n = seq_lens.shape[0]
+    if one_token_each and use_triton("step_inputs", seq_lens):
+        from m3serve.kernels.step_inputs import decode_positions_slots
+        return decode_positions_slots(seq_lens, block_tables, block_size)
     if one_token_each:
         req = torch.arange(n, device=seq_lens.device)                          # [T = R]
         positions = (seq_lens - 1).long()

@@ -99,7 +99,7 @@ def test_fp8_matches_ref(weights, num_tokens):
 
 def test_ref_matches_layer_ops(weights):
     from m3serve.kernels.ref.fused_moe import fused_moe_ref
-    from m3serve.layers.activation import swiglu_oai
+    from m3serve.layers.activation import swiglu_oai_ref as swiglu_oai
     from m3serve.layers.moe import experts_ref, route
     x, route_w, ids = _inputs(weights, 64, 7)
     layer_w, layer_ids = route(x, weights["gate"], weights["bias"], K, 2.0)

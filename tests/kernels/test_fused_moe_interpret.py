@@ -17,7 +17,7 @@ from m3serve.kernels.ref.fused_moe import (
     quant_rows_fp8_ref,
     quant_weight_fp8,
 )
-from m3serve.layers.activation import swiglu_oai
+from m3serve.layers.activation import swiglu_oai_ref as swiglu_oai
 from m3serve.layers.moe import experts_ref, route
 
 H, I, E = 64, 32, 8

@@ -1,0 +1,34 @@
+"""The per-step input kernels on a GPU give exactly what the PyTorch code gives: positions and
+slots of decode steps, and rotary cos/sin rows (bf16, the real rotary width) up to 1M positions."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_positions_and_slots_exact():
+    from m3serve.kernels.step_inputs import decode_positions_slots
+    from m3serve.layers.dispatch import reference_ops
+    from m3serve.worker.attn_metadata import positions_and_slots
+    R = 300
+    seq = torch.randint(1, 9000, (R,), device="cuda", dtype=torch.int32)
+    tables = torch.randint(0, 60000, (R, 80), device="cuda", dtype=torch.int32)
+    qsl = torch.arange(R + 1, device="cuda", dtype=torch.int32)
+    with reference_ops():
+        ref = positions_and_slots(qsl, seq, tables, R, 128, True)
+    got = decode_positions_slots(seq, tables, 128)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.3])
+def test_cos_sin_exact(scale):
+    from m3serve.layers.dispatch import reference_ops
+    from m3serve.layers.rotary import RotaryEmbedding
+    rot = RotaryEmbedding(64, 5_000_000.0).cuda()
+    rot.scale = scale
+    positions = torch.cat([torch.arange(4096, device="cuda"),
+                           torch.randint(0, 1 << 20, (4096,), device="cuda")])
+    with reference_ops():
+        ref = rot.cos_sin(positions, torch.bfloat16)
+    got = rot.cos_sin(positions, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
