@@ -178,10 +178,10 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh
 
 
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "union_width"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc, seq_lens, block_tables, block_ids_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale, num_reqs, topk,
+    union_ptr, union_count_ptr, union_width, k_scale_ptr, v_scale_ptr, qk_scale, num_reqs, topk,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_it, stride_ig, stride_ik,
     HPG: tl.constexpr, HPG_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
@@ -190,8 +190,8 @@ def _prefill_kernel(
 ):
     """One program = (query tile of BLOCK_Q tokens of one request, KV group g); its M rows are
     token-major (token, head-of-group) pairs so every K/V tile serves all heads of the group.
-    Sparse: the tile visits the union of its tokens' selected blocks once each, every row masked
-    to its own token's selection."""
+    Sparse: the tile visits the union of its tokens' selected blocks once each (listed per
+    (tile, group) by `_tile_block_union`), every row masked to its own token's selection."""
     BLOCK_M: tl.constexpr = BLOCK_Q * HPG_PAD
     pid = tl.program_id(0)
     g = tl.program_id(1)
@@ -228,15 +228,10 @@ def _prefill_kernel(
         ids = tl.load(block_ids_ptr + (q_start + tok)[:, None] * stride_it + g * stride_ig
                       + kk[None, :] * stride_ik, mask=tok_ok[:, None] & (kk < topk)[None, :],
                       other=-1).to(tl.int32)                                   # [BLOCK_M, TOPK_PAD]
-        # flat entry index (token in tile, k) of each id, for first-occurrence deduplication
-        entry = (offs_m // HPG_PAD)[:, None] * topk + kk[None, :]
-        tile_tok0 = tile * BLOCK_Q
-        num_entries = (tl.minimum(tile_tok0 + BLOCK_Q, q_len) - tile_tok0) * topk
-        for e in range(0, num_entries):
-            blk = tl.load(block_ids_ptr + (q_start + tile_tok0 + e // topk) * stride_it
-                          + g * stride_ig + (e % topk) * stride_ik).to(tl.int32)
-            seen = tl.max(tl.max(tl.where((ids == blk) & (entry < e), 1, 0), 1), 0)
-            if (blk >= 0) & (seen == 0) & (blk * BLOCK_SIZE <= last_pos):
+        union = union_ptr + (pid * tl.num_programs(1) + g).to(tl.int64) * union_width
+        for e in range(0, tl.load(union_count_ptr + pid * tl.num_programs(1) + g)):
+            blk = tl.load(union + e)
+            if blk * BLOCK_SIZE <= last_pos:
                 row_sel = tl.max(tl.where(ids == blk, 1, 0), 1) > 0               # [BLOCK_M]
                 page = tl.load(block_tables + r * stride_bt + blk).to(tl.int64)
                 for sub in range(TILES_PER_BLOCK):
@@ -261,6 +256,33 @@ def _prefill_kernel(
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _tile_block_union(block_ids: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
+                      block_q: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct selected blocks of each prefill tile's tokens, per KV group.
+
+    block_ids: [T, G, topk] (-1 padded); tiles as `_request_of_tile` numbers them (request r's
+    tokens in runs of block_q from program q_start[r] // block_q + r). Returns union
+    [num_tiles, G, block_q * topk] int32 (distinct ids first, then -1) and counts
+    [num_tiles, G] int32. Device work only (sorts), no host sync."""
+    T, G, topk = block_ids.shape
+    dev = block_ids.device
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]                                                  # [R]
+    req = torch.repeat_interleave(torch.arange(num_reqs, device=dev), q_lens, output_size=T)
+    local = torch.arange(T, device=dev) - qsl[:-1][req]                          # [T]
+    tile = qsl[:-1][req] // block_q + req + local // block_q                     # [T]
+    slot = (local % block_q)[:, None] * topk + torch.arange(topk, device=dev)   # [T, topk]
+    width = block_q * topk
+    flat = (tile[:, None, None] * G + torch.arange(G, device=dev)[None, :, None]) * width + slot[:, None, :]
+    entries = torch.full((num_tiles * G * width,), -1, dtype=torch.int32, device=dev)
+    entries[flat.reshape(-1)] = block_ids.reshape(-1).to(torch.int32)
+    entries = entries.view(num_tiles, G, width).sort(dim=-1).values
+    repeat = torch.zeros_like(entries, dtype=torch.bool)
+    repeat[..., 1:] = entries[..., 1:] == entries[..., :-1]
+    union = entries.masked_fill(repeat, -1).sort(dim=-1, descending=True).values
+    return union.contiguous(), (union >= 0).sum(-1, dtype=torch.int32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -392,9 +414,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     topk = block_ids.shape[2] if sparse else 0
     ids, id_strides = (block_ids, block_ids.stride()) if sparse else (seq_lens, (0, 0, 0))
     grid = (T // block_q + R, G)
+    union, counts = (_tile_block_union(block_ids, query_start_loc, R, block_q, grid[0]) if sparse
+                     else (seq_lens[:, None, None], seq_lens))       # placeholders when dense
     _prefill_kernel[grid](
-        q, k, v, out, query_start_loc, seq_lens, block_tables, ids, k_sc, v_sc, scale * _LOG2E, R,
-        topk, *common, *id_strides, HPG=hpg, HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs,
+        q, k, v, out, query_start_loc, seq_lens, block_tables, ids, union, counts, union.shape[-1],
+        k_sc, v_sc, scale * _LOG2E, R, topk, *common, *id_strides, HPG=hpg, HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs,
         BLOCK_N=block_n, TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8,
         num_warps=_PREFILL_WARPS if block_q * hpg_pad >= 128 else 4, num_stages=_PREFILL_STAGES)
     return out
