@@ -139,7 +139,8 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
     executor = loop.core.executor
     lockstep = executor.needs_lockstep
     while True:
-        timeout = 0 if (lockstep and executor.global_busy) else loop.idle_poll_ms(lockstep)
+        timeout = (0 if lockstep and (executor.global_busy or executor.stop_requested)
+                   else loop.idle_poll_ms(lockstep))
         poller.poll(timeout)
         add_results, state_queries = [], []
         while True:
@@ -149,7 +150,9 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
                 break
             for message in map(protocol.decode_input, parts):
                 if isinstance(message, protocol.Shutdown):
-                    return
+                    if not lockstep:
+                        return
+                    executor.request_stop()   # leave with the other replicas, at the next step
                 if isinstance(message, protocol.AddRequests):
                     add_results.append(loop.add(message))
                 elif isinstance(message, protocol.AbortRequests):
@@ -160,6 +163,8 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
                 elif isinstance(message, protocol.StateQuery):
                     state_queries.append(message.query_id)
         outputs = loop.step() if (lockstep or loop.has_work()) else []
+        if lockstep and executor.stop_agreed:
+            return
         if outputs or add_results:
             push.send(protocol.encode(CoreOutputs(outputs, add_results, loop.stats(),
                                                   dp_rank=loop.dp_rank)))

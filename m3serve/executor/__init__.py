@@ -5,7 +5,8 @@ rank processes.
 
 Every executor offers: `model_config`, `block_size`, `num_blocks`, `needs_lockstep` (the engine
 loop must step every iteration, work or not), `execute_model(scheduler_output)`, `describe()`
-(one report per rank of the replica) and `shutdown()`.
+(one report per rank of the replica) and `shutdown()`. Lock-step executors (DP replicas) also
+offer `request_stop()` and `stop_agreed`: replicas leave together, never one in a collective.
 """
 
 
