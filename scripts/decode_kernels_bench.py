@@ -3,8 +3,9 @@
          and token count, with the bandwidth each reaches (gemv_sweep: and the best tiles);
   attn   the paged decode attention's split heuristic (_MIN_KEYS_PER_SPLIT), dense and sparse;
   route  the router's partial-logit tiles (K steps per program, split cap), 1-32 tokens;
+  prefill_attn / prefill_moe  the prefill attention and the fused MoE at prompt sizes, by tile;
   moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared).
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe]`"""
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe]`"""
 import sys
 
 import torch
@@ -132,6 +133,108 @@ def moe() -> None:
         table = next(t for t, n in res if n == "table")
         print(f"moe T={T} ({distinct} experts, ideal {ideal:.1f} us): table {table:.1f} us; best: " +
               ", ".join(f"{n} {t:.1f}" for t, n in res[:6]), flush=True)
+
+
+def _selection(T: int, G: int, bs: int, topk: int, ctx_start: int = 0) -> torch.Tensor:
+    """MSA-like block choices for T prompt tokens: the token's own block forced, the rest random
+    among earlier blocks; [T, G, topk] int32, -1 padded."""
+    pos = ctx_start + torch.arange(T, device="cuda")
+    nb = (ctx_start + T + bs - 1) // bs
+    own = (pos // bs)[:, None, None]
+    blocks = torch.arange(nb, device="cuda")[None, None, :]
+    score = torch.rand(T, G, nb, device="cuda").masked_fill(blocks > own, float("-inf"))
+    score = score.masked_fill(blocks == own, float("inf"))
+    vals, ids = score.topk(min(topk, nb), dim=-1)
+    ids = ids.masked_fill(vals == float("-inf"), -1).int()
+    if ids.shape[-1] < topk:
+        ids = torch.nn.functional.pad(ids, (0, topk - ids.shape[-1]), value=-1)
+    return ids
+
+
+def prefill_attn() -> None:
+    """The tiled prefill kernel on one 8K prompt (and 2 x 4K), dense and sparse, by tile."""
+    import m3serve.kernels.paged_attention as pa
+    bs, G, H, D = 128, 4, 64, 128
+    base = (pa._PREFILL_BLOCK_M, pa._PREFILL_BLOCK_N, pa._PREFILL_WARPS, pa._PREFILL_STAGES)
+    for lens in ((8192,),):
+        T, R = sum(lens), len(lens)
+        blocks = [-(-n // bs) for n in lens]
+        kv = torch.randn(2, sum(blocks) + 1, bs, G, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        seq = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        tables = torch.zeros(R, max(blocks), device="cuda", dtype=torch.int32)
+        first = 1
+        for r, nb in enumerate(blocks):
+            tables[r, :nb] = torch.arange(first, first + nb, device="cuda", dtype=torch.int32)
+            first += nb
+        sel = torch.cat([_selection(n, G, bs, 16) for n in lens])
+        visible = 0
+        for r, n in enumerate(lens):      # (query, key) pairs each kernel computes, per head
+            pos = torch.arange(n, device="cuda")
+            s = sel[qsl[r]:qsl[r + 1]]
+            keys = torch.where(s >= 0, torch.minimum((s + 1) * bs, pos[:, None, None] + 1) - s * bs, 0)
+            visible += keys.sum().item() / G
+        dense_pairs = sum(n * (n + 1) / 2 for n in lens)
+        for sparse, pairs in ((False, dense_pairs), (True, visible)):
+            flops = 4 * H * D * pairs
+            res = []
+            for bm in (64, 128, 256):
+                for bn in (64, 128):
+                    for wp in (4, 8):
+                        for st in (2, 3):
+                            pa._PREFILL_BLOCK_M, pa._PREFILL_BLOCK_N, pa._PREFILL_WARPS, pa._PREFILL_STAGES = bm, bn, wp, st
+                            fn = lambda: pa.paged_attention(q, kv, qsl, seq, tables, 0.088,
+                                                            block_ids=sel if sparse else None,
+                                                            max_query_len=max(lens), max_seq_len=max(lens))
+                            try:
+                                t = triton.testing.do_bench(fn, rep=30) * 1e3
+                            except Exception as e:  # noqa: BLE001 - out of resources: skipped
+                                continue
+                            res.append((t, f"m{bm} n{bn} w{wp} s{st}", (bm, bn, wp, st) == base))
+            pa._PREFILL_BLOCK_M, pa._PREFILL_BLOCK_N, pa._PREFILL_WARPS, pa._PREFILL_STAGES = base
+            res.sort()
+            cur = next(t for t, _, b in res if b)
+            print(f"prefill attn {lens} {'sparse' if sparse else 'dense '}: current {cur:.0f} us "
+                  f"({flops / cur / 1e6:.0f} TFLOP/s); best " +
+                  ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n, _ in res[:4]), flush=True)
+
+
+def prefill_moe() -> None:
+    """Fused MoE at prefill token counts (balanced random routing), by tile."""
+    from m3serve.kernels.fused_moe import _config, fused_moe, get_config
+    E, H, I = 128, 6144, 3072
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
+    shared = (torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5,
+              torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5)
+    for T in (2048, 8192):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda").topk(4, dim=-1).indices.int()
+        wts = torch.rand(T, 4, device="cuda")
+        out = torch.empty(T, H, device="cuda", dtype=torch.float32)
+        flops = 2 * T * 5 * 3 * H * I
+        table = triton.testing.do_bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out),
+                                        rep=50) * 1e3
+        m_avg = -(-T * 4 // E)
+        res = []
+        for bm in (64, 128):
+            for bn in (128, 256):
+                for bk in (64,):
+                    for wp in (8,):
+                        for st in (3, 4):
+                            cfg = _config(bm, bn, bk, 8, wp, st)
+                            try:
+                                t = triton.testing.do_bench(
+                                    lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, config=cfg),
+                                    rep=50) * 1e3
+                            except Exception:  # noqa: BLE001 - out of resources: skipped
+                                continue
+                            res.append((t, f"m{bm} n{bn} k{bk} w{wp} s{st}"))
+        res.sort()
+        print(f"prefill moe T={T} (table {get_config(m_avg, I, H, torch.bfloat16, True)}): {table:.0f} us "
+              f"({flops / table / 1e6:.0f} TFLOP/s); best " +
+              ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n in res[:4]), flush=True)
 
 
 if __name__ == "__main__":
