@@ -46,9 +46,11 @@ class EngineCore:
             from m3serve.disagg.connector import KVTransferScheduler
             connector = KVTransferScheduler(config.kv_transfer, executor.block_size, executor.num_blocks,
                                             executor.kv_rank_metadata())
+        async_on = async_scheduling_applies(config)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    config.speculative.num_speculative_tokens, connector,
-                                   async_scheduling=async_scheduling_applies(config))
+                                   async_scheduling=async_on,
+                                   defer_sampling=async_on and config.parallel.world_size == 1)
         self.num_steps = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
 

@@ -51,7 +51,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, defer_sampling: bool = False):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -83,6 +83,9 @@ class Scheduler:
         # by argmax is deferred, and the next one is scheduled before its tokens are known, each
         # in-flight token counted as a placeholder (docs/architecture.md, "Async scheduling").
         self.async_scheduling = async_scheduling
+        # ... and, with `defer_sampling` (one rank: the sampled ids are on the device that feeds
+        # the next step), also steps whose requests sample (temperature, top-k/p, min-p, seeds)
+        self.defer_sampling = defer_sampling
         self.num_deferred_steps = 0
         # --max-num-partial-prefills: requests computing prompt (or recompute) tokens per step
         self._prefill_cap = scheduler_config.max_num_partial_prefills or None
@@ -299,7 +302,7 @@ class Scheduler:
             budget -= num_new
             prefills += 1
 
-        deferred = self.async_scheduling and bool(scheduled) and all(map(self._argmax_only, scheduled))
+        deferred = self.async_scheduling and bool(scheduled) and all(map(self._deferrable, scheduled))
         sampled = [r.request_id for r in scheduled
                    if r.num_computed_tokens + num_scheduled[r.request_id] >= r.num_tokens + r.num_output_placeholders]
         output = SchedulerOutput(
@@ -336,13 +339,13 @@ class Scheduler:
         return ((params.max_tokens is not None and outputs >= params.max_tokens)
                 or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
-    @staticmethod
-    def _argmax_only(request: Request) -> bool:
+    def _deferrable(self, request: Request) -> bool:
         """The request's next token can stay on the device (a step of such requests can be
-        deferred): it samples by argmax, wants no prompt logprobs, and has met min_tokens (else
-        its stop tokens are masked)."""
+        deferred): it samples by argmax (or from the logits alone, with `defer_sampling`),
+        wants no prompt logprobs, and has met min_tokens (else its stop tokens are masked)."""
         p = request.sampling_params
-        return (p.samples_by_argmax and p.prompt_logprobs is None
+        return ((p.samples_by_argmax or (self.defer_sampling and p.samples_from_logits_alone))
+                and p.prompt_logprobs is None
                 and request.num_output_tokens + request.num_output_placeholders >= p.min_tokens)
 
     # ---------------------------------------------------------------- KV transfer

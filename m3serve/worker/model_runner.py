@@ -126,9 +126,15 @@ class ModelRunner:
             return self._speculative_step(so, batch, dp)
         hidden, local, greedy = self._forward(batch, dp, self._feed_of(batch, prev, placeholders))
         if so.deferred:
-            self._defer(batch, local, greedy, so.sampled_req_ids)
+            done = batch.rows[batch.seq_lens >= self.batch.num_tokens[batch.rows]]
+            if self.batch.all_plain_greedy(done):
+                self._defer(batch, greedy if greedy is not None else self.model.lm_head.greedy(local),
+                            so.sampled_req_ids)
+                previous = self._land(prev, placeholders)
+            else:   # sampled on the device; the previous ids land first: the history is whole
+                previous = self._land(prev, placeholders)
+                self._defer(batch, self._sample_on_device(batch, local), so.sampled_req_ids)
             self.batch.advance(batch)
-            previous = self._land(prev, placeholders)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         previous = self._land(prev, placeholders)       # before sampling: the host history is whole
         sampled, logprobs = self._sample(batch, local, greedy)
@@ -166,12 +172,10 @@ class ModelRunner:
         if feed:
             self.buffers.feed_tokens(len(feed[0]), feed[2])
 
-    def _defer(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor | None,
-               sampled_req_ids: list[str]) -> None:
-        rows = batch.rows[batch.seq_lens >= self.batch.num_tokens[batch.rows]]
-        if not self.batch.all_plain_greedy(rows):
-            raise RuntimeError("a deferred step has a request that does not sample by argmax")
-        ids = (greedy if greedy is not None else self.model.lm_head.greedy(local)).clone()    # [R]
+    def _defer(self, batch: ScheduledBatch, ids: torch.Tensor, sampled_req_ids: list[str]) -> None:
+        """Keep this step's sampled ids [R] on the device for the next step's feed, and start
+        their copy to the host."""
+        ids = ids.clone()                                                                       # [R]
         host, copied = self._host_ids[0]
         self._host_ids.reverse()
         host[:len(ids)].copy_(ids, non_blocking=True)
@@ -250,6 +254,35 @@ class ModelRunner:
 
     # ------------------------------------------------------------ sampling
 
+    def _sample_on_device(self, batch: ScheduledBatch, local: torch.Tensor) -> torch.Tensor:
+        """A deferred step's sampled ids [R] int64, left on the device (rows of partial prefill
+        chunks hold 0 and are never read). One rank only, and only requests that sample from
+        the logits alone (the scheduler's rule), so no grammar, penalty or logprob work."""
+        if self.model.tp.size > 1:
+            raise RuntimeError("a deferred sampled step needs one rank (the ids feed every rank)")
+        done = batch.seq_lens >= self.batch.num_tokens[batch.rows]                    # [R]
+        index, rows = np.flatnonzero(done), batch.rows[done].tolist()
+        if any(not self.batch.params[r].samples_from_logits_alone for r in rows):
+            raise RuntimeError("a deferred step has a request whose sampling reads its history")
+        ids = torch.zeros(batch.num_reqs, dtype=torch.int64, device=local.device)
+        if not rows:
+            return ids
+        out = self._draw(self.model.lm_head.gather(local), index, rows)
+        ids[torch.from_numpy(index).to(local.device, non_blocking=True)] = out.sampled_token_ids
+        return ids
+
+    def _draw(self, logits: torch.Tensor, index: np.ndarray, rows: list[int]):
+        """The sampler over the batch positions `index` (batch rows `rows`) of logits [R, V]."""
+        b = self.batch
+        params = [b.params[r] for r in rows]
+        sampling = SamplingMetadata.from_params(
+            params, [b.output_token_ids(r) for r in rows], [b.prompt_token_ids(r) for r in rows],
+            [b.generators[r] for r in rows], self.vocab_size, self.device)
+        picked = logits[torch.from_numpy(index).to(logits.device, non_blocking=True)]    # [R', V]
+        if self.grammars is not None:
+            self.grammars.mask(picked, [b.req_ids[r] for r in rows], params)
+        return self.sampler(picked, sampling)
+
     def _sample(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor | None):
         """-> (sampled ids per request, logprobs per request or None); empty on non-drivers.
         The logits gather and the distributed argmax are collectives: every rank calls them.
@@ -274,14 +307,8 @@ class ModelRunner:
         index = np.flatnonzero(done)
         row_list = rows.tolist()
         params = [b.params[r] for r in row_list]
-        sampling = SamplingMetadata.from_params(
-            params, [b.output_token_ids(r) for r in row_list], [b.prompt_token_ids(r) for r in row_list],
-            [b.generators[r] for r in row_list], self.vocab_size, self.device)
-        picked = logits[torch.from_numpy(index).to(logits.device)]              # [R', V]
         req_ids = [b.req_ids[r] for r in row_list]
-        if self.grammars is not None:
-            self.grammars.mask(picked, req_ids, params)
-        out = self.sampler(picked, sampling)
+        out = self._draw(logits, index, row_list)
         for i, token in zip(index.tolist(), out.sampled_token_ids.tolist()):
             sampled[i] = token
         if self.grammars is not None:

@@ -92,8 +92,8 @@ class SamplingMetadata:
             if generators[row] is not None:
                 row_generators[row] = generators[row]
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(values, dtype):    # no stream sync: a deferred step builds these while the GPU runs
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         use_top_k = any(p.top_k > 0 and not g for p, g in zip(params_list, greedy))
         use_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params_list, greedy))

@@ -1,7 +1,8 @@
 """--async-scheduling on the tiny model: the same tokens and finish reasons as one step after
-another, for greedy requests that stop on tokens, on max_tokens (1 included) and on the context,
-beside requests that cannot be deferred (seeded sampling, logprobs, n > 1), under chunking and a
-pool too small for everyone; steps really were deferred; aborts in flight free every block."""
+another, for greedy and seeded sampled requests that stop on tokens, on max_tokens (1 included)
+and on the context, beside requests that cannot be deferred (logprobs, penalties), with n > 1,
+under chunking and a pool too small for everyone; steps really were deferred; aborts in flight
+free every block."""
 import random
 
 import pytest
@@ -57,6 +58,34 @@ def test_async_equals_sync(tiny_dir, flags):
     assert generate(llm, prompts, params) == want
     assert llm.engine.core.scheduler.num_deferred_steps > 10
     check_clean(llm)
+
+
+def test_sampled_steps_are_deferred_with_the_same_tokens(tiny_dir):
+    """Seeded sampling (temperature, top-k, top-p, min-p, min_tokens) beside greedy requests:
+    those steps are deferred too (one rank), with the tokens of steps in turn; a request whose
+    sampling reads its history (a penalty) keeps its steps in turn."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 2000) for _ in range(rng.randrange(3, 120))] for _ in range(8)]
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=2, max_tokens=18, ignore_eos=True),
+              SamplingParams(temperature=0.7, min_p=0.1, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=4, max_tokens=20, min_tokens=4,
+                             stop_token_ids=list(range(100, 900))),
+              SamplingParams(temperature=0, max_tokens=22, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=1),
+              SamplingParams(temperature=0.9, seed=6, max_tokens=12, ignore_eos=True, n=2),
+              SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True)]
+    flags = dict(max_num_seqs=4, max_num_batched_tokens=64)
+    want = generate(LLM(str(tiny_dir), dtype="float32", async_scheduling=False, **flags), prompts, params)
+    llm = LLM(str(tiny_dir), dtype="float32", async_scheduling=True, **flags)
+    assert generate(llm, prompts, params) == want
+    assert llm.engine.core.scheduler.num_deferred_steps > 20
+    check_clean(llm)
+    penalised = [SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, presence_penalty=0.5)]
+    llm.engine.core.scheduler.num_deferred_steps = 0
+    assert generate(llm, prompts[:1], penalised) == generate(
+        LLM(str(tiny_dir), dtype="float32", async_scheduling=False, **flags), prompts[:1], penalised)
+    assert llm.engine.core.scheduler.num_deferred_steps == 0
 
 
 def test_in_flight_abort_frees_everything(tiny_dir):
