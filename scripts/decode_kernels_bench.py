@@ -2,7 +2,7 @@
   gemv   cuBLAS (F.linear) against the Triton skinny GEMM of m3serve/kernels/gemv.py, per shape
          and token count, with the bandwidth each reaches (gemv_sweep: and the best tiles);
   attn   the paged decode attention's split heuristic (_MIN_KEYS_PER_SPLIT), dense and sparse;
-  route  the router's partial-logit tiles (K steps per program, split cap), 1-32 tokens;
+  route  the router's partial-logit tiles (K step, K steps per program, split cap), 1-32 tokens;
   prefill_attn / prefill_moe  the prefill attention and the fused MoE at prompt sizes, by tile;
   moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared).
 `PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe]`"""
@@ -60,6 +60,7 @@ def gemv_sweep() -> None:
 def attn() -> None:
     import m3serve.kernels.paged_attention as pa
     bs, G, H, D = 128, 4, 64, 128
+    saved = pa._MIN_KEYS_PER_SPLIT, pa._MIN_KEYS_PER_SPLIT_SPARSE
     for T, ctx in ((1, 1024), (8, 1024), (4, 8192), (1, 8192)):
         blocks = -(-ctx // bs)
         kv = torch.randn(2, T * blocks + 1, bs, G, D, device="cuda", dtype=torch.bfloat16)
@@ -79,7 +80,7 @@ def attn() -> None:
                 row.append(f"{keys}: {bench(fn):5.1f}")
             print(f"attn T={T} ctx={ctx} {'sparse' if sparse else 'dense '} keys/split -> us  " + "  ".join(row),
                   flush=True)
-    pa._MIN_KEYS_PER_SPLIT, pa._MIN_KEYS_PER_SPLIT_SPARSE = 256, 64
+    pa._MIN_KEYS_PER_SPLIT, pa._MIN_KEYS_PER_SPLIT_SPARSE = saved
 
 
 def route() -> None:
@@ -89,12 +90,14 @@ def route() -> None:
     for t in (1, 2, 4, 8, 16, 32):
         x = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
         row = []
-        for iters in (1, 2, 4, 8, 16):
-            for cap in (16, 32, 48):
-                fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = iters, cap
-                row.append((bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0)), f"it{iters} cap{cap}"))
-        fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = 2, 48
+        saved = fm.ROUTE_BLOCK_K, fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS
         default = bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0))
+        for block_k in (32, 64, 128):
+            for iters in (1, 2, 4, 8):
+                for cap in (16, 48):
+                    fm.ROUTE_BLOCK_K, fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = block_k, iters, cap
+                    row.append((bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0)), f"k{block_k} it{iters} cap{cap}"))
+        fm.ROUTE_BLOCK_K, fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = saved
         row.sort()
         print(f"route T={t}: default {default:.1f} us; best " + ", ".join(f"{n} {v:.1f}" for v, n in row[:5]),
               flush=True)
@@ -152,7 +155,7 @@ def _selection(T: int, G: int, bs: int, topk: int, ctx_start: int = 0) -> torch.
 
 
 def prefill_attn() -> None:
-    """The tiled prefill kernel on one 8K prompt (and 2 x 4K), dense and sparse, by tile."""
+    """The tiled prefill kernel on one 8K prompt, dense and sparse, by tile."""
     import m3serve.kernels.paged_attention as pa
     bs, G, H, D = 128, 4, 64, 128
     base = (pa._PREFILL_BLOCK_M, pa._PREFILL_BLOCK_N, pa._PREFILL_WARPS, pa._PREFILL_STAGES)

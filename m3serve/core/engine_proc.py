@@ -77,13 +77,13 @@ class EngineLoop:
         """One engine step. If the model or the scheduler update raises, the requests scheduled
         in that step are aborted (their blocks freed) and reported with finish_reason "error".
         `ExecutorFailure` (the ranks are gone) propagates."""
-        from m3serve.executor import ExecutorFailure
+        from m3serve.executor import ExecutorFailure, ReplicasStopping
 
         scheduler = self.core.scheduler
         scheduler_output = scheduler.schedule()
         try:
             outputs = self.core.execute(scheduler_output, skip_idle=not self.core.executor.needs_lockstep)
-        except ExecutorFailure:
+        except (ExecutorFailure, ReplicasStopping):
             raise
         except Exception as e:
             self.num_step_errors += 1
@@ -134,6 +134,8 @@ class EngineLoop:
 
 
 def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
+    from m3serve.executor import ReplicasStopping
+
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     executor = loop.core.executor
@@ -162,8 +164,9 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
                                                           dp_rank=loop.dp_rank)))
                 elif isinstance(message, protocol.StateQuery):
                     state_queries.append(message.query_id)
-        outputs = loop.step() if (lockstep or loop.has_work()) else []
-        if lockstep and executor.stop_agreed:
+        try:
+            outputs = loop.step() if (lockstep or loop.has_work()) else []
+        except ReplicasStopping:     # lock step: every replica got here in the same step
             return
         if outputs or add_results:
             push.send(protocol.encode(CoreOutputs(outputs, add_results, loop.stats(),

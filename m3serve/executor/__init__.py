@@ -6,10 +6,15 @@ rank processes.
 Every executor offers: `model_config`, `block_size`, `num_blocks`, `needs_lockstep` (the engine
 loop must step every iteration, work or not), `execute_model(scheduler_output)`, `describe()`
 (one report per rank of the replica) and `shutdown()`. Lock-step executors (DP replicas) also
-offer `request_stop()` and `stop_agreed`: replicas leave together, never one in a collective.
+offer `request_stop()`: replicas leave together (`ReplicasStopping` from the step where they
+agree), never one left waiting in a collective.
 """
 
 
 class ExecutorFailure(RuntimeError):
     """The ranks can no longer run steps (a rank died, hung or a collective failed): fatal for
     the engine, unlike an error in one request."""
+
+
+class ReplicasStopping(Exception):
+    """The DP replicas agreed to shut down: the step did not run, the engine loop ends."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from m3serve.config import EngineConfig
 from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.distributed import destroy_rank_groups
-from m3serve.executor import ExecutorFailure
+from m3serve.executor import ExecutorFailure, ReplicasStopping
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
 from m3serve.executor.rank import (agree_num_blocks, gather_kv_metadata, gather_kv_results, join_world,
                                    rank_report, run_follower)
@@ -52,7 +52,6 @@ class MultiprocExecutor:
         self.needs_lockstep = layout.dp > 1
         self.global_busy = False          # whether any replica had work at the last agreement
         self.stop_requested = False       # this replica was told to shut down (`request_stop`)
-        self.stop_agreed = False          # some replica was, at the last agreement: all stop
         self._step_started: float | None = None
         _check_devices(config, layout.per_node)
         ctx = multiprocessing.get_context("spawn")
@@ -102,28 +101,28 @@ class MultiprocExecutor:
 
     def request_stop(self) -> None:
         """Lock step: leave together. The next agreement tells every replica to stop (none
-        may leave the others waiting in a collective), after which `stop_agreed` is True."""
+        may leave the others waiting in a collective): that step raises `ReplicasStopping`."""
         self.stop_requested = True
 
     def _agree(self, so: SchedulerOutput) -> DPStep | None:
-        """All replicas' leaders: the step's largest shape, or None when nobody has work (or
-        when a replica is stopping)."""
+        """All replicas' leaders: the step's largest shape, or None when nobody has work;
+        raises `ReplicasStopping` when a replica is stopping."""
         tokens, reqs = so.total_num_scheduled_tokens, len(so.num_scheduled_tokens)
         shape = torch.tensor([int(tokens > 0), tokens, reqs, int(tokens != reqs), int(self.stop_requested)],
                              dtype=torch.int64)
         dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.groups.dp_leaders_cpu)
         busy, tokens, reqs, mixed, stop = shape.tolist()
-        self.global_busy = bool(busy) and not stop
-        self.stop_agreed = bool(stop)
-        if not busy or stop:
+        if stop:
+            raise ReplicasStopping()
+        self.global_busy = bool(busy)
+        if not busy:
             return None
         return DPStep(num_tokens=max(1, tokens), num_reqs=max(1, reqs), all_decode=not mixed)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:
             dp = self._agree(so) if self.needs_lockstep else None
-            if self.needs_lockstep and dp is None and (self.stop_agreed or not (so.finished_req_ids or
-                                                                                so.preempted_req_ids)):
+            if self.needs_lockstep and dp is None and not (so.finished_req_ids or so.preempted_req_ids):
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             self._step_started = time.monotonic()
             if self.channel is not None:
@@ -132,6 +131,8 @@ class MultiprocExecutor:
             if so.kv_connector_metadata is not None and so.kv_connector_metadata.poll:
                 out.kv_connector_output = gather_kv_results(self.channel, self.worker)
             return out
+        except ReplicasStopping:
+            raise
         except Exception as e:
             reason = self.supervisor.failure or f"{type(e).__name__}: {e}"
             raise ExecutorFailure(f"rank {self.rank}: engine step failed: {reason}") from e

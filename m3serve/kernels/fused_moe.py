@@ -19,10 +19,13 @@ FP8_MIN_SCALE = 1e-12
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Tokens up to this count route in the fused kernels; more go through torch, which is faster
-# from about 40 tokens on (measured on the H200 at 128 x 6144: 8.5 vs 25.6 us at 1 token,
-# 17.0 vs 35.7 at 8, 48.0 vs 38.6 at 64; docs/performance.md)
+# Tokens up to this count route in the fused kernels; more go through torch, which was faster
+# from about 40 tokens on with the first tiles (H200, 128 x 6144: 8.5 vs 25.6 us at 1 token,
+# 17.0 vs 35.7 at 8, 48.0 vs 38.6 at 64; 6.9 us at 1 token with today's; docs/performance.md)
 ROUTE_FUSED_MAX_TOKENS = 32
+ROUTE_BLOCK_K = 128     # hidden columns per K step of the router's partial-logit kernel
+ROUTE_ITERS = 2         # K steps per program (scripts/decode_kernels_bench.py route)
+ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -78,20 +81,17 @@ def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, sca
     tl.store(ids_ptr + t * TOP_K + offs_k, picked_id)
 
 
-def route_tiles(num_tokens: int, num_experts: int, hidden: int,
-                iters: int | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_E, BLOCK_K, splits) of the router's partial-logit kernel: a product tile
-    of about 2048 elements (longer K steps for fewer tokens), and enough hidden-dimension splits
-    that each program runs `iters` K steps (the 3 MB fp32 gate then streams from many SMs)."""
+def route_tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K, splits) of the router's partial-logit kernel. BLOCK_K and the
+    split count depend on the hidden size only, so every token's logits are summed in the same
+    order whatever the batch (a request routes the same beside 0 or 31 others); enough splits
+    that each program runs ROUTE_ITERS K steps (the 3 MB fp32 gate streams from many SMs); the
+    expert tile narrows as the token tile widens (2048-4096 products per program)."""
+    block_k = min(ROUTE_BLOCK_K, max(16, triton.next_power_of_2(hidden)))
+    splits = max(1, min(ROUTE_MAX_SPLITS, triton.cdiv(hidden, block_k * ROUTE_ITERS)))
     block_t = min(16, triton.next_power_of_2(num_tokens))
-    block_e = min(16, num_experts)
-    block_k = max(32, 2048 // (block_t * block_e))
-    splits = max(1, min(ROUTE_MAX_SPLITS, triton.cdiv(hidden, block_k * (iters or ROUTE_ITERS))))
+    block_e = min(num_experts, 16, max(2, 2048 // (block_t * block_k)))
     return block_t, block_e, block_k, splits
-
-
-ROUTE_ITERS = 2         # K steps per router program (scripts/decode_kernels_bench.py route)
-ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,

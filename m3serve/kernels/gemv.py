@@ -1,10 +1,12 @@
 """Skinny GEMM for decode: y = x @ w^T with few rows in x (M <= MAX_ROWS), bound by reading w.
 
-Each program owns BLOCK_N output rows of w and streams them over the whole reduction (measured
-on an H200 with scripts/decode_kernels_bench.py: splitting K was never faster at these shapes),
-so every output is one fp32 dot product rounded once. Against cuBLAS at M = 1..8 and the real
-MiniMax-M3 shapes it reads the weights 3-10 % faster (lm_head 532 vs 567 µs, fused qkv 31 vs
-35 µs); `linear` uses it for the shapes in `skinny_eligible`.
+Each program owns BLOCK_N output rows of w and streams them over the whole reduction (on an
+H200, a sweep with 1, 2, 4 and 8 K slices never picked more than one at these shapes), so every
+output is one fp32 dot product rounded once, with the same order for 1 to 16 rows (a row's
+result does not depend on its batch). Against cuBLAS at M = 1..8 and the real MiniMax-M3 shapes
+(docs/performance.md): lm_head 545 vs 595 µs, fused qkv 31.9 vs 35.4, dense down_proj 38.2 vs
+43.8, o_proj and dense gate_up about equal (gate_up 71 vs 81 at 8 rows). `linear` uses it for
+the shapes in `skinny_eligible`.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def skinny_eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x: [M <= 16, K], w: [N, K], both bf16/fp16 with unit last stride -> [M, N] in x's dtype,
-    accumulated in fp32. `config` overrides the tiles (benchmarks)."""
+    accumulated in fp32 (the kernel takes up to 16 rows; `linear` routes up to MAX_ROWS, the
+    measured range). `config` overrides the tiles (benchmarks)."""
     M, K = x.shape
     N = w.shape[0]
     if M > 16 or w.shape[1] != K or x.dtype != w.dtype or x.stride(-1) != 1 or w.stride(-1) != 1:

@@ -297,11 +297,11 @@ def _pow2_floor(n: int) -> int:
 
 
 def _num_splits(num_programs: int, max_tiles: int, block_n: int, device: torch.device,
-                min_keys: int = 0) -> int:
+                min_keys: int) -> int:
     """Splits per (token, group): enough programs to fill the SMs, but each split keeps at least
-    min_keys (default _MIN_KEYS_PER_SPLIT) keys. A power of two (the merge kernel's tile width)."""
+    min_keys keys. A power of two (the merge kernel's tile width)."""
     want = _num_sms(device) * _PROGRAMS_PER_SM // max(1, num_programs)
-    cap = max_tiles // max(1, (min_keys or _MIN_KEYS_PER_SPLIT) // block_n)
+    cap = max_tiles // max(1, min_keys // block_n)
     return _pow2_floor(min(want, cap, _MAX_SPLITS))
 
 
@@ -359,6 +359,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     any order): token t / group g then sees key j iff j//block_size is selected and j <= its
     position. A token that sees no key gets 0.
     max_query_len / max_seq_len: host-side bounds that pick the kernel and the split count only.
+    query_start_loc[R] must equal T (the tiled sparse path numbers its tiles on the device from
+    it).
     Returns out ([T, H, D], q's dtype); softmax in fp32.
     """
     _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_tables, block_ids, k_scale, v_scale,
@@ -417,8 +419,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     union, counts = (_tile_block_union(block_ids, query_start_loc, R, block_q, grid[0]) if sparse
                      else (seq_lens[:, None, None], seq_lens))       # placeholders when dense
     _prefill_kernel[grid](
-        q, k, v, out, query_start_loc, seq_lens, block_tables, ids, union, counts, union.shape[-1],
-        k_sc, v_sc, scale * _LOG2E, R, topk, *common, *id_strides, HPG=hpg, HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs,
-        BLOCK_N=block_n, TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8,
+        q, k, v, out, query_start_loc, seq_lens, block_tables, ids, union, counts,
+        union.shape[-1], k_sc, v_sc, scale * _LOG2E, R, topk, *common, *id_strides, HPG=hpg,
+        HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs, BLOCK_N=block_n, TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8,
         num_warps=_PREFILL_WARPS if block_q * hpg_pad >= 128 else 4, num_stages=_PREFILL_STAGES)
     return out

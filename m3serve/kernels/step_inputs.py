@@ -27,8 +27,12 @@ def _positions_slots_kernel(seq_ptr, tables_ptr, pos_ptr, slot_ptr, num_reqs, st
 
 def decode_positions_slots(seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """seq_lens [R] int32, block_tables [R, W] int32 -> (positions [R] int64, slots [R] int64)."""
+    """seq_lens [R] int32, block_tables [R, W] int32 (any strides) -> (positions [R] int64, slots
+    [R] int64)."""
     R = seq_lens.shape[0]
+    seq_lens = seq_lens.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
     pos = torch.empty(R, dtype=torch.int64, device=seq_lens.device)
     slots = torch.empty(R, dtype=torch.int64, device=seq_lens.device)
     if R:
@@ -66,6 +70,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
     """positions [T] (int), inv_freq [half] fp32 (a power of two) -> cos, sin [T, half] in dtype,
     each times `scale` (YaRN's attention factor) before the rounding."""
     T, half = positions.shape[0], inv_freq.shape[0]
+    positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
     cos = torch.empty((T, half), dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
     if T:

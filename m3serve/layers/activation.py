@@ -16,7 +16,8 @@ def swiglu_oai_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """`swiglu_oai_ref`'s result; one Triton kernel for 2-D inputs on the GPU."""
+    """`swiglu_oai_ref`'s result; on the GPU one Triton kernel for 2-D inputs, within one
+    rounding of it (Triton's sigmoid takes another exp)."""
     if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and use_triton("swiglu", gate_up):
         from m3serve.kernels.swiglu import swiglu_oai_fused
         return swiglu_oai_fused(gate_up, alpha, limit)

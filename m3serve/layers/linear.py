@@ -15,8 +15,6 @@ from torch import nn
 from m3serve.distributed import GroupInfo
 from m3serve.layers.dispatch import use_triton
 
-SKINNY_ROWS = 8   # kernels/gemv.py's MAX_ROWS, here so that CPU calls never import Triton
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T in x's dtype.
@@ -25,15 +23,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     kernels for different row counts, so an fp32 product of one row would depend on how many rows
     share the batch. Rounded from fp64, a row's result is the same however the batch is cut, which
     makes chunked prefill, prefix-cache hits and batching bit-identical to a one-shot run.
-    On the GPU, decode-sized products (<= 8 rows, large weights) use the Triton skinny GEMM
-    (`kernels/gemv.py`), which reads the weight faster than cuBLAS there; the rest use cuBLAS.
+    On the GPU, decode-sized products (`skinny_eligible`: <= 8 rows, both weight dimensions
+    >= 4096) use the Triton skinny GEMM (`kernels/gemv.py`), which reads the weight as fast as
+    cuBLAS or faster at the measured shapes; the rest use cuBLAS.
     """
     if x.device.type == "cpu":
         return F.linear(x.double(), weight.double()).to(x.dtype)
-    if x.dim() == 2 and x.shape[0] <= SKINNY_ROWS:
-        from m3serve.kernels.gemv import skinny_eligible, skinny_linear
-        if skinny_eligible(x, weight) and use_triton("skinny_gemm", x):
-            return skinny_linear(x, weight)
+    from m3serve.kernels.gemv import skinny_eligible, skinny_linear
+    if skinny_eligible(x, weight) and use_triton("skinny_gemm", x):
+        return skinny_linear(x, weight)
     return F.linear(x, weight)
 
 

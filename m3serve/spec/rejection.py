@@ -87,7 +87,7 @@ class RejectionSampler:
         x = flat / temp[:, None]
         top_k = rep(sampling.top_k, K1) if sampling.top_k is not None else None
         top_p = rep(sampling.top_p, K1) if sampling.top_p is not None else None
-        x = apply_top_k_top_p(x, top_k, top_p)
+        x = apply_top_k_top_p(x, top_k, top_p, sampling.max_top_k)
         if sampling.min_p is not None:
             x = apply_min_p(x, rep(sampling.min_p, K1))
         probs = x.softmax(dim=-1).view(R, K1, V)

@@ -18,7 +18,7 @@ from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.worker.attn_metadata import StepBuffers
 from m3serve.worker.cuda_graphs import DecodeGraphs
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
-from m3serve.worker.sampler import Sampler, SamplingMetadata, compute_logprobs
+from m3serve.worker.sampler import Sampler, SamplingMetadata, compute_logprobs, to_device
 
 # per position: (token id, its logprob, its rank, top-n ids, top-n logprobs)
 LogprobEntry = tuple[int, float, int, list[int], list[float]]
@@ -126,8 +126,7 @@ class ModelRunner:
             return self._speculative_step(so, batch, dp)
         hidden, local, greedy = self._forward(batch, dp, self._feed_of(batch, prev, placeholders))
         if so.deferred:
-            done = batch.rows[batch.seq_lens >= self.batch.num_tokens[batch.rows]]
-            if self.batch.all_plain_greedy(done):
+            if self.batch.all_plain_greedy(batch.rows[self._complete(batch)]):
                 self._defer(batch, greedy if greedy is not None else self.model.lm_head.greedy(local),
                             so.sampled_req_ids)
                 previous = self._land(prev, placeholders)
@@ -254,13 +253,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------ sampling
 
+    def _complete(self, batch: ScheduledBatch) -> np.ndarray:
+        """[R] bool: requests whose context is whole after this step (they sample; the others
+        computed a partial prefill chunk)."""
+        return batch.seq_lens >= self.batch.num_tokens[batch.rows]
+
     def _sample_on_device(self, batch: ScheduledBatch, local: torch.Tensor) -> torch.Tensor:
         """A deferred step's sampled ids [R] int64, left on the device (rows of partial prefill
         chunks hold 0 and are never read). One rank only, and only requests that sample from
         the logits alone (the scheduler's rule), so no grammar, penalty or logprob work."""
         if self.model.tp.size > 1:
             raise RuntimeError("a deferred sampled step needs one rank (the ids feed every rank)")
-        done = batch.seq_lens >= self.batch.num_tokens[batch.rows]                    # [R]
+        done = self._complete(batch)                                                  # [R]
         index, rows = np.flatnonzero(done), batch.rows[done].tolist()
         if any(not self.batch.params[r].samples_from_logits_alone for r in rows):
             raise RuntimeError("a deferred step has a request whose sampling reads its history")
@@ -268,7 +272,7 @@ class ModelRunner:
         if not rows:
             return ids
         out = self._draw(self.model.lm_head.gather(local), index, rows)
-        ids[torch.from_numpy(index).to(local.device, non_blocking=True)] = out.sampled_token_ids
+        ids[to_device(torch.from_numpy(index), local.device)] = out.sampled_token_ids
         return ids
 
     def _draw(self, logits: torch.Tensor, index: np.ndarray, rows: list[int]):
@@ -278,7 +282,7 @@ class ModelRunner:
         sampling = SamplingMetadata.from_params(
             params, [b.output_token_ids(r) for r in rows], [b.prompt_token_ids(r) for r in rows],
             [b.generators[r] for r in rows], self.vocab_size, self.device)
-        picked = logits[torch.from_numpy(index).to(logits.device, non_blocking=True)]    # [R', V]
+        picked = logits[to_device(torch.from_numpy(index), logits.device)]                # [R', V]
         if self.grammars is not None:
             self.grammars.mask(picked, [b.req_ids[r] for r in rows], params)
         return self.sampler(picked, sampling)
@@ -291,7 +295,7 @@ class ModelRunner:
         chunk's token would be discarded, and drawing it would advance a seeded request's
         generator by a number of draws that depends on how its prompt was chunked."""
         head, b = self.model.lm_head, self.batch
-        done = batch.seq_lens >= b.num_tokens[batch.rows]                 # [R]
+        done = self._complete(batch)                                      # [R]
         rows = batch.rows[done]
         if b.all_plain_greedy(rows):                  # the common benchmark case: argmax only
             if greedy is None:
@@ -379,7 +383,7 @@ class ModelRunner:
         row_start = np.cumsum(rows_per_req) - rows_per_req                  # [R] in `local`
         logit_rows = np.repeat(ends - rows_per_req - row_start, rows_per_req) + np.arange(rows_per_req.sum())
         local = self.model.lm_head.local_logits(hidden[torch.from_numpy(logit_rows).to(hidden.device)])
-        done = batch.seq_lens >= b.num_tokens[batch.rows]
+        done = self._complete(batch)
         emitted = self._verify(batch, local, row_start, num_drafts, drafts, done)
         # the proposer's start: each request's last verified position and the token after it
         num_emitted = np.fromiter((max(1, len(e)) for e in emitted), dtype=np.int64, count=R)

@@ -38,6 +38,15 @@ class PenaltyTensors:
     prompt_mask: torch.Tensor | None      # [num_reqs, vocab] bool; None when no repetition penalty
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without a stream sync: through pinned memory to a GPU (the
+    copy is ordered on the stream and the pinned block is not reused before it is done), so a
+    deferred step can build its inputs while the GPU still runs."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingMetadata:
     """Everything the sampler needs for one step, as tensors on the logits' device.
@@ -57,6 +66,7 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token_ids) to forbid
     max_num_logprobs: int | None              # largest `logprobs` in the batch; None = none asked
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, added values)
+    max_top_k: int | None = None              # the largest top_k, known on the host (no sync)
 
     @classmethod
     def from_params(
@@ -92,8 +102,8 @@ class SamplingMetadata:
             if generators[row] is not None:
                 row_generators[row] = generators[row]
 
-        def tensor(values, dtype):    # no stream sync: a deferred step builds these while the GPU runs
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        def tensor(values, dtype):
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         use_top_k = any(p.top_k > 0 and not g for p, g in zip(params_list, greedy))
         use_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params_list, greedy))
@@ -116,6 +126,7 @@ class SamplingMetadata:
                                                    device),
             max_num_logprobs=max(max_logprobs) if max_logprobs else None,
             logit_bias=_build_logit_bias(params_list, device),
+            max_top_k=max(top_k) if use_top_k else None,
         )
 
 
@@ -234,14 +245,16 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+                      top_p: torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus: the
-    smallest set of best tokens whose probability mass reaches p. Ties at the k-th value stay."""
+    smallest set of best tokens whose probability mass reaches p. Ties at the k-th value stay.
+    max_top_k: top_k's largest value if the host knows it (else read from the device: a sync)."""
     if top_k is None and top_p is None:
         return logits
     if top_p is None:
         # Only top-k: a partial top-k is cheaper than a full vocab sort.
-        best = logits.topk(int(top_k.max()), dim=-1).values  # [num_reqs, max_k]
+        k = max_top_k if max_top_k is not None else int(top_k.max())
+        best = logits.topk(k, dim=-1).values                 # [num_reqs, max_k]
         kth = best.gather(1, (top_k - 1).unsqueeze(1))       # [num_reqs, 1]
         return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_reqs, vocab]
@@ -304,7 +317,7 @@ class Sampler(nn.Module):
         if metadata.all_greedy:
             return greedy
         logits = logits / metadata.temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         random = self._exponential_race(logits, metadata.generators)

@@ -79,6 +79,27 @@ def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_route_is_batch_invariant_with_hidden_splits():
+    """At a hidden size that the router splits into several partial sums, a token's weights are
+    bit-identical alone and inside batches of 3 and 17 tokens (the same summation order), and
+    its experts agree with the torch route."""
+    from m3serve.kernels.fused_moe import route_tiles
+    hidden, experts = 768, 16
+    assert route_tiles(1, experts, hidden)[3] > 1 and route_tiles(17, experts, hidden)[3] > 1
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(17, hidden, generator=g).to(torch.bfloat16)
+    gate = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
+    bias = torch.randn(experts, generator=g) * 0.05
+    alone = [moe_route(x[i:i + 1], gate, bias, 4, 2.0) for i in (0, 2, 16)]
+    for n in (3, 17):
+        weights, ids = moe_route(x[:n], gate, bias, 4, 2.0)
+        for (w1, i1), row in zip(alone, (0, 2, 16)):
+            if row < n:
+                assert torch.equal(weights[row:row + 1], w1) and torch.equal(ids[row:row + 1], i1)
+    ref_w, ref_ids = route(x, gate, bias, 4, 2.0)
+    assert torch.equal(moe_route(x, gate, bias, 4, 2.0)[1].long(), ref_ids)
+
+
 @pytest.mark.parametrize("num_tokens,top_k,block_m,first_expert,shared_expert", [
     (1, 2, 16, 0, False), (3, 4, 4, 0, True), (17, 2, 16, 2, True), (64, 4, 8, 0, False),
     (300, 4, 16, 0, True)])

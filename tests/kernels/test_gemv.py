@@ -1,5 +1,6 @@
 """The skinny GEMM on a GPU at MiniMax-M3's decode shapes (fused qkv, o_proj, dense MLP, lm_head;
-1-8 rows), against an fp64 product rounded once, and `linear` choosing it only where measured."""
+1-8 rows), against an fp64 product rounded once, and `linear` choosing it only for <= 8 rows and
+weights of at least 4096 x 4096."""
 import pytest
 import torch
 

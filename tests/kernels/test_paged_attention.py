@@ -149,7 +149,7 @@ def test_out_buffer_and_split_path_gpu():
     from m3serve.kernels import paged_attention as pa
     kwargs, meta, deq = make_case([9000], [1], **REAL, dtype=torch.bfloat16, device="cuda", seed=5)
     assert pa._num_splits(4, 9000 // pa._DECODE_BLOCK_N, pa._DECODE_BLOCK_N,
-                          torch.device("cuda")) > 1  # batch 1 really takes the split-K path
+                          torch.device("cuda"), pa._MIN_KEYS_PER_SPLIT) > 1  # batch 1 takes split-K
     out = torch.empty_like(kwargs["q"])
     got = pa.paged_attention(**kwargs, out=out)
     assert got is out

@@ -28,6 +28,7 @@ def _run(kwargs):
 def force_split(monkeypatch):
     """Tiny contexts only split-K when a split may be one 16-key tile."""
     monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT", 16)
+    monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT_SPARSE", 16)
 
 
 @pytest.mark.parametrize("topk", [None, 4])
@@ -45,7 +46,8 @@ def test_ref_matches_layer_op(topk):
 def test_dense_decode_split_k(force_split):
     kwargs, meta, deq = make_case([1, 37, 70], [1, 1, 1], **TINY, dtype=torch.float32,
                                   device="cpu", seed=2)
-    assert pa._num_splits(3 * 2, 5, 16, torch.device("cpu")) == 4  # the split + merge path runs
+    # the split + merge path runs
+    assert pa._num_splits(3 * 2, 5, 16, torch.device("cpu"), pa._MIN_KEYS_PER_SPLIT) == 4
     got, ref = _run(kwargs)
     torch.testing.assert_close(got, ref, **FP32_TOL)
     torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
@@ -75,6 +77,7 @@ def test_dense_mixed_prefill_batch(monkeypatch, block_m):
     ([1, 1, 1, 0], True, torch.int32),      # pure decode: per-token split-K kernel
     ([1, 1, 4, 30], True, torch.int64),     # mixed: query tiles over the union of blocks
     ([1, 1, 4, 30], False, torch.int32),    # mixed: per-token programs
+    ([0, 30, 0, 9], True, torch.int32),     # empty requests first and between: tile numbering
 ])
 def test_sparse_batches(force_split, monkeypatch, q_lens, tiled, ids_dtype):
     # contexts longer (100, 90, 70) and shorter (30) than topk x block; own block sometimes

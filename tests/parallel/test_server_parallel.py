@@ -74,9 +74,40 @@ def test_layout_server_equals_one_rank(tiny_dir, tmp_path, reference_texts, name
         m = srv.wait_idle()
         assert m["m3serve:num_preemptions_total"] > 0 and m["m3serve:prefix_cache_hits_total"] >= 32
         assert len(_descendants(srv.proc.pid)) == tp * dp      # one process per rank
+        if dp > 1:
+            _stop_with_requests_in_flight(srv)
     finally:
         srv.stop()
     assert "Traceback" not in log.read_text()
+    assert "step failed" not in log.read_text()
+
+
+def _stop_with_requests_in_flight(srv: LiveServer) -> None:
+    """SIGTERM twice (the drain cut short) while both replicas stream: they leave together."""
+    import threading
+
+    started = threading.Event()
+
+    def stream(i: int) -> None:
+        body = {"model": "tiny", "prompt": f"in flight {i}", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    started.set()
+        except httpx.HTTPError:
+            pass                                 # the server went away under it: expected
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    assert started.wait(30)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(timeout=30) is not None
+    for t in threads:
+        t.join(timeout=10)
 
 
 def test_killed_rank_turns_the_server_unavailable(tiny_dir, tmp_path):
