@@ -2,7 +2,8 @@
   gemv   cuBLAS (F.linear) against the Triton skinny GEMM of m3serve/kernels/gemv.py, per shape
          and token count, with the bandwidth each reaches (gemv_sweep: and the best tiles);
   attn   the paged decode attention's split heuristic (_MIN_KEYS_PER_SPLIT), dense and sparse;
-  route  the router's partial-logit tiles (K step, K steps per program, split cap), 1-32 tokens;
+  route  the router against the torch ops it replaces (1-256 tokens), and its partial-logit
+         tiles (K step, K steps per program, split cap) where it runs (1-32 tokens);
   prefill_attn / prefill_moe  the prefill attention and the fused MoE at prompt sizes, by tile;
   moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared).
 `PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe]`"""
@@ -85,13 +86,18 @@ def attn() -> None:
 
 def route() -> None:
     import m3serve.kernels.fused_moe as fm
+    from m3serve.layers.moe import route as torch_route
     gate = torch.randn(128, 6144, device="cuda") * 6144 ** -0.5
     bias = torch.randn(128, device="cuda") * 0.05
-    for t in (1, 2, 4, 8, 16, 32):
+    for t in (1, 2, 4, 8, 16, 32, 64, 256):
         x = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
+        default = bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0))
+        line = f"route T={t}: moe_route {default:.1f} us, torch ops {bench(lambda: torch_route(x, gate, bias, 4, 2.0)):.1f} us"
+        if t > fm.ROUTE_FUSED_MAX_TOKENS:                  # moe_route runs the torch ops itself
+            print(line, flush=True)
+            continue
         row = []
         saved = fm.ROUTE_BLOCK_K, fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS
-        default = bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0))
         for block_k in (32, 64, 128):
             for iters in (1, 2, 4, 8):
                 for cap in (16, 48):
@@ -99,17 +105,20 @@ def route() -> None:
                     row.append((bench(lambda: fm.moe_route(x, gate, bias, 4, 2.0)), f"k{block_k} it{iters} cap{cap}"))
         fm.ROUTE_BLOCK_K, fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = saved
         row.sort()
-        print(f"route T={t}: default {default:.1f} us; best " + ", ".join(f"{n} {v:.1f}" for v, n in row[:5]),
-              flush=True)
+        print(line + "; best tiles " + ", ".join(f"{n} {v:.1f}" for v, n in row[:5]), flush=True)
+
+
+def _moe_weights(E: int, H: int, I: int):
+    """Random bf16 expert stacks w13 [E, 2I, H], w2 [E, H, I] and a shared expert."""
+    def w(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5
+    return w(E, 2 * I, H), w(E, H, I), (w(2 * I, H), w(H, I))
 
 
 def moe() -> None:
     from m3serve.kernels.fused_moe import _config, fused_moe, get_config
     E, H, I = 128, 6144, 3072
-    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
-    shared = (torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5,
-              torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5)
+    w13, w2, shared = _moe_weights(E, H, I)
     for T in (1, 8):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device="cuda")[:4] for _ in range(T)]).int()
@@ -207,10 +216,7 @@ def prefill_moe() -> None:
     """Fused MoE at prefill token counts (balanced random routing), by tile."""
     from m3serve.kernels.fused_moe import _config, fused_moe, get_config
     E, H, I = 128, 6144, 3072
-    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5
-    shared = (torch.randn(2 * I, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5,
-              torch.randn(H, I, device="cuda", dtype=torch.bfloat16) * I ** -0.5)
+    w13, w2, shared = _moe_weights(E, H, I)
     for T in (2048, 8192):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         ids = torch.rand(T, E, device="cuda").topk(4, dim=-1).indices.int()

@@ -421,6 +421,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     _prefill_kernel[grid](
         q, k, v, out, query_start_loc, seq_lens, block_tables, ids, union, counts,
         union.shape[-1], k_sc, v_sc, scale * _LOG2E, R, topk, *common, *id_strides, HPG=hpg,
-        HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs, BLOCK_N=block_n, TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8,
+        HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs, BLOCK_N=block_n,
+        TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8,
         num_warps=_PREFILL_WARPS if block_q * hpg_pad >= 128 else 4, num_stages=_PREFILL_STAGES)
     return out

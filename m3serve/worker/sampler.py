@@ -245,16 +245,16 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
+                      top_p: torch.Tensor | None, max_top_k: int | None) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus: the
     smallest set of best tokens whose probability mass reaches p. Ties at the k-th value stay.
-    max_top_k: top_k's largest value if the host knows it (else read from the device: a sync)."""
+    max_top_k: top_k's largest value, known on the host (`SamplingMetadata.max_top_k`: reading
+    it from the device would sync the stream)."""
     if top_k is None and top_p is None:
         return logits
     if top_p is None:
         # Only top-k: a partial top-k is cheaper than a full vocab sort.
-        k = max_top_k if max_top_k is not None else int(top_k.max())
-        best = logits.topk(k, dim=-1).values                 # [num_reqs, max_k]
+        best = logits.topk(max_top_k, dim=-1).values         # [num_reqs, max_k]
         kth = best.gather(1, (top_k - 1).unsqueeze(1))       # [num_reqs, 1]
         return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_reqs, vocab]
