@@ -167,7 +167,7 @@ def prefill_attn() -> None:
     """The tiled prefill kernel on one 8K prompt, dense and sparse, by tile."""
     import m3serve.kernels.paged_attention as pa
     bs, G, H, D = 128, 4, 64, 128
-    base = (pa._PREFILL_BLOCK_M, pa._PREFILL_BLOCK_N, pa._PREFILL_WARPS, pa._PREFILL_STAGES)
+    base = dict(pa._PREFILL_TILES)
     for lens in ((8192,),):
         T, R = sum(lens), len(lens)
         blocks = [-(-n // bs) for n in lens]
@@ -195,7 +195,7 @@ def prefill_attn() -> None:
                 for bn in (64, 128):
                     for wp in (4, 8):
                         for st in (2, 3):
-                            pa._PREFILL_BLOCK_M, pa._PREFILL_BLOCK_N, pa._PREFILL_WARPS, pa._PREFILL_STAGES = bm, bn, wp, st
+                            pa._PREFILL_TILES[sparse] = (bm, bn, wp, st)
                             fn = lambda: pa.paged_attention(q, kv, qsl, seq, tables, 0.088,
                                                             block_ids=sel if sparse else None,
                                                             max_query_len=max(lens), max_seq_len=max(lens))
@@ -203,8 +203,8 @@ def prefill_attn() -> None:
                                 t = triton.testing.do_bench(fn, rep=30) * 1e3
                             except Exception as e:  # noqa: BLE001 - out of resources: skipped
                                 continue
-                            res.append((t, f"m{bm} n{bn} w{wp} s{st}", (bm, bn, wp, st) == base))
-            pa._PREFILL_BLOCK_M, pa._PREFILL_BLOCK_N, pa._PREFILL_WARPS, pa._PREFILL_STAGES = base
+                            res.append((t, f"m{bm} n{bn} w{wp} s{st}", (bm, bn, wp, st) == base[sparse]))
+            pa._PREFILL_TILES.update(base)
             res.sort()
             cur = next(t for t, _, b in res if b)
             print(f"prefill attn {lens} {'sparse' if sparse else 'dense '}: current {cur:.0f} us "

@@ -21,6 +21,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--points", nargs="+", default=["1024:1,8"],
                         help="ISL:batch,batch,... groups, e.g. 1024:1,8,32 8192:4,16")
     parser.add_argument("--osl", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the measured runs (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     add_engine_args(parser)
 
 
@@ -102,12 +105,12 @@ def main(args) -> list[dict]:
     for isl, bs in points:
         def prompts():
             return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
-        one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-        many = SamplingParams(max_tokens=args.osl + 1, ignore_eos=True, temperature=0.0)
+        draw = dict(ignore_eos=True, temperature=args.temperature, top_p=args.top_p)
+        one = SamplingParams(max_tokens=1, **draw)
+        many = SamplingParams(max_tokens=args.osl + 1, **draw)
         # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
         # no Triton JIT specialisation is compiled inside a measured step
-        llm.generate(prompts(), SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
-                     use_tqdm=False)
+        llm.generate(prompts(), SamplingParams(max_tokens=4, **draw), use_tqdm=False)
         jit_before = variants_by_kernel()
         spec_before = _spec_counts(llm)
         batch = prompts()

@@ -152,9 +152,10 @@ def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, 
                        num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
                        num_blocks, block_m,
                        HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                       BLOCK_B: tl.constexpr):
+                       BLOCK_B: tl.constexpr, SCATTER: tl.constexpr):
     """Single program: per-slot counts, padded run offsets (-> cursor), block -> expert map,
-    padded length, and sorted_ids filled with the padding value."""
+    padded length, and sorted_ids filled with the padding value; with SCATTER it then places
+    the pairs too (after a barrier: the cursor and the fill are visible to all its threads)."""
     counts = tl.zeros((BINS,), dtype=tl.int32)
     for start in range(0, num_pairs, BLOCK):
         slot = _slot_of(ids_ptr, start + tl.arange(0, BLOCK), num_pairs, num_choices, top_k,
@@ -177,6 +178,24 @@ def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, 
         pos = p0 + tl.arange(0, BLOCK)
         tl.store(sorted_ids_ptr + pos, tl.full((BLOCK,), 0, tl.int32) + num_pairs,
                  mask=pos < num_blocks * block_m)
+    if SCATTER:
+        tl.debug_barrier()
+        for start in range(0, num_pairs, BLOCK):
+            _scatter_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, start + tl.arange(0, BLOCK),
+                           num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
+                           HAS_SHARED, BINS)
+
+
+@triton.jit
+def _scatter_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, idx, num_pairs, num_choices, top_k,
+                   first_expert, num_experts, num_slots, HAS_SHARED: tl.constexpr,
+                   BINS: tl.constexpr):
+    """Each pair idx takes the next free position of its slot's run (order within a run is free)."""
+    slot = _slot_of(ids_ptr, idx, num_pairs, num_choices, top_k, first_expert, num_experts,
+                    HAS_SHARED, BINS - 1)
+    keep = slot < num_slots
+    pos = tl.atomic_add(cursor_ptr + slot, 1, mask=keep, sem="relaxed")
+    tl.store(sorted_ids_ptr + pos, idx, mask=keep)
 
 
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
@@ -184,13 +203,13 @@ def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, 
 def _align_scatter_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, num_choices, top_k,
                           first_expert, num_experts, num_slots,
                           HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
-    """Each pair takes the next free position of its slot's run (order within a run is free)."""
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    slot = _slot_of(ids_ptr, idx, num_pairs, num_choices, top_k, first_expert, num_experts,
-                    HAS_SHARED, BINS - 1)
-    keep = slot < num_slots
-    pos = tl.atomic_add(cursor_ptr + slot, 1, mask=keep, sem="relaxed")
-    tl.store(sorted_ids_ptr + pos, idx, mask=keep)
+    """The pairs of one BLOCK, placed after the plan (`_scatter_pairs`)."""
+    _scatter_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK),
+                   num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
+                   HAS_SHARED, BINS)
+
+
+_ONE_LAUNCH_PAIRS = 2048   # pairs one program plans and places in a single launch
 
 
 def max_aligned_blocks(num_pairs: int, num_slots: int, block_m: int) -> int:
@@ -214,7 +233,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, first_expert
       expert_ids_per_block [B] int32: the slot of each block, -1 past the padded end;
       num_tokens_post_pad [1] int32: the padded length in use.
     B = max_aligned_blocks(T * K', slots, block_m), fixed by shapes, so the call can sit in a
-    CUDA graph. Two launches: a one-program plan, then an atomic scatter.
+    CUDA graph. Up to _ONE_LAUNCH_PAIRS pairs (decode) the one-program plan places them too;
+    larger batches take a second, many-program scatter.
     """
     if block_m < 1:
         raise ValueError(f"block_m={block_m} must be >= 1")
@@ -234,13 +254,15 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, first_expert
         num_post.zero_()
         return sorted_ids, block_expert, num_post
     args = (first_expert, num_experts, num_slots)
+    one_launch = num_pairs <= _ONE_LAUNCH_PAIRS
     _align_plan_kernel[(1,)](ids, sorted_ids, block_expert, num_post, cursor, num_pairs,
                              num_choices, top_k, *args, num_blocks, block_m,
                              HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, BLOCK_B=32,
-                             num_warps=4)
-    _align_scatter_kernel[(triton.cdiv(num_pairs, 1024),)](
-        ids, sorted_ids, cursor, num_pairs, num_choices, top_k, *args,
-        HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, num_warps=4)
+                             SCATTER=one_launch, num_warps=4)
+    if not one_launch:
+        _align_scatter_kernel[(triton.cdiv(num_pairs, 1024),)](
+            ids, sorted_ids, cursor, num_pairs, num_choices, top_k, *args,
+            HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, num_warps=4)
     return sorted_ids, block_expert, num_post
 
 
@@ -254,7 +276,9 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
 
     M: average rows per routed expert (T * top_k / E); N: output columns the GEMM tiles (I for
     gate_up, H for down); K: reduction size; dtype: weight dtype; gate_up: the tile holds a gate
-    and an up accumulator, so the wide prefill tiles halve BLOCK_N. BLOCK_M depends on M only,
+    and an up accumulator, so FP8's wide prefill tiles halve BLOCK_N (bf16 measured faster
+    without halving on an H200, 4 routed + shared expert, scripts/decode_kernels_bench.py
+    prefill_moe). BLOCK_M depends on M only,
     because both GEMMs share one alignment. Decode (few rows per expert) is weight-bandwidth
     bound: a 16-row tile, long K steps and deep pipelining; prefill is compute bound: 64/128-row
     tiles in L2-friendly groups.
@@ -266,11 +290,11 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
         cfg = _config(16, 64, 256 if fp8 else 128, 1, 4, 4 if fp8 else 3)
     elif M <= 48:
         cfg = _config(32, 64, 256 if fp8 else 128, 4, 4, 4)
-    elif M <= 192:
-        cfg = _config(64, 128, 128 if fp8 else 64, 8, 4, 4)
-    else:
+    elif M <= 192:   # bf16 with 8 warps and an unhalved gate_up: 4717 vs 4832 µs at 2048 tokens
+        cfg = _config(64, 128, 128, 8, 4, 4) if fp8 else _config(64, 128, 64, 8, 8, 4)
+    else:            # bf16 unhalved gate_up: 12053 vs 12220 µs at 8192 tokens
         cfg = _config(128, 128, 128 if fp8 else 64, 8, 8, 3)
-    if gate_up and cfg["BLOCK_M"] >= 64:
+    if gate_up and fp8 and cfg["BLOCK_M"] >= 64:   # FP8 prefill: not measured unhalved
         cfg["BLOCK_N"] //= 2
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(N)))
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(K)))
@@ -352,18 +376,31 @@ def _expert_operands(expert, num_experts, w_ptr, w_scale_ptr, ws_ptr, ws_scale_p
 
 
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
-@triton.jit(do_not_specialize=["num_pid_m", "num_rows"])
+@triton.jit
+def _clear_chunk(ptr, numel, chunk):
+    """Zero fp32 elements [pid * chunk, (pid + 1) * chunk) of ptr[numel] (chunk: multiple of 1024)."""
+    start = tl.program_id(0).to(tl.int64) * chunk
+    for z0 in range(0, chunk, 1024):
+        offs = start + z0 + tl.arange(0, 1024)
+        tl.store(ptr + offs, tl.zeros((1024,), dtype=tl.float32), mask=offs < numel)
+
+
+@triton.jit(do_not_specialize=["num_pid_m", "num_rows", "zero_numel", "zero_chunk"])
 def _gemm1_swiglu_kernel(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, h_ptr,
         sorted_ids_ptr, block_expert_ptr, num_post_ptr, num_pid_m, num_pid_n,
         num_rows, num_choices, hidden, inter, inter_shared, num_experts,
         stride_xt, stride_we, stride_wn, stride_wsn, stride_se, stride_h,
-        alpha, limit,
+        alpha, limit, zero_ptr, zero_numel, zero_chunk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, ZERO: tl.constexpr):
     """h[p, n] = SwiGLU-OAI(x[t] . w13[e, n], x[t] . w13[e, I_e + n]) for one [BLOCK_M, BLOCK_N]
-    tile of expert e's aligned rows p, each holding pair t * K' + k (K' = num_choices)."""
+    tile of expert e's aligned rows p, each holding pair t * K' + k (K' = num_choices).
+    With ZERO every program first clears its chunk of the down GEMM's fp32 atomic target (one
+    launch fewer than a separate fill; the down GEMM runs after this kernel)."""
+    if ZERO:
+        _clear_chunk(zero_ptr, zero_numel, zero_chunk)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -587,28 +624,32 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         xq = x
         x_scale = s13 = s2 = ss13 = ss2 = route_w  # placeholders: never read without FP8
 
+    atomic = reduce == "atomic"
+    if atomic:   # an fp32 contiguous `out` is the atomic target itself, cleared by gemm1
+        direct = out.dtype == torch.float32 and out.is_contiguous()
+        acc = out if direct else torch.empty(num_tokens, hidden, dtype=torch.float32,
+                                             device=x.device)
+    else:
+        acc = torch.zeros(num_rows, hidden, dtype=torch.float32, device=x.device)  # [T*K', H]
+
     h = torch.empty(num_padded, inter_max, dtype=x.dtype, device=x.device)  # [B*BM, I_max]
     num_n1 = triton.cdiv(inter_max, cfg1["BLOCK_N"])
-    _gemm1_swiglu_kernel[(num_blocks * num_n1,)](
+    grid1 = num_blocks * num_n1
+    zero_chunk = triton.cdiv(triton.cdiv(acc.numel(), grid1), 1024) * 1024 if atomic else 0
+    _gemm1_swiglu_kernel[(grid1,)](
         xq, x_scale, w13, s13, ws13, ss13, h, sorted_ids, block_expert, num_post,
         num_blocks, num_n1, num_rows, num_choices, hidden, inter, inter_shared, num_experts,
         xq.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), s13.stride(0), h.stride(0),
-        alpha, limit,
+        alpha, limit, acc, acc.numel(), zero_chunk,
         BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
         GROUP_M=cfg1["GROUP_M"], EVEN_K=hidden % cfg1["BLOCK_K"] == 0, USE_FP8=fp8,
-        UPCAST=_INTERPRET, num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])
+        UPCAST=_INTERPRET, ZERO=atomic, num_warps=cfg1["num_warps"],
+        num_stages=cfg1["num_stages"])
 
     if fp8:
         hq, h_scale = quant_rows_fp8(h)                                     # [B*BM, I_max], [B*BM]
     else:
         hq, h_scale = h, route_w
-    atomic = reduce == "atomic"
-    if atomic:
-        direct = out.dtype == torch.float32 and out.is_contiguous()
-        acc = out.zero_() if direct else torch.zeros(num_tokens, hidden, dtype=torch.float32,
-                                                      device=x.device)
-    else:
-        acc = torch.zeros(num_rows, hidden, dtype=torch.float32, device=x.device)  # [T*K', H]
     num_n2 = triton.cdiv(hidden, cfg2["BLOCK_N"])
     _gemm2_kernel[(num_blocks * num_n2,)](
         hq, h_scale, w2, s2, ws2, ss2, acc, route_w, sorted_ids, block_expert, num_post,

@@ -18,10 +18,10 @@ _LOG2E = 1.4426950408889634
 _DECODE_BLOCK_N = 64          # keys per K/V tile in the per-token kernel
 _DECODE_WARPS = 4
 _DECODE_STAGES = 3
-_PREFILL_BLOCK_M = 128        # query rows (tokens x heads of one group) per prefill tile
-_PREFILL_BLOCK_N = 64
-_PREFILL_WARPS = 8
-_PREFILL_STAGES = 3
+# Prefill tiles by kind (sparse or not): (query rows = tokens x heads of one group, keys per
+# tile, warps, stages). Measured on an H200 over one 8K prompt (scripts/decode_kernels_bench.py
+# prefill_attn): sparse 2963 µs with these against 3600 with (128, 64, 8, 3); dense 2901 vs 2999.
+_PREFILL_TILES = {False: (64, 64, 4, 2), True: (64, 64, 4, 3)}
 # Sparse multi-token batches: query tiles over the union of their blocks (False = per-token).
 _SPARSE_PREFILL_TILED = True
 # Steps whose queries are at most this many tokens per request (decode; the verify step of
@@ -409,10 +409,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                                          D=D, NUM_SPLITS=splits, num_warps=4)
         return out
     hpg_pad = triton.next_power_of_2(hpg)
-    block_q = max(1, _PREFILL_BLOCK_M // hpg_pad)
+    rows, keys, warps, stages = _PREFILL_TILES[sparse]
+    block_q = max(1, rows // hpg_pad)
     block_q = min(block_q, triton.next_power_of_2(max_query_len))
     block_q = max(block_q, triton.cdiv(16, hpg_pad))  # tl.dot needs M >= 16
-    block_n = min(bs, _PREFILL_BLOCK_N)
+    block_n = min(bs, keys)
     topk = block_ids.shape[2] if sparse else 0
     ids, id_strides = (block_ids, block_ids.stride()) if sparse else (seq_lens, (0, 0, 0))
     grid = (T // block_q + R, G)
@@ -423,5 +424,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         union.shape[-1], k_sc, v_sc, scale * _LOG2E, R, topk, *common, *id_strides, HPG=hpg,
         HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs, BLOCK_N=block_n,
         TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8,
-        num_warps=_PREFILL_WARPS if block_q * hpg_pad >= 128 else 4, num_stages=_PREFILL_STAGES)
+        num_warps=warps if block_q * hpg_pad >= rows else min(warps, 4), num_stages=stages)
     return out

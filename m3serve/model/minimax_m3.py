@@ -108,10 +108,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         full = self.tp.all_gather(local).view(self.tp.size, n, self.rows)  # [TP, N, rows]
         return full.permute(1, 0, 2).reshape(n, self.tp.size * self.rows)[:, :self.vocab]
 
-    def greedy(self, local: torch.Tensor) -> torch.Tensor:
+    def logits_and_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [N, H] -> (`local_logits`, `greedy` of them). For decode-sized batches on the
+        GPU the widening to fp32 and this rank's argmax ride in the head GEMM's epilogue
+        (`kernels/gemv.skinny_head`: the same logits and ids as the two steps)."""
+        from m3serve.kernels.gemv import skinny_eligible, skinny_head
+        if (hidden.is_cuda and self.num_real > 0 and skinny_eligible(hidden, self.weight)
+                and use_triton("skinny_head", hidden)):
+            local, best = skinny_head(hidden, self.weight, self.num_real)
+            return local, self.greedy(local, best)
+        local = self.local_logits(hidden)
+        return local, self.greedy(local)
+
+    def greedy(self, local: torch.Tensor, best: torch.Tensor | None = None) -> torch.Tensor:
         """[N, rows] per rank -> argmax ids [N] int64 over the whole vocabulary; the lowest id
-        among equal maxima, as a full-vocabulary argmax gives."""
-        best = local.argmax(dim=-1)                                         # [N]
+        among equal maxima, as a full-vocabulary argmax gives. best: this rank's argmax of
+        `local` when already known."""
+        if best is None:
+            best = local.argmax(dim=-1)                                     # [N]
         if self.tp.size == 1:
             return best
         value = local.gather(1, best[:, None])                              # [N, 1]

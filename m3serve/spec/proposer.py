@@ -130,7 +130,7 @@ class Proposer:
         module = self.draft.modules_[0]
         cos, sin = self.target.model.rotary.cos_sin(positions, embeds.dtype)
         last = module(embeds, hidden, positions, cos, sin, meta)[last_index]
-        return head.greedy(head.local_logits(module.final_layernorm(last))), last
+        return head.logits_and_greedy(module.final_layernorm(last))[1], last
 
     def draft_steps(self, token: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor,
                     block_tables: torch.Tensor, cpu_positions: list[int] | None = None) -> torch.Tensor:
@@ -153,7 +153,7 @@ class Proposer:
                 module = self.draft.modules_[i % len(self.draft.modules_)]
                 cos, sin = rotary.cos_sin(positions, embeds.dtype)
                 prev = module(embeds, prev, positions, cos, sin, meta)
-                tokens.append(head.greedy(head.local_logits(module.final_layernorm(prev))))
+                tokens.append(head.logits_and_greedy(module.final_layernorm(prev))[1])
         return torch.stack(tokens, dim=1)
 
     def _decode_meta(self, positions: torch.Tensor, block_tables: torch.Tensor,

@@ -46,8 +46,8 @@ class DecodeGraphs:
             b, b, True, list(range(b + 1)), seq_lens_cpu or [1] * b, max_query_len=1,
             max_seq_len=self.max_model_len, dp_padded_tokens=b if self.dp_exchange else 0)
         hidden = self.model(ids, positions, meta)
-        local = self.model.lm_head.local_logits(hidden)
-        return hidden, local, self.model.lm_head.greedy(local)
+        local, greedy = self.model.lm_head.logits_and_greedy(hidden)
+        return hidden, local, greedy
 
     @torch.inference_mode()
     def capture(self, input_batch) -> None:

@@ -43,8 +43,8 @@ class SpecDecodeGraphs:
         taps = self.proposer.taps
         out = self.model(ids, positions, meta, taps)
         hidden, tapped = out if taps else (out, out)
-        local = self.model.lm_head.local_logits(hidden)
-        return hidden, tapped, local, self.model.lm_head.greedy(local), positions
+        local, greedy = self.model.lm_head.logits_and_greedy(hidden)
+        return hidden, tapped, local, greedy, positions
 
     def draft_forward(self, b: int, hidden_in: torch.Tensor, seq_lens_cpu: list[int] | None = None,
                       last_positions_cpu: list[int] | None = None) -> torch.Tensor:

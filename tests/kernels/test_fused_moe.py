@@ -68,7 +68,7 @@ def test_fused_route_matches_torch_route_real_shapes(num_tokens):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256, 4096])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256, 4096, 8192])
 def test_bf16_matches_ref(weights, num_tokens):
     from m3serve.kernels.fused_moe import fused_moe
     from m3serve.kernels.ref.fused_moe import fused_moe_ref
@@ -80,6 +80,10 @@ def test_bf16_matches_ref(weights, num_tokens):
     assert _rel(out, ref) < BF16_TOL
     summed = fused_moe(*args, shared=weights["shared"], reduce="sum")
     assert _rel(summed, ref) < BF16_TOL
+    # an fp32 out is the atomic target itself: the first GEMM clears all of it (NaN before)
+    out32 = torch.full(out.shape, float("nan"), device="cuda")
+    fused_moe(*args, shared=weights["shared"], out=out32)
+    assert torch.isfinite(out32).all() and _rel(out32, ref) < BF16_TOL
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 4096])

@@ -102,7 +102,7 @@ def test_fused_route_is_batch_invariant_with_hidden_splits():
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m,first_expert,shared_expert", [
     (1, 2, 16, 0, False), (3, 4, 4, 0, True), (17, 2, 16, 2, True), (64, 4, 8, 0, False),
-    (300, 4, 16, 0, True)])
+    (300, 4, 16, 0, True), (520, 4, 8, 1, True)])  # the last: > 2048 pairs, two launches
 def test_align_layout(num_tokens, top_k, block_m, first_expert, shared_expert):
     g = torch.Generator().manual_seed(num_tokens)
     # Only a few experts and the out-of-range ids -1 and 9 appear: empty experts and drops.
@@ -272,17 +272,22 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
     ptr = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*bf16", "w_scale_ptr": "*fp32",
            "ws_ptr": "*bf16", "ws_scale_ptr": "*fp32", "h_ptr": "*bf16", "h_scale_ptr": "*fp32",
            "out_ptr": "*fp32", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
-           "block_expert_ptr": "*i32", "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
+           "block_expert_ptr": "*i32", "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32",
+           "zero_ptr": "*fp32"}
     # fp8: GEMM1 reads e4m3 x and writes bf16 h; GEMM2 reads h re-quantised to e4m3
     fp8 = {**ptr, "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp8e4nv"}
     tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": True, "UPCAST": False}
     jobs = []
     for sig, use_fp8 in ((ptr, False), (fp8, True)):
-        for name, extra in (("_gemm1_swiglu_kernel", {}), ("_gemm2_kernel", {"ATOMIC": True})):
+        for name, extra in (("_gemm1_swiglu_kernel", {"ZERO": True}), ("_gemm2_kernel", {"ATOMIC": True})):
             if use_fp8 and name == "_gemm2_kernel":
                 sig = {**sig, "h_ptr": "*fp8e4nv"}
             names = set(__import__("m3serve.kernels.fused_moe", fromlist=[name]).__dict__[name].arg_names)
             jobs.append(["m3serve.kernels.fused_moe", name, {k: v for k, v in sig.items() if k in names},
                          {**tiles, "USE_FP8": use_fp8, **extra}, 4])
+    align = {"ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_post_ptr": "*i32", "cursor_ptr": "*i32"}
+    jobs.append(["m3serve.kernels.fused_moe", "_align_plan_kernel", align,
+                 {"HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32, "SCATTER": True}, 4])
     lines = compile_for_hopper(jobs, tmp_path)
-    assert len(lines) == 4
+    assert len(lines) == 5

@@ -31,7 +31,7 @@ def test_strided_rows_and_bad_input():
     w = torch.randn(48, 256).to(torch.bfloat16)
     got = skinny_linear(x, w, {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1})
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), atol=0.1, rtol=1e-2)
-    with pytest.raises(ValueError, match="skinny_linear needs"):
+    with pytest.raises(ValueError, match="skinny GEMM needs"):
         skinny_linear(torch.randn(17, 256).to(torch.bfloat16), w)
     with pytest.raises(ValueError, match="one dtype"):
         skinny_linear(x.half(), w)
@@ -45,3 +45,37 @@ def test_eligible_shapes():
     assert not skinny_eligible(torch.empty(1, 8192, dtype=torch.float32), w)
     assert not skinny_eligible(torch.empty(1, 1024, dtype=torch.bfloat16),
                                torch.empty(6144, 1024, dtype=torch.bfloat16))              # TP shard
+
+
+@pytest.mark.parametrize("m,n,k,num_real", [(1, 200, 256, 200), (5, 300, 130, 257), (16, 64, 64, 1)])
+def test_head_logits_and_argmax(m, n, k, num_real):
+    from m3serve.kernels.gemv import skinny_head
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    w[n // 2] = w[3]                     # equal maxima across tiles: the lowest column wins
+    w[4] = w[3]                          # and inside one tile
+    x[0] = w[3] * 4
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
+    logits, ids = skinny_head(x, w, num_real, cfg)
+    want = skinny_linear(x, w, cfg).float()
+    want[:, num_real:] = float("-inf")
+    assert logits.dtype == torch.float32 and torch.equal(logits, want)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want.argmax(-1))
+    if num_real > 3:
+        assert ids[0] == 3
+    with pytest.raises(ValueError, match="num_real"):
+        skinny_head(x, w, n + 1, cfg)
+
+
+def test_head_kernels_compile_for_hopper(tmp_path):
+    """The skinny GEMM with and without the head epilogue, and the argmax finish, compile for
+    sm_90 with the bundled ptxas (no GPU needed)."""
+    from test_rmsnorm import compile_for_hopper
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "UPCAST": False}
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "best_v_ptr": "*fp32", "best_i_ptr": "*i32"}
+    jobs = [["m3serve.kernels.gemv", "_skinny_kernel", {**sig, "out_ptr": "*fp32"}, {**tiles, "HEAD": True}, 4],
+            ["m3serve.kernels.gemv", "_skinny_kernel", {**sig, "out_ptr": "*bf16"}, {**tiles, "HEAD": False}, 4],
+            ["m3serve.kernels.gemv", "_argmax_finish_kernel",
+             {"best_v_ptr": "*fp32", "best_i_ptr": "*i32", "ids_ptr": "*i64"}, {"BLOCK": 4096}, 4]]
+    assert len(compile_for_hopper(jobs, tmp_path)) == 3

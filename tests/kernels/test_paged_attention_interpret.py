@@ -65,7 +65,7 @@ def test_dense_decode_single_split_fp16_out_buffer():
 def test_dense_mixed_prefill_batch(monkeypatch, block_m):
     # decode, full prefill, chunked prefill over earlier context, empty request, in one call;
     # block_m 16 = 8-token query tiles, so requests span several tiles
-    monkeypatch.setattr(pa, "_PREFILL_BLOCK_M", block_m)
+    monkeypatch.setitem(pa._PREFILL_TILES, False, (block_m, 64, 4, 2))
     kwargs, meta, deq = make_case([40, 20, 50, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
                                   device="cpu", seed=4)
     got, ref = _run(kwargs)
@@ -83,7 +83,7 @@ def test_sparse_batches(force_split, monkeypatch, q_lens, tiled, ids_dtype):
     # contexts longer (100, 90, 70) and shorter (30) than topk x block; own block sometimes
     # unselected; 8-token query tiles so the 30-token request spans four tiles
     monkeypatch.setattr(pa, "_SPARSE_PREFILL_TILED", tiled)
-    monkeypatch.setattr(pa, "_PREFILL_BLOCK_M", 16)
+    monkeypatch.setitem(pa._PREFILL_TILES, True, (16, 64, 4, 3))
     kwargs, meta, deq = make_case([100, 30, 90, 70], q_lens, **TINY, dtype=torch.float32,
                                   device="cpu", topk=4, own_block_prob=0.7, ids_dtype=ids_dtype,
                                   seed=5)
