@@ -5,8 +5,9 @@
   route  the router against the torch ops it replaces (1-256 tokens), and its partial-logit
          tiles (K step, K steps per program, split cap) where it runs (1-32 tokens);
   prefill_attn / prefill_moe  the prefill attention and the fused MoE at prompt sizes, by tile;
-  moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared).
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe]`"""
+  moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared);
+  small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps.
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [small]`"""
 import sys
 
 import torch
@@ -244,6 +245,42 @@ def prefill_moe() -> None:
         print(f"prefill moe T={T} (table {get_config(m_avg, I, H, torch.bfloat16, True)}): {table:.0f} us "
               f"({flops / table / 1e6:.0f} TFLOP/s); best " +
               ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n in res[:4]), flush=True)
+
+
+def small() -> None:
+    """The small per-layer kernels of a decode step at 1 and 8 tokens: the embedding gather
+    (advanced indexing against F.embedding, int32 and int64 ids), the fused residual-add RMSNorm
+    by warps, and the indexer's top-k rows by warps (16 of 74 blocks: a 9472-token graph)."""
+    import m3serve.kernels.indexer as ix
+    import m3serve.kernels.rmsnorm as rn
+    from m3serve.kernels.step_inputs import embedding_rows
+    table = torch.randn(200064, 6144, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 8):
+        for dt in (torch.int32, torch.int64):
+            ids = torch.randint(0, 200064, (m,), device="cuda", dtype=dt)
+            t_idx = bench(lambda: table[ids])
+            t_emb = bench(lambda: F.embedding(ids, table))
+            t_tri = bench(lambda: embedding_rows(ids, table))
+            print(f"embedding M={m} {dt}: indexing {t_idx:.1f} us, F.embedding {t_emb:.1f} us, "
+                  f"embedding_rows {t_tri:.1f} us", flush=True)
+        x = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(6144, device="cuda", dtype=torch.bfloat16)
+        base = rn.norm_warps
+        res = []
+        for warps in (4, 8, 16, 32):
+            rn.norm_warps = lambda block, rows, warps=warps: warps
+            res.append(f"w{warps} {bench(lambda: rn.fused_add_rms_norm(x, r, w, 1e-6)):.2f}")
+        rn.norm_warps = base
+        print(f"add+rmsnorm M={m} (current {base(8192, m)} warps): " + ", ".join(res), flush=True)
+        scores = torch.randn(m, 4, 74, device="cuda")
+        base_topk = ix.TOPK_WARPS_SMALL
+        res = []
+        for warps in (1, 2, 4):
+            ix.TOPK_WARPS_SMALL = warps
+            res.append(f"w{warps} {bench(lambda: ix.select_topk(scores, 16)):.2f}")
+        ix.TOPK_WARPS_SMALL = base_topk
+        print(f"top-16 of 74 rows M={m} x 4 heads: " + ", ".join(res), flush=True)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [T] -> [T, hidden]."""
         if self.tp.size == 1:
+            if use_triton("embedding", ids):
+                from m3serve.kernels.step_inputs import embedding_rows
+                return embedding_rows(ids, self.weight)
             return self.weight[ids]
         local = ids - self.start
         inside = (local >= 0) & (local < self.num_real)                    # [T]

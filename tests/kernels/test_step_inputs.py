@@ -32,3 +32,13 @@ def test_cos_sin_exact(scale):
         ref = rot.cos_sin(positions, torch.bfloat16)
     got = rot.cos_sin(positions, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_tokens", [1, 8, 4096])
+def test_embedding_rows_exact(ids_dtype, num_tokens):
+    from m3serve.kernels.step_inputs import embedding_rows
+    table = torch.randn(200064, 6144, device="cuda").bfloat16()
+    ids = torch.randint(0, 200064, (num_tokens,), device="cuda", dtype=ids_dtype)
+    ids[0] = 200063
+    assert torch.equal(embedding_rows(ids, table), table[ids])

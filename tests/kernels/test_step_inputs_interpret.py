@@ -9,7 +9,7 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from m3serve.kernels.step_inputs import decode_positions_slots, rope_cos_sin  # noqa: E402
+from m3serve.kernels.step_inputs import decode_positions_slots, embedding_rows, rope_cos_sin  # noqa: E402
 from m3serve.layers.dispatch import reference_ops  # noqa: E402
 from m3serve.layers.rotary import RotaryEmbedding  # noqa: E402
 from m3serve.worker.attn_metadata import positions_and_slots  # noqa: E402
@@ -41,3 +41,15 @@ def test_cos_sin_match_torch(yarn_scale):
     got16 = rope_cos_sin(positions, rot.inv_freq, yarn_scale, torch.bfloat16)
     assert got16[0].dtype == torch.bfloat16
     torch.testing.assert_close(got16[0].float(), ref[0], atol=2 ** -8 * yarn_scale, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_embedding_rows_equal_indexing(dtype, ids_dtype):
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(50, 1300, generator=g).to(dtype)       # 1300: a masked second chunk
+    ids = torch.tensor([0, 49, 7, 7, 23], dtype=ids_dtype)
+    assert torch.equal(embedding_rows(ids, table), table[ids])
+    assert embedding_rows(ids[:0], table).shape == (0, 1300)
+    with pytest.raises(ValueError, match="embedding_rows needs"):
+        embedding_rows(ids[None], table)
