@@ -147,6 +147,12 @@ class MoE(nn.Module):
             out = self.dp.reduce_scatter(out)[:x.shape[0]] + self.shared_experts(x).float()
         return self.tp.all_reduce(out).to(x.dtype)
 
+    def tile_token_counts(self, max_tokens: int) -> list[int]:
+        """Step sizes up to max_tokens that reach every tile variant of the fused kernels (the
+        start-up warm-up's forwards)."""
+        from m3serve.kernels.fused_moe import regime_token_counts
+        return regime_token_counts(self.cfg.num_local_experts, self.cfg.num_experts_per_tok, max_tokens)
+
     def _routed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
         """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],
         this rank's partial sum."""

@@ -107,6 +107,29 @@ class StepBuffers:
             self._copied.record()
         return rows_total
 
+    def stage_null(self, query_lens: list[int]) -> tuple[list[int], list[int]]:
+        """Rows of the given query lengths on the null page (each a prompt of that many token-0
+        tokens from position 0, every block-table entry 0): the start-up kernel warm-up's
+        forwards. Returns (query_start_loc, seq_lens) as host lists."""
+        R, T = len(query_lens), sum(query_lens)
+        if not 0 < R <= self.max_reqs or T > self.max_tokens or min(query_lens) < 1 \
+                or max(query_lens) > self.max_blocks * self.block_size:
+            raise ValueError(f"null rows {query_lens} do not fit the input buffers "
+                             f"({self.max_reqs} requests, {self.max_tokens} tokens)")
+        if self._copied is not None:
+            self._copied.synchronize()
+        h = self.np
+        qsl = [0, *np.cumsum(query_lens).tolist()]
+        h[self._seq:self._seq + R] = query_lens
+        h[self._qsl:self._qsl + R + 1] = qsl
+        h[self._tok:self._tok + T] = 0
+        h[self._bt:self._bt + R * self.max_blocks] = 0
+        end = self._bt + R * self.max_blocks
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return qsl, list(query_lens)
+
     def feed_tokens(self, num: int, sampled: torch.Tensor) -> None:
         """Write the previous step's sampled ids [R'] (still on the device) into the first `num`
         staged feed slots."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -114,6 +115,11 @@ class Worker:
             self.runner.spec_graphs.capture(self.runner.batch)
         elif sizes:
             self.runner.capture_cuda_graphs(sizes)
+        if self.device.type == "cuda":   # compile prefill / mixed-step kernels before serving
+            start = time.perf_counter()
+            max_tokens = min(config.scheduler.max_num_batched_tokens, self.max_model_len)
+            self.runner.warm_up(self.runner.warm_up_shapes(max_tokens))
+            logger.info("warmed up the prefill kernels in %.1f s", time.perf_counter() - start)
         if config.kv_transfer.enabled:
             self._register_kv_transfer()
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,

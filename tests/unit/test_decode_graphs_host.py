@@ -75,3 +75,33 @@ def test_prompt_logprobs_of_one_token_chunks_in_graph_steps(engines, tiny_dir):
         assert {k: round(v.logprob, 5) for k, v in a.items()} == {k: round(v.logprob, 5) for k, v in b.items()}
     runner = graphed.engine.worker.runner
     assert runner.num_graph_steps >= 6 and runner.num_eager_steps == 0
+
+
+def test_warm_up_forwards_touch_only_the_null_page(engines):
+    """The start-up warm-up runs prompts and mixed steps on the null page: the cached blocks of
+    earlier requests keep their contents, and the next requests give the same tokens."""
+    import torch
+    plain, _ = engines
+    runner = plain.engine.worker.runner
+    prompts = [{"prompt_token_ids": [(5 * j) % 400 + 3 for j in range(150)]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
+    before = [kv[:, 1:].clone() for kv in runner.kv_caches]
+    shapes = runner.warm_up_shapes(300)
+    moe = next(layer.mlp for layer in runner.model.model.layers if layer.is_moe)
+    cfg = moe.cfg
+    assert [16] in shapes and [300] in shapes and [300 - 7] + [1] * 7 in shapes
+    assert all(sum(s) <= 300 for s in shapes)
+    assert len(shapes) == 1 + 2 * len(moe.tile_token_counts(300))
+    assert min(16 * cfg.num_local_experts // cfg.num_experts_per_tok, 300) in {s[0] for s in shapes}
+    runner.warm_up(shapes)
+    assert all(torch.equal(a, kv[:, 1:]) for a, kv in zip(before, runner.kv_caches))
+    assert plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def test_null_rows_must_fit_the_buffers(engines):
+    buffers = engines[0].engine.worker.runner.buffers
+    with pytest.raises(ValueError, match="do not fit"):
+        buffers.stage_null([buffers.max_tokens + 1])
+    with pytest.raises(ValueError, match="do not fit"):
+        buffers.stage_null([])
