@@ -6,8 +6,9 @@
          tiles (K step, K steps per program, split cap) where it runs (1-32 tokens);
   prefill_attn / prefill_moe  the prefill attention and the fused MoE at prompt sizes, by tile;
   moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared);
+  prefill_moe_kernels  the fused MoE's prefill time by kernel (profiler), with each GEMM's TFLOP/s;
   small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps.
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [small]`"""
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [prefill_moe_kernels] [small]`"""
 import sys
 
 import torch
@@ -245,6 +246,38 @@ def prefill_moe() -> None:
         print(f"prefill moe T={T} (table {get_config(m_avg, I, H, torch.bfloat16, True)}): {table:.0f} us "
               f"({flops / table / 1e6:.0f} TFLOP/s); best " +
               ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n in res[:4]), flush=True)
+
+
+def prefill_moe_kernels() -> None:
+    """Where the fused MoE's prefill time goes, kernel by kernel (torch profiler), at 2048 and
+    8192 tokens with the tile table, and each GEMM's TFLOP/s."""
+    from torch.profiler import ProfilerActivity, profile
+    from m3serve.kernels.fused_moe import fused_moe
+    E, H, I = 128, 6144, 3072
+    w13, w2, shared = _moe_weights(E, H, I)
+    for T in (2048, 8192):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda").topk(4, dim=-1).indices.int()
+        wts = torch.rand(T, 4, device="cuda")
+        out = torch.empty(T, H, device="cuda", dtype=torch.float32)
+        for reduce in ("atomic", "sum"):   # the down GEMM adds into [T, H] or stores [T * 5, H]
+            run = lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, reduce=reduce)
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    run()
+                torch.cuda.synchronize()
+            flops = {"_gemm1_swiglu_kernel": 2 * T * 5 * 2 * H * I, "_gemm2_kernel": 2 * T * 5 * H * I}
+            parts = []
+            for ev in prof.key_averages():
+                us = ev.device_time_total / 10
+                if us < 1:
+                    continue
+                f = flops.get(ev.key)
+                parts.append(f"{ev.key[:28]} {us:.0f} us" + (f" ({f / us / 1e6:.0f} TFLOP/s)" if f else ""))
+            print(f"prefill moe kernels T={T} reduce={reduce}: " + "; ".join(parts), flush=True)
 
 
 def small() -> None:
