@@ -278,9 +278,11 @@ TILE_REGIMES = (16, 48, 192)
 
 def regime_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
     """A step size in every tile regime up to max_tokens tokens: each regime's largest, and
-    max_tokens itself (what a start-up warm-up runs so serving compiles no new tiles)."""
+    max_tokens itself (what a start-up warm-up runs so serving compiles no new tiles).
+    num_experts: the experts of this call (this rank's under EP); top_k: (token, choice) pairs
+    per step token (times the DP replicas whose tokens the MoE layers gather)."""
     counts = [bound * num_experts // top_k for bound in TILE_REGIMES]
-    return sorted({min(c, max_tokens) for c in counts} | {max_tokens})
+    return sorted({max(1, min(c, max_tokens)) for c in counts} | {max_tokens})
 
 
 def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False) -> dict:
@@ -388,7 +390,6 @@ def _expert_operands(expert, num_experts, w_ptr, w_scale_ptr, ws_ptr, ws_scale_p
     return w_base, scale_base, stride_n, n_inter
 
 
-# sizes that change from step to step are not specialised on (no recompiles mid-serving)
 @triton.jit
 def _clear_chunk(ptr, numel, chunk):
     """Zero fp32 elements [pid * chunk, (pid + 1) * chunk) of ptr[numel] (chunk: multiple of 1024)."""
@@ -398,6 +399,7 @@ def _clear_chunk(ptr, numel, chunk):
         tl.store(ptr + offs, tl.zeros((1024,), dtype=tl.float32), mask=offs < numel)
 
 
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
 @triton.jit(do_not_specialize=["num_pid_m", "num_rows", "zero_numel", "zero_chunk"])
 def _gemm1_swiglu_kernel(
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ws_ptr, ws_scale_ptr, h_ptr,
@@ -585,7 +587,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     output row); activations are quantised per row on the fly.
     shared: (w13_s [2I_s, H], w2_s [H, I_s]) (+ (w13_s_scale [2I_s], w2_s_scale [H]) for FP8),
     run as an extra expert with weight 1.0.
-    out: optional [T, H] result tensor of any float dtype (an fp32 one receives the unrounded sum).
+    out: optional [T, H] result tensor of any float dtype (an fp32 one receives the unrounded sum;
+    being the atomic target itself, it is cleared while x is still read, so it must not alias x).
     reduce: "atomic" (fp32 atomic adds into [T, H]) or "sum" (write [T, K(+1), H], then sum).
     config: a `get_config`-style dict overriding the tile choice for both GEMMs (benchmarks).
     Returns out, or a new [T, H] tensor in x's dtype.

@@ -18,6 +18,7 @@ from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 TARGET_PROGRAMS = 1024  # stage-1 programs per launch: 132 SMs x several, balanced round-robin
 TOPK_CHUNK = 4096       # stage-2 columns per register chunk (512K tokens of 128-token blocks)
+TOPK_MIN_COLUMNS = 128  # the narrowest column bucket of stage 2 (contexts up to 16K tokens)
 # Warps of a top-k program whose row fits one chunk of <= 128 columns (contexts up to 16K
 # tokens): one warp reduces with shuffles alone (16 of 74 on an H200: 3.1 µs, 4 warps 4.6).
 TOPK_WARPS_SMALL = 1
@@ -277,7 +278,7 @@ def _launch_topk(scores, topk, out, num_tokens, nvis):
     dst = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype,
                                                       device=out.device)
     # column buckets from 128 up (one variant for contexts up to 16K tokens), not one per pow2
-    width = max(128, triton.next_power_of_2(max(n_cols, 1)))
+    width = max(TOPK_MIN_COLUMNS, triton.next_power_of_2(max(n_cols, 1)))
     chunk = min(width, TOPK_CHUNK)
     _topk_rows_kernel[(T * Hi,)](
         scores, dst, *(num_tokens if num_tokens is not None else (dst, 0)),

@@ -151,7 +151,9 @@ class MoE(nn.Module):
         """Step sizes up to max_tokens that reach every tile variant of the fused kernels (the
         start-up warm-up's forwards)."""
         from m3serve.kernels.fused_moe import regime_token_counts
-        return regime_token_counts(self.cfg.num_local_experts, self.cfg.num_experts_per_tok, max_tokens)
+        gathered = self.dp.size if self.dp.active else 1   # DP replicas' tokens meet here
+        return regime_token_counts(self.experts.num_local, self.cfg.num_experts_per_tok * gathered,
+                                   max_tokens)
 
     def _routed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
         """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],

@@ -107,20 +107,25 @@ class StepBuffers:
             self._copied.record()
         return rows_total
 
-    def stage_null(self, query_lens: list[int]) -> tuple[list[int], list[int]]:
-        """Rows of the given query lengths on the null page (each a prompt of that many token-0
-        tokens from position 0, every block-table entry 0): the start-up kernel warm-up's
-        forwards. Returns (query_start_loc, seq_lens) as host lists."""
+    def stage_null(self, query_lens: list[int],
+                   seq_lens: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """Rows on the null page: row r computes the last query_lens[r] tokens (token 0) of a
+        context of seq_lens[r] (default: query_lens[r], a prompt from position 0), and every
+        block-table entry is 0, so all reads and writes land in block 0: the start-up kernel
+        warm-up's forwards. Returns (query_start_loc, seq_lens) as host lists."""
+        seq_lens = list(query_lens) if seq_lens is None else list(seq_lens)
         R, T = len(query_lens), sum(query_lens)
-        if not 0 < R <= self.max_reqs or T > self.max_tokens or min(query_lens) < 1 \
-                or max(query_lens) > self.max_blocks * self.block_size:
-            raise ValueError(f"null rows {query_lens} do not fit the input buffers "
-                             f"({self.max_reqs} requests, {self.max_tokens} tokens)")
+        if not 0 < R <= self.max_reqs or T > self.max_tokens or len(seq_lens) != R \
+                or min(query_lens) < 1 or any(s < q for q, s in zip(query_lens, seq_lens)) \
+                or max(seq_lens) > self.max_blocks * self.block_size:
+            raise ValueError(f"null rows {query_lens} (contexts {seq_lens}) do not fit the input "
+                             f"buffers ({self.max_reqs} requests, {self.max_tokens} tokens, "
+                             f"{self.max_blocks * self.block_size}-token contexts)")
         if self._copied is not None:
             self._copied.synchronize()
         h = self.np
         qsl = [0, *np.cumsum(query_lens).tolist()]
-        h[self._seq:self._seq + R] = query_lens
+        h[self._seq:self._seq + R] = seq_lens
         h[self._qsl:self._qsl + R + 1] = qsl
         h[self._tok:self._tok + T] = 0
         h[self._bt:self._bt + R * self.max_blocks] = 0
@@ -128,7 +133,7 @@ class StepBuffers:
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return qsl, list(query_lens)
+        return qsl, seq_lens
 
     def feed_tokens(self, num: int, sampled: torch.Tensor) -> None:
         """Write the previous step's sampled ids [R'] (still on the device) into the first `num`

@@ -100,31 +100,39 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.buffers, sizes, self.max_model_len, self.dp_exchange)
         self.graphs.capture(self.batch)
 
-    def warm_up_shapes(self, max_tokens: int) -> list[list[int]]:
-        """Query lengths of the start-up warm-up's forwards: a short prompt, then a prompt of
-        every fused-MoE tile regime's size up to max_tokens, alone and beside 7 decodes (mixed
-        steps take other attention and indexer layouts)."""
+    def warm_up_shapes(self, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+        """(query lengths, context lengths) of the start-up warm-up's forwards: a short prompt;
+        a prompt in every fused-MoE tile regime up to max_tokens, alone and beside 7 decodes
+        (mixed steps take other attention and indexer layouts; the mixed total is not a
+        multiple of 16, the lone prompts are); and a short chunk at the end of a context in
+        every wider bucket of the indexer's top-k up to the model's context length."""
+        from m3serve.kernels.indexer import TOPK_MIN_COLUMNS
         moe = next((layer.mlp for layer in self.model.model.layers if layer.is_moe), None)
         counts = moe.tile_token_counts(max_tokens) if moe is not None else [max_tokens]
-        shapes = [[min(16, max_tokens)]]
+        short = min(16, max_tokens)
+        shapes = [([short], [short])]
         for t in counts:
-            shapes.append([t])
+            shapes.append(([t], [t]))
             if t > 8 and self.buffers.max_reqs >= 8:
-                shapes.append([t - 7] + [1] * 7)
+                shapes.append(([t - 8] + [1] * 7, [t - 8] + [1] * 7))
+        width, context = 2 * TOPK_MIN_COLUMNS, self.buffers.max_blocks * self.block_size
+        while width // 2 * self.block_size < context:
+            shapes.append(([short], [min(context, width * self.block_size)]))
+            width *= 2
         return shapes
 
     @torch.inference_mode()
-    def warm_up(self, shapes: list[list[int]]) -> None:
+    def warm_up(self, shapes: list[tuple[list[int], list[int]]]) -> None:
         """Eager forwards (with the logits of each row's last token) over rows on the null page,
-        one per entry of `shapes` (query lengths): every Triton variant those step layouts
-        need compiles here, not inside a served step. Every rank runs the same shapes, so the
-        forwards' collectives match; no real block is read or written."""
-        for query_lens in shapes:
-            qsl, seq = self.buffers.stage_null(query_lens)
+        one per (query lengths, context lengths) in `shapes`: every Triton variant those step
+        layouts need compiles here, not inside a served step. Every rank runs the same shapes,
+        so the forwards' collectives match; no real block is read or written."""
+        for query_lens, context_lens in shapes:
+            qsl, seq = self.buffers.stage_null(query_lens, context_lens)
             n, t = len(query_lens), qsl[-1]
             ids, positions, meta = self.buffers.inputs(
                 n, t, max(query_lens) == 1, qsl, seq, max_query_len=max(query_lens),
-                max_seq_len=max(query_lens), dp_padded_tokens=t if self.dp_exchange else 0)
+                max_seq_len=max(seq), dp_padded_tokens=t if self.dp_exchange else 0)
             hidden = self.model(ids, positions, meta)
             last = torch.tensor(qsl[1:], device=hidden.device) - 1
             self.model.lm_head.local_logits(hidden[last])

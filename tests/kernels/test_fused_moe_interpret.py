@@ -291,3 +291,17 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
                  {"HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32, "SCATTER": True}, 4])
     lines = compile_for_hopper(jobs, tmp_path)
     assert len(lines) == 5
+
+
+def test_regime_token_counts_reach_every_tile_regime(monkeypatch):
+    """The warm-up's step sizes land in every tile regime of get_config: per replica, with the
+    experts of one rank (EP) and the (token, choice) pairs of all DP replicas gathered."""
+    monkeypatch.setattr(fm, "_INTERPRET", False)
+    for experts, pairs_per_token in ((128, 4), (16, 4), (128, 32)):   # TP/EP1, EP8, DP8
+        counts = fm.regime_token_counts(experts, pairs_per_token, 8192)
+        assert counts[-1] == 8192
+        tiles = {tuple(fm.get_config(-(-t * pairs_per_token // experts), 3072, 6144,
+                                     torch.bfloat16, True).values()) for t in counts}
+        reachable = {tuple(fm.get_config(m, 3072, 6144, torch.bfloat16, True).values())
+                     for m in range(1, 8192 * pairs_per_token // experts + 1)}
+        assert tiles == reachable

@@ -78,24 +78,30 @@ def test_prompt_logprobs_of_one_token_chunks_in_graph_steps(engines, tiny_dir):
 
 
 def test_warm_up_forwards_touch_only_the_null_page(engines):
-    """The start-up warm-up runs prompts and mixed steps on the null page: the cached blocks of
-    earlier requests keep their contents, and the next requests give the same tokens."""
+    """The start-up warm-up runs prompts, mixed steps and short chunks at the end of long
+    contexts on the null page: the cached blocks (K/V and index keys) of earlier requests keep
+    their contents, and the next requests give the same tokens."""
     import torch
     plain, _ = engines
     runner = plain.engine.worker.runner
     prompts = [{"prompt_token_ids": [(5 * j) % 400 + 3 for j in range(150)]}]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     first = plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
-    before = [kv[:, 1:].clone() for kv in runner.kv_caches]
+    caches = [c for c in (*runner.kv_caches, *runner.index_caches) if c is not None]
+    blocks = [c[:, 1:] if c.dim() == 5 else c[1:] for c in caches]      # every block but 0
+    before = [b.clone() for b in blocks]
     shapes = runner.warm_up_shapes(300)
     moe = next(layer.mlp for layer in runner.model.model.layers if layer.is_moe)
     cfg = moe.cfg
-    assert [16] in shapes and [300] in shapes and [300 - 7] + [1] * 7 in shapes
-    assert all(sum(s) <= 300 for s in shapes)
-    assert len(shapes) == 1 + 2 * len(moe.tile_token_counts(300))
-    assert min(16 * cfg.num_local_experts // cfg.num_experts_per_tok, 300) in {s[0] for s in shapes}
+    assert ([16], [16]) in shapes and ([300], [300]) in shapes
+    assert ([300 - 8] + [1] * 7, [300 - 8] + [1] * 7) in shapes          # 299 tokens: not % 16
+    assert all(sum(q) <= 300 for q, _ in shapes)
+    regime = min(16 * cfg.num_local_experts // cfg.num_experts_per_tok, 300)
+    assert ([regime], [regime]) in shapes
+    context = runner.buffers.max_blocks * runner.block_size            # 4096 for the tiny model
+    assert ([16], [context]) in shapes                                 # a wider top-k bucket
     runner.warm_up(shapes)
-    assert all(torch.equal(a, kv[:, 1:]) for a, kv in zip(before, runner.kv_caches))
+    assert all(torch.equal(a, b) for a, b in zip(before, blocks))
     assert plain.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == first
 
 
@@ -105,3 +111,5 @@ def test_null_rows_must_fit_the_buffers(engines):
         buffers.stage_null([buffers.max_tokens + 1])
     with pytest.raises(ValueError, match="do not fit"):
         buffers.stage_null([])
+    with pytest.raises(ValueError, match="do not fit"):
+        buffers.stage_null([4], [3])                                   # context shorter than the query
