@@ -214,16 +214,22 @@ def prefill_attn() -> None:
                   ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n, _ in res[:4]), flush=True)
 
 
+def _prefill_moe_inputs(T: int, E: int, H: int):
+    """Activations [T, H], balanced random routing to 4 of E experts, its weights, and an fp32
+    output [T, H]."""
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda").topk(4, dim=-1).indices.int()
+    wts = torch.rand(T, 4, device="cuda")
+    return x, ids, wts, torch.empty(T, H, device="cuda", dtype=torch.float32)
+
+
 def prefill_moe() -> None:
     """Fused MoE at prefill token counts (balanced random routing), by tile."""
     from m3serve.kernels.fused_moe import _config, fused_moe, get_config
     E, H, I = 128, 6144, 3072
     w13, w2, shared = _moe_weights(E, H, I)
     for T in (2048, 8192):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        ids = torch.rand(T, E, device="cuda").topk(4, dim=-1).indices.int()
-        wts = torch.rand(T, 4, device="cuda")
-        out = torch.empty(T, H, device="cuda", dtype=torch.float32)
+        x, ids, wts, out = _prefill_moe_inputs(T, E, H)
         flops = 2 * T * 5 * 3 * H * I
         table = triton.testing.do_bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out),
                                         rep=50) * 1e3
@@ -256,10 +262,7 @@ def prefill_moe_kernels() -> None:
     E, H, I = 128, 6144, 3072
     w13, w2, shared = _moe_weights(E, H, I)
     for T in (2048, 8192):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        ids = torch.rand(T, E, device="cuda").topk(4, dim=-1).indices.int()
-        wts = torch.rand(T, 4, device="cuda")
-        out = torch.empty(T, H, device="cuda", dtype=torch.float32)
+        x, ids, wts, out = _prefill_moe_inputs(T, E, H)
         for reduce in ("atomic", "sum"):   # the down GEMM adds into [T, H] or stores [T * 5, H]
             run = lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, reduce=reduce)
             for _ in range(3):
@@ -302,10 +305,10 @@ def small() -> None:
         base = rn.norm_warps
         res = []
         for warps in (4, 8, 16, 32):
-            rn.norm_warps = lambda block, rows, warps=warps: warps
+            rn.norm_warps = lambda block, warps=warps: warps
             res.append(f"w{warps} {bench(lambda: rn.fused_add_rms_norm(x, r, w, 1e-6)):.2f}")
         rn.norm_warps = base
-        print(f"add+rmsnorm M={m} (current {base(8192, m)} warps): " + ", ".join(res), flush=True)
+        print(f"add+rmsnorm M={m} (current {base(8192)} warps): " + ", ".join(res), flush=True)
         scores = torch.randn(m, 4, 74, device="cuda")
         base_topk = ix.TOPK_WARPS_SMALL
         res = []

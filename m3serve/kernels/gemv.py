@@ -47,16 +47,16 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, best_v_ptr, best_i_ptr, M, N, K, n_rea
             w = w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc)                                          # [BM, BN]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
     if HEAD:
         y = cast_rne(acc, x_ptr.dtype.element_ty, UPCAST).to(tl.float32)
         y = tl.where((offs_n < n_real)[None, :], y, float("-inf"))                 # [BM, BN]
-        tl.store(out_ptrs, y, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptrs, y, mask=mask)
         best = tl.argmax(y, axis=1, tie_break_left=True)                          # [BM]
         tl.store(best_v_ptr + offs_m * num_tiles + pid_n, tl.max(y, axis=1), mask=m_ok)
         tl.store(best_i_ptr + offs_m * num_tiles + pid_n, pid_n * BLOCK_N + best, mask=m_ok)
     else:
-        tl.store(out_ptrs, cast_rne(acc, out_ptr.dtype.element_ty, UPCAST),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptrs, cast_rne(acc, out_ptr.dtype.element_ty, UPCAST), mask=mask)
 
 
 @triton.jit

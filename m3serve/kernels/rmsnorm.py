@@ -80,14 +80,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     return N
 
 
-def norm_warps(block: int, rows: int) -> int:
+def norm_warps(block: int) -> int:
     """Warps per row program (a function so benchmarks can swap it)."""
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
 def _launch(x2, r2, weight, out2, res_out2, eps, N):
     BLOCK = triton.next_power_of_2(N)
-    num_warps = norm_warps(BLOCK, x2.shape[0])
+    num_warps = norm_warps(BLOCK)
     has_res = r2 is not None
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2 if has_res else x2, weight, out2, res_out2 if has_res else out2,

@@ -1,5 +1,5 @@
-"""One-kernel versions of two small per-step computations that PyTorch spreads over many
-launches (about 14 kernels of 1-2 µs each in a decode step, before the first layer):
+"""One-kernel versions of small per-step computations that PyTorch spreads over several
+launches (about 17 kernels of 1-6 µs each in a decode step, before the first layer):
   decode_positions_slots: each request's one query position (seq_len - 1) and its cache slot;
   rope_cos_sin: the rotary cos/sin rows of a step's positions (fp32 angle = position x inverse
       frequency, CUDA's cosf/sinf through libdevice as torch uses them, one rounding).

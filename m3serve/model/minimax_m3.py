@@ -116,8 +116,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         GPU the widening to fp32 and this rank's argmax ride in the head GEMM's epilogue
         (`kernels/gemv.skinny_head`: the same logits and ids as the two steps)."""
         from m3serve.kernels.gemv import skinny_eligible, skinny_head
-        if (hidden.is_cuda and self.num_real > 0 and skinny_eligible(hidden, self.weight)
-                and use_triton("skinny_head", hidden)):
+        if self.num_real > 0 and skinny_eligible(hidden, self.weight) and use_triton("skinny_head", hidden):
             local, best = skinny_head(hidden, self.weight, self.num_real)
             return local, self.greedy(local, best)
         local = self.local_logits(hidden)

@@ -101,10 +101,7 @@ class StepBuffers:
             qsl[n + 1:] = t + q * np.arange(1, rows_total - n + 1, dtype=np.int32)
             tok[t:] = 0
             table[n:, 0] = 0
-        end = self._bt + rows_total * self.max_blocks
-        self.dev[:end].copy_(self.host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._upload(rows_total)
         return rows_total
 
     def stage_null(self, query_lens: list[int],
@@ -129,11 +126,16 @@ class StepBuffers:
         h[self._qsl:self._qsl + R + 1] = qsl
         h[self._tok:self._tok + T] = 0
         h[self._bt:self._bt + R * self.max_blocks] = 0
-        end = self._bt + R * self.max_blocks
+        self._upload(R)
+        return qsl, seq_lens
+
+    def _upload(self, rows: int) -> None:
+        """Start the copy of the staged host buffer (through the block tables of `rows` rows) to
+        the device; the next staging waits for it."""
+        end = self._bt + rows * self.max_blocks
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return qsl, seq_lens
 
     def feed_tokens(self, num: int, sampled: torch.Tensor) -> None:
         """Write the previous step's sampled ids [R'] (still on the device) into the first `num`

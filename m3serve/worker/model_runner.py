@@ -163,13 +163,14 @@ class ModelRunner:
             return self._speculative_step(so, batch, dp)
         hidden, local, greedy = self._forward(batch, dp, self._feed_of(batch, prev, placeholders))
         if so.deferred:
-            if self.batch.all_plain_greedy(batch.rows[self._complete(batch)]):
+            done = self._complete(batch)                                         # [R]
+            if self.batch.all_plain_greedy(batch.rows[done]):
                 self._defer(batch, greedy if greedy is not None else self.model.lm_head.greedy(local),
                             so.sampled_req_ids)
                 previous = self._land(prev, placeholders)
             else:   # sampled on the device; the previous ids land first: the history is whole
                 previous = self._land(prev, placeholders)
-                self._defer(batch, self._sample_on_device(batch, local), so.sampled_req_ids)
+                self._defer(batch, self._sample_on_device(batch, local, done), so.sampled_req_ids)
             self.batch.advance(batch)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         previous = self._land(prev, placeholders)       # before sampling: the host history is whole
@@ -295,13 +296,14 @@ class ModelRunner:
         computed a partial prefill chunk)."""
         return batch.seq_lens >= self.batch.num_tokens[batch.rows]
 
-    def _sample_on_device(self, batch: ScheduledBatch, local: torch.Tensor) -> torch.Tensor:
+    def _sample_on_device(self, batch: ScheduledBatch, local: torch.Tensor,
+                          done: np.ndarray) -> torch.Tensor:
         """A deferred step's sampled ids [R] int64, left on the device (rows of partial prefill
-        chunks hold 0 and are never read). One rank only, and only requests that sample from
-        the logits alone (the scheduler's rule), so no grammar, penalty or logprob work."""
+        chunks hold 0 and are never read); done: [R] bool, the requests that sample (`_complete`).
+        One rank only, and only requests that sample from the logits alone (the scheduler's
+        rule), so no grammar, penalty or logprob work."""
         if self.model.tp.size > 1:
             raise RuntimeError("a deferred sampled step needs one rank (the ids feed every rank)")
-        done = self._complete(batch)                                                  # [R]
         index, rows = np.flatnonzero(done), batch.rows[done].tolist()
         if any(not self.batch.params[r].samples_from_logits_alone for r in rows):
             raise RuntimeError("a deferred step has a request whose sampling reads its history")
