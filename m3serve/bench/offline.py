@@ -70,6 +70,14 @@ def _expected_experts(cfg, tokens: int) -> list[float]:
     return [E * (1 - (1 - k / E) ** tokens)] * n
 
 
+def run_params(args, max_tokens: int):
+    """The sampling of every run: max_tokens tokens past EOS, greedy or `--temperature` /
+    `--top-p`."""
+    from m3serve.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=args.temperature,
+                          top_p=args.top_p)
+
+
 def main(args) -> list[dict]:
     import torch
 
@@ -78,7 +86,6 @@ def main(args) -> list[dict]:
                                         prefill_flops)
     from m3serve.engine_args import engine_kwargs
     from m3serve.llm import LLM
-    from m3serve.sampling_params import SamplingParams
 
     t0 = time.time()
     llm = LLM(**engine_kwargs(args))
@@ -105,12 +112,10 @@ def main(args) -> list[dict]:
     for isl, bs in points:
         def prompts():
             return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
-        draw = dict(ignore_eos=True, temperature=args.temperature, top_p=args.top_p)
-        one = SamplingParams(max_tokens=1, **draw)
-        many = SamplingParams(max_tokens=args.osl + 1, **draw)
+        one, many = run_params(args, 1), run_params(args, args.osl + 1)
         # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
         # no Triton JIT specialisation is compiled inside a measured step
-        llm.generate(prompts(), SamplingParams(max_tokens=4, **draw), use_tqdm=False)
+        llm.generate(prompts(), run_params(args, 4), use_tqdm=False)
         jit_before = variants_by_kernel()
         spec_before = _spec_counts(llm)
         batch = prompts()
