@@ -203,7 +203,7 @@ def prefill_attn() -> None:
                                                             max_query_len=max(lens), max_seq_len=max(lens))
                             try:
                                 t = triton.testing.do_bench(fn, rep=30) * 1e3
-                            except Exception as e:  # noqa: BLE001 - out of resources: skipped
+                            except Exception:  # noqa: BLE001 - out of resources: skipped
                                 continue
                             res.append((t, f"m{bm} n{bn} w{wp} s{st}", (bm, bn, wp, st) == base[sparse]))
             pa._PREFILL_TILES.update(base)
