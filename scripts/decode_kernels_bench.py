@@ -7,8 +7,9 @@
   prefill_attn / prefill_moe  the prefill attention and the fused MoE at prompt sizes, by tile;
   moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared);
   prefill_moe_kernels  the fused MoE's prefill time by kernel (profiler), with each GEMM's TFLOP/s;
-  small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps.
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [prefill_moe_kernels] [small]`"""
+  small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps;
+  sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step.
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [prefill_moe_kernels] [small] [sample]`"""
 import sys
 
 import torch
@@ -317,6 +318,49 @@ def small() -> None:
             res.append(f"w{warps} {bench(lambda: ix.select_topk(scores, 16)):.2f}")
         ix.TOPK_WARPS_SMALL = base_topk
         print(f"top-16 of 74 rows M={m} x 4 heads: " + ", ".join(res), flush=True)
+
+
+def _sorted_top_p(logits, p):
+    """The sampler's top-p before the radix kernels: a full sort, softmax, cumsum and scatter."""
+    values, ids = logits.sort(dim=-1, descending=True)
+    probs = values.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs >= p.unsqueeze(1)) & (p.unsqueeze(1) < 1.0)
+    return torch.empty_like(logits).scatter_(1, ids, values.masked_fill(drop, float("-inf")))
+
+
+def sample() -> None:
+    """Eager times (the sampler runs outside the decode graphs) at the real vocabulary: top-p 0.9
+    by the old sort path, the sort-based reference cut-off and the radix kernels; top-k 50 by
+    torch.topk and by the radix kernels; and Sampler.forward at temperature 1, top-p 0.9 on
+    each path. Logits: N(0, 2^2) with 20 tokens lifted by 8-12 (a peaked row)."""
+    from triton.testing import do_bench
+
+    from m3serve.kernels.ref.sampling import top_k_threshold_ref, top_p_threshold_ref
+    from m3serve.kernels.sampling import top_k_threshold, top_p_threshold
+    from m3serve.layers.dispatch import reference_ops
+    from m3serve.sampling_params import SamplingParams
+    from m3serve.worker.sampler import Sampler, SamplingMetadata
+    V = 200064
+    for R in (1, 8, 64):
+        logits = torch.randn(R, V, device="cuda") * 2
+        logits[:, :20] += torch.rand(R, 20, device="cuda") * 4 + 8
+        p = torch.full((R,), 0.9, device="cuda")
+        k = torch.full((R,), 50, device="cuda", dtype=torch.int64)
+        same = int((top_p_threshold(logits, p) == top_p_threshold_ref(logits, p)).sum())
+        print(f"sample R={R}: radix top-p cut-off equals the reference in {same}/{R} rows")
+        t = {"top-p sort (before)": do_bench(lambda: _sorted_top_p(logits, p)),
+             "top-p sort cut-off (ref)": do_bench(lambda: top_p_threshold_ref(logits, p)),
+             "top-p radix cut-off": do_bench(lambda: top_p_threshold(logits, p)),
+             "top-k 50 torch.topk": do_bench(lambda: top_k_threshold_ref(logits, k, 50)),
+             "top-k 50 radix": do_bench(lambda: top_k_threshold(logits, k))}
+        sampler = Sampler(torch.Generator(device="cuda").manual_seed(0))
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * R
+        meta = SamplingMetadata.from_params(params, [[]] * R, [[]] * R, [None] * R, V, "cuda")
+        t["Sampler T=1 top-p 0.9 (radix)"] = do_bench(lambda: sampler(logits, meta))
+        with reference_ops():
+            t["Sampler T=1 top-p 0.9 (sort ref)"] = do_bench(lambda: sampler(logits, meta))
+        print(f"sample R={R}: " + ", ".join(f"{n} {v * 1e3:.1f} us" for n, v in t.items()),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from m3serve.kernels.ref.sampling import top_k_threshold_ref, top_p_threshold_ref
+from m3serve.kernels.sampling import top_k_threshold, top_p_threshold
+from m3serve.layers.dispatch import use_triton
 from m3serve.sampling_params import SamplingParams
 
 # Smallest positive fp32; exponential noise is clamped to it so -log(q) stays finite and a
@@ -247,27 +250,19 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None, max_top_k: int | None) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus: the
-    smallest set of best tokens whose probability mass reaches p. Ties at the k-th value stay.
-    max_top_k: top_k's largest value, known on the host (`SamplingMetadata.max_top_k`: reading
-    it from the device would sync the stream)."""
-    if top_k is None and top_p is None:
-        return logits
-    if top_p is None:
-        # Only top-k: a partial top-k is cheaper than a full vocab sort.
-        best = logits.topk(max_top_k, dim=-1).values         # [num_reqs, max_k]
-        kth = best.gather(1, (top_k - 1).unsqueeze(1))       # [num_reqs, 1]
-        return logits.masked_fill(logits < kth, float("-inf"))
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_reqs, vocab]
+    smallest set of best tokens whose probability mass (after top-k) reaches p. Ties at either
+    cut-off stay. Each cut-off is one logit per row (`kernels/ref/sampling.py` defines both): on
+    CUDA found by a radix search, with no [R, vocab] sort. max_top_k: top_k's largest value,
+    known on the host (`SamplingMetadata.max_top_k`: reading it from the device would sync)."""
+    triton_ok = (top_k is not None or top_p is not None) and use_triton("top_k_top_p", logits)
     if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))       # [num_reqs, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better-ranked tokens
-    p = top_p.unsqueeze(1)
-    # p == 1 rows are exempt: fp32 cumsum can reach 1.0 before the tail and drop real tokens.
-    drop = (mass_before >= p) & (p < 1.0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+        tau = top_k_threshold(logits, top_k) if triton_ok else \
+            top_k_threshold_ref(logits, top_k, max_top_k)
+        logits = logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        tau = top_p_threshold(logits, top_p) if triton_ok else top_p_threshold_ref(logits, top_p)
+        logits = logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
