@@ -328,13 +328,27 @@ def _sorted_top_p(logits, p):
     return torch.empty_like(logits).scatter_(1, ids, values.masked_fill(drop, float("-inf")))
 
 
-def sample() -> None:
-    """Eager times (the sampler runs outside the decode graphs) at the real vocabulary: top-p 0.9
-    by the old sort path, the sort-based reference cut-off and the radix kernels; top-k 50 by
-    torch.topk and by the radix kernels; and Sampler.forward at temperature 1, top-p 0.9 on
-    each path. Logits: N(0, 2^2) with 20 tokens lifted by 8-12 (a peaked row)."""
-    from triton.testing import do_bench
+def _eager_us(fn, n: int = 100) -> float:
+    """Back-to-back eager calls (as the sampler runs, outside the graphs): host launch time
+    counts where it exceeds the GPU's."""
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
 
+
+def sample() -> None:
+    """At the real vocabulary: top-p 0.9 by the old sort path, the sort-based reference cut-off
+    and the radix kernels; top-k 50 by torch.topk and by the radix kernels; Sampler.forward at
+    temperature 1, top-p 0.9 on each path. Eager back-to-back (host-bound shows) and by graph
+    replay (GPU time only), then the sampled step's kernels by the profiler. Logits: N(0, 2^2)
+    with 20 tokens lifted by 8-12 (a peaked row)."""
     from m3serve.kernels.ref.sampling import top_k_threshold_ref, top_p_threshold_ref
     from m3serve.kernels.sampling import top_k_threshold, top_p_threshold
     from m3serve.layers.dispatch import reference_ops
@@ -348,19 +362,59 @@ def sample() -> None:
         k = torch.full((R,), 50, device="cuda", dtype=torch.int64)
         same = int((top_p_threshold(logits, p) == top_p_threshold_ref(logits, p)).sum())
         print(f"sample R={R}: radix top-p cut-off equals the reference in {same}/{R} rows")
-        t = {"top-p sort (before)": do_bench(lambda: _sorted_top_p(logits, p)),
-             "top-p sort cut-off (ref)": do_bench(lambda: top_p_threshold_ref(logits, p)),
-             "top-p radix cut-off": do_bench(lambda: top_p_threshold(logits, p)),
-             "top-k 50 torch.topk": do_bench(lambda: top_k_threshold_ref(logits, k, 50)),
-             "top-k 50 radix": do_bench(lambda: top_k_threshold(logits, k))}
+        fns = {"top-p sort (before)": lambda: _sorted_top_p(logits, p),
+               "top-p sort cut-off (ref)": lambda: top_p_threshold_ref(logits, p),
+               "top-p radix cut-off": lambda: top_p_threshold(logits, p),
+               "top-k 50 torch.topk": lambda: top_k_threshold_ref(logits, k, 50),
+               "top-k 50 radix": lambda: top_k_threshold(logits, k)}
+        for name, fn in fns.items():
+            print(f"sample R={R} {name}: eager {_eager_us(fn):.1f} us, graph {bench(fn):.1f} us",
+                  flush=True)
         sampler = Sampler(torch.Generator(device="cuda").manual_seed(0))
         params = [SamplingParams(temperature=1.0, top_p=0.9)] * R
         meta = SamplingMetadata.from_params(params, [[]] * R, [[]] * R, [None] * R, V, "cuda")
-        t["Sampler T=1 top-p 0.9 (radix)"] = do_bench(lambda: sampler(logits, meta))
+        t_radix = _eager_us(lambda: sampler(logits, meta))
         with reference_ops():
-            t["Sampler T=1 top-p 0.9 (sort ref)"] = do_bench(lambda: sampler(logits, meta))
-        print(f"sample R={R}: " + ", ".join(f"{n} {v * 1e3:.1f} us" for n, v in t.items()),
-              flush=True)
+            t_sort = _eager_us(lambda: sampler(logits, meta))
+        print(f"sample R={R} Sampler T=1 top-p 0.9: radix {t_radix:.1f} us, sort reference "
+              f"{t_sort:.1f} us (eager)", flush=True)
+        if R in (1, 8):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    sampler(logits, meta)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+
+
+def sample_rounds() -> None:
+    """The radix cut-offs' digit split and chunk size: top-p 0.9 and top-k 50 by graph replay,
+    each checked against the sort-based reference, with the hist/scan kernel times by profiler."""
+    import m3serve.kernels.sampling as ks
+    from m3serve.kernels.ref.sampling import top_p_threshold_ref
+    V = 200064
+    base = ks.ROUNDS, ks.CHUNK
+    variants = [(((20, 12), (10, 10), (0, 10)), 4096), (((20, 12), (10, 10), (0, 10)), 8192),
+                (((20, 12), (10, 10), (0, 10)), 2048), (((18, 14), (9, 9), (0, 9)), 4096),
+                (((17, 15), (8, 9), (0, 8)), 4096), (((16, 16), (8, 8), (0, 8)), 4096)]
+    for R in (1, 8, 64):
+        logits = torch.randn(R, V, device="cuda") * 2
+        logits[:, :20] += torch.rand(R, 20, device="cuda") * 4 + 8
+        p = torch.full((R,), 0.9, device="cuda")
+        k = torch.full((R,), 50, device="cuda", dtype=torch.int64)
+        ref = top_p_threshold_ref(logits, p)
+        for rounds, chunk in variants:
+            ks.ROUNDS, ks.CHUNK = rounds, chunk
+            same = int((ks.top_p_threshold(logits, p) == ref).sum())
+            t_p = bench(lambda: ks.top_p_threshold(logits, p))
+            t_k = bench(lambda: ks.top_k_threshold(logits, k))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                ks.top_p_threshold(logits, p)
+                torch.cuda.synchronize()
+            kern = [f"{e.name[1:5]} {e.self_device_time_total:.1f}" for e in prof.events()
+                    if e.name in ("_hist_kernel", "_scan_kernel")]
+            print(f"rounds R={R} {[b for _, b in rounds]} chunk {chunk}: top-p {t_p:.1f} us "
+                  f"({same}/{R} equal), top-k {t_k:.1f} us; top-p kernels {kern}", flush=True)
+        ks.ROUNDS, ks.CHUNK = base
 
 
 if __name__ == "__main__":

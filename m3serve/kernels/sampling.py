@@ -17,9 +17,9 @@ import triton.language as tl
 
 from m3serve.kernels.ref.sampling import MASS_SCALE
 
-_ROUNDS = ((20, 12), (10, 10), (0, 10))   # (shift, bits) of each round's digit in the key
-_HIST_OFFSETS = (0, 4096, 5120, 6144)     # each round's bins in one zeroed [R, 6144] buffer
-_CHUNK = 4096                              # values per histogram program
+ROUNDS = ((20, 12), (10, 10), (0, 10))  # (shift, bits) of each round's digit in the key
+CHUNK = 2048    # values per histogram program (decode_kernels_bench.py sample_rounds)
+_SCALE = tl.constexpr(MASS_SCALE)
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _key(x):
 
 
 @triton.jit
-def _hist_kernel(x_ptr, stride_x, V, top_ptr, state_ptr, hist_ptr,
+def _hist_kernel(x_ptr, stride_x, V, top_ptr, state_ptr, hist_ptr, stride_h,
                  SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
                  MASS: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
@@ -43,22 +43,22 @@ def _hist_kernel(x_ptr, stride_x, V, top_ptr, state_ptr, hist_ptr,
         ok = ok & ((key >> (SHIFT + BITS)) == tl.load(state_ptr + row * 4))
     if MASS:
         top = tl.load(top_ptr + row)
-        w = tl.floor(tl.exp(x - top) * MASS_SCALE + 0.5).to(tl.int64)
+        w = tl.floor(tl.exp(x - top) * _SCALE + 0.5).to(tl.int64)
         ok = ok & (x > float("-inf")) & (w > 0)
     else:
         w = tl.full([CHUNK], 1, tl.int64)
     digit = (key >> SHIFT) & ((1 << BITS) - 1)
-    tl.atomic_add(hist_ptr + row * 6144 + digit, w, mask=ok, sem="relaxed")
+    tl.atomic_add(hist_ptr + row * stride_h + digit, w, mask=ok, sem="relaxed")
 
 
 @triton.jit
-def _scan_kernel(hist_ptr, state_ptr, param_ptr, tau_ptr, V,
+def _scan_kernel(hist_ptr, stride_h, state_ptr, param_ptr, tau_ptr, V,
                  BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                  MASS: tl.constexpr):
     row = tl.program_id(0)
     NB: tl.constexpr = 1 << BITS
     i = tl.arange(0, NB)
-    h = tl.load(hist_ptr + row * 6144 + (NB - 1 - i))          # [NB] bins, highest first
+    h = tl.load(hist_ptr + row * stride_h + (NB - 1 - i))          # [NB] bins, highest first
     if FIRST:
         prefix = tl.zeros((), tl.int64)
         above = tl.zeros((), tl.int64)
@@ -99,17 +99,21 @@ def _threshold(logits: torch.Tensor, param: torch.Tensor, mass: bool) -> torch.T
     tau = torch.empty(R, dtype=torch.float32, device=logits.device)
     if R == 0:
         return tau
-    hist = torch.zeros(R, _HIST_OFFSETS[-1], dtype=torch.int64, device=logits.device)
+    offsets = [0]
+    for _, bits in ROUNDS:
+        offsets.append(offsets[-1] + (1 << bits))       # each round's bins in one zeroed buffer
+    hist = torch.zeros(R, offsets[-1], dtype=torch.int64, device=logits.device)
     state = torch.empty(R, 4, dtype=torch.int64, device=logits.device)  # prefix, above, target
     top = logits.amax(dim=-1) if mass else tau
     param = param.contiguous()
-    for r, (shift, bits) in enumerate(_ROUNDS):
-        bins = hist[:, _HIST_OFFSETS[r]:]
-        _hist_kernel[(R, triton.cdiv(V, _CHUNK))](
-            logits, logits.stride(0), V, top, state, bins, SHIFT=shift, BITS=bits,
-            FIRST=r == 0, MASS=mass, CHUNK=_CHUNK, num_warps=4)
-        _scan_kernel[(R,)](bins, state, param, tau, V, BITS=bits, FIRST=r == 0,
-                           LAST=r == len(_ROUNDS) - 1, MASS=mass, num_warps=4)
+    for r, (shift, bits) in enumerate(ROUNDS):
+        bins = hist[:, offsets[r]:]
+        _hist_kernel[(R, triton.cdiv(V, CHUNK))](
+            logits, logits.stride(0), V, top, state, bins, hist.stride(0), SHIFT=shift,
+            BITS=bits, FIRST=r == 0, MASS=mass, CHUNK=CHUNK, num_warps=4)
+        _scan_kernel[(R,)](bins, hist.stride(0), state, param, tau, V, BITS=bits, FIRST=r == 0,
+                           LAST=r == len(ROUNDS) - 1, MASS=mass,
+                           num_warps=max(4, min(16, (1 << bits) // 256)))
     return tau
 
 
