@@ -18,7 +18,8 @@ from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.worker.attn_metadata import StepBuffers
 from m3serve.worker.cuda_graphs import DecodeGraphs
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
-from m3serve.worker.sampler import Sampler, SamplingMetadata, compute_logprobs, to_device
+from m3serve.worker.sampler import (Sampler, SamplingMetadata, apply_top_k_top_p, compute_logprobs,
+                                    to_device)
 
 # per position: (token id, its logprob, its rank, top-n ids, top-n logprobs)
 LogprobEntry = tuple[int, float, int, list[int], list[float]]
@@ -136,6 +137,10 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta)
             last = torch.tensor(qsl[1:], device=hidden.device) - 1
             self.model.lm_head.local_logits(hidden[last])
+        if self.sampler is not None:       # the top-k / top-p cut-off kernels (one variant each)
+            logits = torch.zeros(1, self.vocab_size, device=self.device)
+            apply_top_k_top_p(logits, torch.ones(1, dtype=torch.int64, device=self.device),
+                              torch.full((1,), 0.5, device=self.device), 1)
 
     # ------------------------------------------------------------ the step
 

@@ -149,17 +149,20 @@ def test_realshape_l4_triton_matches_reference_ops(tmp_path):
 
 
 def test_no_triton_compile_while_serving_after_warm_up(tiny_dir):
-    """After start-up (decode graphs + the prefill warm-up), prompts of many lengths, alone and
-    beside decodes, compile no new Triton variant (a compile stalls every request)."""
+    """After start-up (decode graphs + the prefill and sampler warm-up), prompts of many lengths,
+    alone and beside decodes, greedy and sampled, compile no new Triton variant (a compile
+    stalls every request)."""
     from m3serve.bench.jit_stats import new_variants, variants_by_kernel
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
     llm = LLM(model=str(tiny_dir), dtype="bfloat16", device="cuda", max_num_batched_tokens=2048,
               max_num_seqs=16, max_model_len=4096)
     before = variants_by_kernel()
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, max_tokens=8, ignore_eos=True)
     for lens in ([37], [150, 3], [700, 5, 9, 1000], [1900], [64] * 12, [2500, 20]):
         prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 5 for j in range(n)]}
                    for i, n in enumerate(lens)]
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, greedy, use_tqdm=False)
+    llm.generate(prompts, sampled, use_tqdm=False)        # the top-k / top-p cut-off kernels
     assert new_variants(before) == {}
