@@ -11,6 +11,8 @@ result does not depend on scheduling. Definitions and their PyTorch twins: `ref/
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +42,7 @@ def _hist_kernel(x_ptr, stride_x, V, top_ptr, state_ptr, hist_ptr, stride_h,
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=ok, other=float("-inf"))
     key = _key(x)
     if not FIRST:
-        ok = ok & ((key >> (SHIFT + BITS)) == tl.load(state_ptr + row * 4))
+        ok = ok & ((key >> (SHIFT + BITS)) == tl.load(state_ptr + row * 3))
     if MASS:
         top = tl.load(top_ptr + row)
         w = tl.floor(tl.exp(x - top) * _SCALE + 0.5).to(tl.int64)
@@ -69,11 +71,11 @@ def _scan_kernel(hist_ptr, stride_h, state_ptr, param_ptr, tau_ptr, V,
             target = tl.minimum(tl.maximum(target, 1), total)
         else:
             target = tl.load(param_ptr + row).to(tl.int64)
-        tl.store(state_ptr + row * 4 + 2, target)
+        tl.store(state_ptr + row * 3 + 2, target)
     else:
-        prefix = tl.load(state_ptr + row * 4)
-        above = tl.load(state_ptr + row * 4 + 1)
-        target = tl.load(state_ptr + row * 4 + 2)
+        prefix = tl.load(state_ptr + row * 3)
+        above = tl.load(state_ptr + row * 3 + 1)
+        target = tl.load(state_ptr + row * 3 + 2)
     reach = above + tl.cumsum(h, 0) >= target
     first = tl.min(tl.where(reach, i, NB - 1), 0)             # the bin where the target is met
     above += tl.sum(tl.where(i < first, h, 0), 0)
@@ -87,8 +89,8 @@ def _scan_kernel(hist_ptr, stride_h, state_ptr, param_ptr, tau_ptr, V,
             keep_all = tl.load(param_ptr + row) >= V
         tl.store(tau_ptr + row, tl.where(keep_all, float("-inf"), tau))
     else:
-        tl.store(state_ptr + row * 4, prefix)
-        tl.store(state_ptr + row * 4 + 1, above)
+        tl.store(state_ptr + row * 3, prefix)
+        tl.store(state_ptr + row * 3 + 1, above)
 
 
 def _threshold(logits: torch.Tensor, param: torch.Tensor, mass: bool) -> torch.Tensor:
@@ -99,12 +101,10 @@ def _threshold(logits: torch.Tensor, param: torch.Tensor, mass: bool) -> torch.T
     tau = torch.empty(R, dtype=torch.float32, device=logits.device)
     if R == 0:
         return tau
-    offsets = [0]
-    for _, bits in ROUNDS:
-        offsets.append(offsets[-1] + (1 << bits))       # each round's bins in one zeroed buffer
+    offsets = [0, *itertools.accumulate(1 << bits for _, bits in ROUNDS)]  # rounds' bins
     hist = torch.zeros(R, offsets[-1], dtype=torch.int64, device=logits.device)
-    state = torch.empty(R, 4, dtype=torch.int64, device=logits.device)  # prefix, above, target
-    top = logits.amax(dim=-1) if mass else tau
+    state = torch.empty(R, 3, dtype=torch.int64, device=logits.device)  # prefix, above, target
+    top = logits.amax(dim=-1) if mass else tau     # top-k reads no row maximum
     param = param.contiguous()
     for r, (shift, bits) in enumerate(ROUNDS):
         bins = hist[:, offsets[r]:]

@@ -256,13 +256,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     known on the host (`SamplingMetadata.max_top_k`: reading it from the device would sync)."""
     triton_ok = (top_k is not None or top_p is not None) and use_triton("top_k_top_p", logits)
     if top_k is not None:
-        tau = top_k_threshold(logits, top_k) if triton_ok else \
-            top_k_threshold_ref(logits, top_k, max_top_k)
-        logits = logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
+        logits = _below_to_inf(logits, top_k_threshold(logits, top_k) if triton_ok else
+                               top_k_threshold_ref(logits, top_k, max_top_k))
     if top_p is not None:
-        tau = top_p_threshold(logits, top_p) if triton_ok else top_p_threshold_ref(logits, top_p)
-        logits = logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
+        logits = _below_to_inf(logits, top_p_threshold(logits, top_p) if triton_ok else
+                               top_p_threshold_ref(logits, top_p))
     return logits
+
+
+def _below_to_inf(logits: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with each row's values below tau [R] set to -inf."""
+    return logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
