@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
-#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | profile L B ISL | pd L | vllm
+#   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | itl L QUANT CONC PROMPTS | profile L B ISL | pd L | vllm
 #   | startup L | kvacc L
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
@@ -70,7 +70,9 @@ if [ "${1:-}" = spec ]; then
 fi
 # serve L QUANT CONCURRENCIES PROMPTS_PER_CONC: the real server on a real-shape L-layer model
 # (dummy weights) and the 8K/1K sweep through `m3serve bench sweep`.
-if [ "${1:-}" = serve ]; then
+# itl L QUANT CONC PROMPTS: the same server, one 8K/1K point through `m3serve bench serve` with
+# every request's gaps saved, and the distribution of the gaps (where the tail comes from).
+if [ "${1:-}" = serve ] || [ "${1:-}" = itl ]; then
   L=${2:-8}; Q=${3:-none}; CONC=${4:-1,4,16,64}; PPC=${5:-2}
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
   qflag=""; [ "$Q" != none ] && qflag="--quantization $Q"
@@ -80,10 +82,20 @@ if [ "${1:-}" = serve ]; then
     --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag ${EXTRA:-} "${sflag[@]}" >> "$OUT/server_L${L}_$Q${TAG:-}.txt" 2>&1 &
   srv=$!
   for i in $(seq 1 240); do curl -sf http://127.0.0.1:8011/ready > /dev/null && break; sleep 1; done
-  step sweep_L${L}_$Q${TAG:-} timeout ${TMO:-560} python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
-    --tokenizer /tmp/rs$L --random-input-len 8192 --random-output-len 1024 --concurrencies $CONC \
-    --prompts-per-concurrency $PPC --warmups-per-concurrency 1 --num-gpus 1 --label L${L}_$Q${TAG:-} \
-    --result-dir "$OUT" --disable-tqdm
+  if [ "$1" = serve ]; then
+    step sweep_L${L}_$Q${TAG:-} timeout ${TMO:-560} python -m m3serve bench sweep --base-url http://127.0.0.1:8011 \
+      --tokenizer /tmp/rs$L --random-input-len 8192 --random-output-len 1024 --concurrencies $CONC \
+      --prompts-per-concurrency $PPC --warmups-per-concurrency 1 --num-gpus 1 --label L${L}_$Q${TAG:-} \
+      --result-dir "$OUT" --disable-tqdm
+  else
+    name=itl_L${L}_$Q${TAG:-}_c$CONC
+    step $name timeout ${TMO:-400} python -m m3serve bench serve --base-url http://127.0.0.1:8011 \
+      --tokenizer /tmp/rs$L --dataset-name random --random-input-len 8192 --random-output-len 1024 \
+      --random-range-ratio 0.8 --ignore-eos --max-concurrency $CONC --num-prompts $PPC --num-warmups $CONC \
+      --metric-percentiles 10,25,50,75,90,95,99 --save-result --save-detailed --result-dir "$OUT" \
+      --result-filename $name.json --disable-tqdm
+    python scripts/itl_histogram.py "$OUT/$name.json" >> "$OUT/$name.txt" 2>&1
+  fi
   curl -s http://127.0.0.1:8011/metrics | grep -E "^m3serve:(num_requests|kv_cache|prefix)" >> "$OUT/server_L${L}_$Q${TAG:-}.txt"
   kill $srv; wait $srv 2>/dev/null
 fi
@@ -91,7 +103,7 @@ fi
 if [ "${1:-}" = profile ]; then
   L=${2:-4}; B=${3:-4}; ISL=${4:-8192}
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
-  step profile_L${L}_b${B}_isl${ISL} timeout 300 python -m m3serve.bench.step_profile /tmp/rs$L --batch $B --isl $ISL ${5:+--quantization $5}
+  step profile_L${L}_b${B}_isl${ISL} timeout 300 python -m m3serve.bench.step_profile /tmp/rs$L --batch $B --isl $ISL ${5:+--quantization $5} ${MIXED:+--mixed $MIXED}
 fi
 # pd L: a prefill server and a decode server sharing the GPU (NIXL moving device memory, the
 # nixl-cu13 wheel carried), real-shape L layers, dummy weights; TTFT of 8K

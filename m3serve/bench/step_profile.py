@@ -19,11 +19,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quantization", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--mixed", default="",
+                   help="comma-separated chunk sizes C: after the decode profile, one new ISL-token "
+                        "prompt per C is prefilled beside the decodes, at most C tokens per step, "
+                        "and the mixed steps are timed and profiled")
     a = p.parse_args()
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
 
-    llm = LLM(model=a.model, load_format="dummy", max_model_len=a.isl + 1280, max_num_seqs=64,
+    llm = LLM(model=a.model, load_format="dummy", max_model_len=a.isl + 1280, max_num_seqs=max(64, a.batch + 1),
               max_num_batched_tokens=16384, quantization=a.quantization, enforce_eager=a.enforce_eager,
               async_scheduling=False)   # steps in turn: this loop drives schedule/execute/update itself
     eng = llm.engine
@@ -33,7 +37,8 @@ def main() -> None:
                         SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0))
     while any(len(s.sequences[0].token_ids) == 0 for s in eng.states.values()):
         eng.step()
-    core, sync = eng.core, torch.cuda.synchronize
+    core = eng.core
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     graphs = eng.worker.runner.graphs
     marks = {}
     if graphs is not None:   # time stamps around the replay launch of the graph this batch uses
@@ -76,6 +81,65 @@ def main() -> None:
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print_timeline(eng, sync)
+    for chunk in (int(c) for c in a.mixed.split(",") if c):
+        profile_mixed(eng, sync, chunk, a.isl, rng)
+
+
+def profile_mixed(eng, sync, chunk: int, isl: int, rng) -> None:
+    """Prefill one new isl-token prompt beside the running decodes, at most `chunk` of its tokens
+    per step: the wall time of each step (synchronised) against the pure decode steps before it,
+    then one mixed step's kernel table and timeline. The newcomer is aborted afterwards."""
+    from m3serve.sampling_params import SamplingParams
+    eng.core.scheduler._long_cap = chunk
+    decode = []
+    for _ in range(5):
+        sync(); t0 = time.perf_counter()
+        eng.step()
+        sync(); decode.append((time.perf_counter() - t0) * 1e3)
+    req_id = f"mixed{chunk}"
+    eng.add_request(req_id, {"prompt_token_ids": [rng.randrange(2000) for _ in range(isl)]},
+                    SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    state = eng.states[req_id]
+    mixed, profiled = [], False
+    while len(state.sequences[0].token_ids) == 0:
+        if not profiled and len(mixed) == 1:   # the second chunk: a context before it, like the later ones
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                sync(); t0 = time.perf_counter()
+                eng.step()
+                sync()
+            mixed.append((time.perf_counter() - t0) * 1e3)
+            profiled = True
+            continue
+        sync(); t0 = time.perf_counter()
+        eng.step()
+        sync(); mixed.append((time.perf_counter() - t0) * 1e3)
+    eng.abort_request(req_id)
+    eng.step()
+    print(json.dumps({"mixed_chunk": chunk, "decode_step_ms": [round(x, 2) for x in decode],
+                      "mixed_step_ms": [round(x, 2) for x in mixed],
+                      "note": "the second mixed step ran under the profiler"}), flush=True)
+    if profiled:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+        print_trace_summary(prof, f"mixed step, chunk {chunk}")
+
+
+def print_trace_summary(prof, what: str) -> None:
+    """GPU busy time against the span of a profiled step's kernels."""
+    import os
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        return
+    start, end = kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels)
+    busy = sum(e["dur"] for e in kernels)
+    print(json.dumps({"what": what, "span_us": round(end - start, 1), "kernel_busy_us": round(busy, 1),
+                      "kernels": len(kernels)}), flush=True)
 
 
 def print_timeline(eng, sync) -> None:
