@@ -6,10 +6,12 @@
          tiles (K step, K steps per program, split cap) where it runs (1-32 tokens);
   prefill_attn / prefill_moe  the prefill attention and the fused MoE at prompt sizes, by tile;
   moe    the fused MoE's decode tile table against alternatives (both GEMMs, 4 routed + shared);
+  mid_moe  the fused MoE at mixed-step sizes (575-2111 tokens), by tile, one GEMM at a time;
+  moe_bounds  the fused MoE's regime configs side by side at 448-4223 tokens;
   prefill_moe_kernels  the fused MoE's prefill time by kernel (profiler), with each GEMM's TFLOP/s;
   small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps;
   sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step.
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [prefill_moe_kernels] [small] [sample]`"""
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [small] [sample]`"""
 import sys
 
 import torch
@@ -253,6 +255,87 @@ def prefill_moe() -> None:
         print(f"prefill moe T={T} (table {get_config(m_avg, I, H, torch.bfloat16, True)}): {table:.0f} us "
               f"({flops / table / 1e6:.0f} TFLOP/s); best " +
               ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n in res[:4]), flush=True)
+
+
+def mid_moe() -> None:
+    """The fused MoE at the token counts of mixed steps (a prefill chunk beside 63 decodes: 18,
+    34 and 66 rows per routed expert), by tile, one GEMM varied at a time (the other on the
+    table): time and the weight bytes' share of the HBM bandwidth (every expert is read)."""
+    from m3serve.kernels.fused_moe import _config, fused_moe, get_config
+    E, H, I = 128, 6144, 3072
+    w13, w2, shared = _moe_weights(E, H, I)
+    sizes = (575, 1087, 2111)
+    inputs = {T: _prefill_moe_inputs(T, E, H) for T in sizes}
+    for T in sizes:
+        x, ids, wts, out = inputs[T]
+        distinct = ids.unique().numel() + 1
+        ideal = distinct * 3 * H * I * 2 / TBPS * 1e6
+        t = bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out))
+        m_avg = -(-T * 4 // E)
+        print(f"mid moe T={T} M={m_avg}: table {t:.0f} us, ideal {ideal:.0f} us ({ideal / t:.0%}); "
+              f"gate_up {get_config(m_avg, I, H, torch.bfloat16, True)}, down {get_config(m_avg, H, I, torch.bfloat16)}",
+              flush=True)
+    for bm in (16, 32, 64):
+        for which in (0, 1):
+            res = {T: [] for T in sizes}
+            for bn in (64, 128):
+                for bk in (64, 128):
+                    for wp in (4, 8):
+                        for st in (3, 4):
+                            for T in sizes:
+                                x, ids, wts, out = inputs[T]
+                                m_avg = -(-T * 4 // E)
+                                pair = [get_config(m_avg, I, H, torch.bfloat16, True), get_config(m_avg, H, I, torch.bfloat16)]
+                                pair = [dict(c, BLOCK_M=bm) for c in pair]
+                                pair[which] = _config(bm, bn, bk, 8, wp, st)
+                                try:
+                                    t = bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out,
+                                                                config=tuple(pair)))
+                                except Exception:  # noqa: BLE001 - out of resources: skipped
+                                    continue
+                                res[T].append((t, f"n{bn} k{bk} w{wp} s{st}"))
+            for T in sizes:
+                best = sorted(res[T])[:4]
+                print(f"mid moe T={T} m{bm} {'gate_up' if which == 0 else 'down'} varied: " +
+                      ", ".join(f"{n} {t:.0f}" for t, n in best), flush=True)
+
+
+def _moe_weights_fp8(E: int, H: int, I: int):
+    """FP8 (e4m3) expert stacks with one fp32 scale per output row, as `fused_moe` takes them:
+    (w13, w2, {w13_scale, w2_scale}, shared (w13_s, w2_s, w13_s_scale, w2_s_scale))."""
+    def w(*shape):
+        q = torch.randn(*shape, device="cuda").clamp(-4, 4).to(torch.float8_e4m3fn)
+        return q, torch.full(shape[:-1], shape[-1] ** -0.5, device="cuda")
+    (w13, s13), (w2, s2), (ws13, ss13), (ws2, ss2) = w(E, 2 * I, H), w(E, H, I), w(2 * I, H), w(H, I)
+    return w13, w2, {"w13_scale": s13, "w2_scale": s2}, (ws13, ws2, ss13, ss2)
+
+
+def moe_bounds(fp8: bool = False) -> None:
+    """Where the fused MoE's tile regimes should switch: the medium (32-row) and large (64-row)
+    configs and a 128-row one of `get_config`'s table, at 448-4223 tokens (14-132 rows per
+    routed expert), with the weight bytes' share of the HBM bandwidth."""
+    from m3serve.kernels.fused_moe import fused_moe, get_config
+    E, H, I = 128, 6144, 3072
+    if fp8:
+        w13, w2, scales, shared = _moe_weights_fp8(E, H, I)
+    else:
+        (w13, w2, shared), scales = _moe_weights(E, H, I), {}
+    dt = w13.dtype
+    rows = {"m32": 20, "m64": 60, "m128": 300}   # an M in each regime of the table
+    for T in (448, 575, 704, 832, 960, 1087, 1536, 2111, 3071, 4223):
+        x, ids, wts, out = _prefill_moe_inputs(T, E, H)
+        ideal = (ids.unique().numel() + 1) * 3 * H * I * w13.element_size() / TBPS * 1e6
+        times = {}
+        for name, m in rows.items():
+            pair = (get_config(m, I, H, dt, True), get_config(m, H, I, dt))
+            times[name] = bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out,
+                                                  config=pair, **scales))
+        print(f"moe bounds {'fp8' if fp8 else 'bf16'} T={T} M={-(-T * 4 // E)}: " +
+              ", ".join(f"{n} {t:.0f} us ({ideal / t:.0%})" for n, t in times.items()), flush=True)
+
+
+def moe_bounds_fp8() -> None:
+    moe_bounds(fp8=True)
 
 
 def prefill_moe_kernels() -> None:

@@ -272,16 +272,28 @@ def _config(block_m, block_n, block_k, group_m, num_warps, num_stages) -> dict:
 
 
 # Rows per routed expert where `get_config` changes tiles (each regime is its own compiled
-# variant of both GEMMs).
-TILE_REGIMES = (16, 48, 192)
+# variant of both GEMMs). Measured on an H200, bf16, 4 routed + shared expert, balanced routing
+# (scripts/decode_kernels_bench.py moe_bounds): the 64-row tiles beat the 32-row ones from
+# about 24 rows per expert (3874 vs 4205 us at 26, 4018 vs 5394 at 34: a mixed step's prefill
+# chunk beside the decodes), and the 128-row tiles beat the 64-row ones above about 80 (5668 vs
+# 6192 us at 96). FP8 skips the 32-row tiles: its 64-row ones are faster from 14 rows on (1856
+# vs 2166 us at 14, 2042 vs 3669 at 34), and the 128-row ones from about 80 (3042 vs 3330 at 96).
+TILE_REGIMES = {torch.bfloat16: (16, 24, 80), torch.float8_e4m3fn: (16, 16, 80)}
 
 
-def regime_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+def tile_regimes(dtype: torch.dtype) -> tuple[int, int, int]:
+    """The (small, medium, large) row bounds of `get_config` for weights of `dtype`."""
+    return TILE_REGIMES.get(dtype, TILE_REGIMES[torch.bfloat16])
+
+
+def regime_token_counts(num_experts: int, top_k: int, max_tokens: int,
+                        dtype: torch.dtype = torch.bfloat16) -> list[int]:
     """A step size in every tile regime up to max_tokens tokens: each regime's largest, and
     max_tokens itself (what a start-up warm-up runs so serving compiles no new tiles).
     num_experts: the experts of this call (this rank's under EP); top_k: (token, choice) pairs
-    per step token (times the DP replicas whose tokens the MoE layers gather)."""
-    counts = [bound * num_experts // top_k for bound in TILE_REGIMES]
+    per step token (times the DP replicas whose tokens the MoE layers gather); dtype: the
+    experts' weight dtype."""
+    counts = [bound * num_experts // top_k for bound in tile_regimes(dtype)]
     return sorted({max(1, min(c, max_tokens)) for c in counts} | {max_tokens})
 
 
@@ -300,7 +312,7 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
     if _INTERPRET:
         return _config(16, 32, 32, 1, 4, 1)
     fp8 = dtype == torch.float8_e4m3fn
-    small, medium, large = TILE_REGIMES
+    small, medium, large = tile_regimes(dtype)
     if M <= small:   # bf16: 3 stages beat 4 (143 vs 151 µs for 5 experts at 1 token, H200)
         cfg = _config(16, 64, 256 if fp8 else 128, 1, 4, 4 if fp8 else 3)
     elif M <= medium:
@@ -576,7 +588,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               w2_scale: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
               shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
               first_expert: int = 0, reduce: str = "atomic",
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | tuple[dict, dict] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]) (+ Shared(x[t])) for every token t.
 
     x: [T, H] bf16 (fp16/fp32 also accepted); w13: [E, 2I, H], gate rows then up rows (not
@@ -590,7 +602,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     out: optional [T, H] result tensor of any float dtype (an fp32 one receives the unrounded sum;
     being the atomic target itself, it is cleared while x is still read, so it must not alias x).
     reduce: "atomic" (fp32 atomic adds into [T, H]) or "sum" (write [T, K(+1), H], then sum).
-    config: a `get_config`-style dict overriding the tile choice for both GEMMs (benchmarks).
+    config: a `get_config`-style dict overriding the tile choice for both GEMMs, or a pair of
+    them (gate_up, down; both with the same BLOCK_M) (benchmarks).
     Returns out, or a new [T, H] tensor in x's dtype.
     """
     _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared)
@@ -620,9 +633,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     inter_max = max(inter, inter_shared)
 
     m_avg = triton.cdiv(num_tokens * top_k, num_experts)
-    cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, w13.dtype, True)
-    cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, w13.dtype)
+    if isinstance(config, tuple):
+        cfg1, cfg2 = map(dict, config)
+    else:
+        cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, w13.dtype, True)
+        cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, w13.dtype)
     block_m = cfg1["BLOCK_M"]
+    if cfg2["BLOCK_M"] != block_m:
+        raise ValueError(f"both GEMMs share one alignment: BLOCK_M {block_m} and {cfg2['BLOCK_M']}")
     sorted_ids, block_expert, num_post = moe_align(ids, num_experts, block_m,
                                                    first_expert=first_expert,
                                                    shared_expert=shared is not None)

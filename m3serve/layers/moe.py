@@ -153,7 +153,7 @@ class MoE(nn.Module):
         from m3serve.kernels.fused_moe import regime_token_counts
         gathered = self.dp.size if self.dp.active else 1   # DP replicas' tokens meet here
         return regime_token_counts(self.experts.num_local, self.cfg.num_experts_per_tok * gathered,
-                                   max_tokens)
+                                   max_tokens, self.experts.w13.dtype)
 
     def _routed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
         """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],

@@ -68,7 +68,7 @@ def test_fused_route_matches_torch_route_real_shapes(num_tokens):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256, 4096, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256, 640, 1087, 2600, 4096, 8192])
 def test_bf16_matches_ref(weights, num_tokens):
     from m3serve.kernels.fused_moe import fused_moe
     from m3serve.kernels.ref.fused_moe import fused_moe_ref
@@ -86,7 +86,8 @@ def test_bf16_matches_ref(weights, num_tokens):
     assert torch.isfinite(out32).all() and _rel(out32, ref) < BF16_TOL
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 4096])
+# 640 / 1087 / 2600 tokens: 20 / 34 / 82 rows per expert, in the medium / large / largest tiles
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 640, 1087, 2600, 4096])
 def test_fp8_matches_ref(weights, num_tokens):
     from m3serve.kernels.fused_moe import fused_moe
     from m3serve.kernels.ref.fused_moe import fused_moe_ref

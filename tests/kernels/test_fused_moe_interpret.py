@@ -1,5 +1,6 @@
 """Fused MoE under the Triton interpreter (CPU, tiny shapes: H=64, I=32, E=8): routing, alignment,
 kernel == fused_moe_ref == the lead's layer ops, bf16-free dtypes (fp32/fp16) and FP8 weights."""
+import itertools
 import os
 
 import pytest
@@ -297,11 +298,12 @@ def test_regime_token_counts_reach_every_tile_regime(monkeypatch):
     """The warm-up's step sizes land in every tile regime of get_config: per replica, with the
     experts of one rank (EP) and the (token, choice) pairs of all DP replicas gathered."""
     monkeypatch.setattr(fm, "_INTERPRET", False)
-    for experts, pairs_per_token in ((128, 4), (16, 4), (128, 32)):   # TP/EP1, EP8, DP8
-        counts = fm.regime_token_counts(experts, pairs_per_token, 8192)
+    cases = [(128, 4), (16, 4), (128, 32)]                            # TP/EP1, EP8, DP8
+    for (experts, pairs_per_token), dtype in itertools.product(cases, (torch.bfloat16, torch.float8_e4m3fn)):
+        counts = fm.regime_token_counts(experts, pairs_per_token, 8192, dtype)
         assert counts[-1] == 8192
         tiles = {tuple(fm.get_config(-(-t * pairs_per_token // experts), 3072, 6144,
-                                     torch.bfloat16, True).values()) for t in counts}
-        reachable = {tuple(fm.get_config(m, 3072, 6144, torch.bfloat16, True).values())
+                                     dtype, True).values()) for t in counts}
+        reachable = {tuple(fm.get_config(m, 3072, 6144, dtype, True).values())
                      for m in range(1, 8192 * pairs_per_token // experts + 1)}
         assert tiles == reachable
