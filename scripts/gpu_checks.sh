@@ -103,7 +103,7 @@ fi
 if [ "${1:-}" = profile ]; then
   L=${2:-4}; B=${3:-4}; ISL=${4:-8192}
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
-  step profile_L${L}_b${B}_isl${ISL} timeout 300 python -m m3serve.bench.step_profile /tmp/rs$L --batch $B --isl $ISL ${5:+--quantization $5} ${MIXED:+--mixed $MIXED}
+  step profile_L${L}_b${B}_isl${ISL} timeout 300 python -m m3serve.bench.step_profile /tmp/rs$L --batch $B --isl $ISL ${5:+--quantization $5} ${MIXED:+--mixed $MIXED} ${SYNCDBG:+--sync-debug}
 fi
 # pd L: a prefill server and a decode server sharing the GPU (NIXL moving device memory, the
 # nixl-cu13 wheel carried), real-shape L layers, dummy weights; TTFT of 8K

@@ -23,6 +23,8 @@ def main() -> None:
                    help="comma-separated chunk sizes C: after the decode profile, one new ISL-token "
                         "prompt per C is prefilled beside the decodes, at most C tokens per step, "
                         "and the mixed steps are timed and profiled")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="with --mixed: list the host syncs inside the mixed steps (their Python stacks)")
     a = p.parse_args()
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
@@ -82,13 +84,15 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print_timeline(eng, sync)
     for chunk in (int(c) for c in a.mixed.split(",") if c):
-        profile_mixed(eng, sync, chunk, a.isl, rng)
+        profile_mixed(eng, sync, chunk, a.isl, rng, a.sync_debug)
 
 
-def profile_mixed(eng, sync, chunk: int, isl: int, rng) -> None:
+def profile_mixed(eng, sync, chunk: int, isl: int, rng, sync_debug: bool = False) -> None:
     """Prefill one new isl-token prompt beside the running decodes, at most `chunk` of its tokens
     per step: the wall time of each step (synchronised) against the pure decode steps before it,
-    then one mixed step's kernel table and timeline. The newcomer is aborted afterwards."""
+    then one mixed step's kernel table and timeline. The newcomer is aborted afterwards.
+    sync_debug: the third mixed step runs under torch's sync debug mode, and the distinct Python
+    stacks of the host syncs it made are printed."""
     from m3serve.sampling_params import SamplingParams
     eng.core.scheduler._long_cap = chunk
     decode = []
@@ -111,6 +115,10 @@ def profile_mixed(eng, sync, chunk: int, isl: int, rng) -> None:
             mixed.append((time.perf_counter() - t0) * 1e3)
             profiled = True
             continue
+        if sync_debug and len(mixed) == 2:
+            print_syncs(eng, f"mixed step, chunk {chunk}")
+            mixed.append(float("nan"))
+            continue
         sync(); t0 = time.perf_counter()
         eng.step()
         sync(); mixed.append((time.perf_counter() - t0) * 1e3)
@@ -122,6 +130,29 @@ def profile_mixed(eng, sync, chunk: int, isl: int, rng) -> None:
     if profiled:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
         print_trace_summary(prof, f"mixed step, chunk {chunk}")
+
+
+def print_syncs(eng, what: str) -> None:
+    """One engine step under torch's sync debug mode: each distinct Python stack (m3serve frames)
+    that made a synchronising CUDA call, with its count."""
+    import collections
+    import traceback
+    import warnings
+    stacks = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "m3serve" in f.filename]
+        stacks[" <- ".join(f"{f.filename.rsplit('m3serve/', 1)[-1]}:{f.lineno}" for f in reversed(frames[-6:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record          # restored when the block exits
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(json.dumps({"what": what, "host_syncs": dict(stacks.most_common())}, indent=1), flush=True)
 
 
 def print_trace_summary(prof, what: str) -> None:
