@@ -86,6 +86,10 @@ class AddResult(msgspec.Struct):
     message: str | None = None
 
 
+# Upper bounds of the per-step token histogram (`m3serve:iteration_tokens_total`, vLLM's buckets)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class EngineStats(msgspec.Struct):
     """Engine-side gauges and counters, sampled after a step (or on a `StatsQuery`)."""
 
@@ -99,6 +103,10 @@ class EngineStats(msgspec.Struct):
     num_preemptions: int = 0
     num_steps: int = 0
     num_step_errors: int = 0
+    # tokens computed per step, over the steps that computed any: counts per bucket of
+    # ITERATION_TOKEN_BUCKETS (not cumulative; one more for larger steps) and their sum
+    iteration_token_counts: list[int] = []
+    iteration_tokens_sum: int = 0
     # speculative decoding (zeros when off); synthetic acceptance is a benchmarking mode
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

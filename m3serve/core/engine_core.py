@@ -5,6 +5,7 @@ and no text: detokenization and stop strings live in the API process / offline f
 """
 from __future__ import annotations
 
+import bisect
 import logging
 
 from m3serve.config import EngineConfig
@@ -12,6 +13,7 @@ from m3serve.core.kv_cache.manager import KVCacheManager
 from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from m3serve.protocol import ITERATION_TOKEN_BUCKETS
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class EngineCore:
                                    async_scheduling=async_on,
                                    defer_sampling=async_on and config.parallel.world_size == 1)
         self.num_steps = 0
+        self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
 
     def add_request(self, request: Request) -> None:
@@ -105,6 +109,10 @@ class EngineCore:
     def execute(self, scheduler_output: SchedulerOutput, skip_idle: bool = False) -> list[EngineCoreOutput]:
         """Run a scheduled step and apply its output (and the deferred step's). `skip_idle`:
         a step with nothing for the ranks does not reach them, unless a deferred output is due."""
+        tokens = scheduler_output.total_num_scheduled_tokens
+        if tokens:
+            self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self.iteration_tokens_sum += tokens
         if skip_idle and self._deferred is None and _nothing_to_run(scheduler_output):
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
         else:

@@ -180,8 +180,9 @@ class ReplicaBook:
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_usable_blocks",
                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
                      "num_step_errors", "spec_num_drafts", "spec_num_draft_tokens",
-                     "spec_num_accepted_tokens"):
+                     "spec_num_accepted_tokens", "iteration_tokens_sum"):
             setattr(total, name, sum(getattr(s, name) for s in stats))
+        total.iteration_token_counts = [sum(col) for col in zip(*(s.iteration_token_counts for s in stats))]
         total.spec_accepted_per_position = [sum(col) for col in zip(*(s.spec_accepted_per_position
                                                                       for s in stats))]
         total.spec_synthetic_acceptance = any(s.spec_synthetic_acceptance for s in stats)

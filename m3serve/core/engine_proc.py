@@ -108,6 +108,8 @@ class EngineLoop:
             num_usable_blocks=kv.num_usable_blocks, prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=scheduler.num_preemptions,
             num_steps=self.core.num_steps, num_step_errors=self.num_step_errors,
+            iteration_token_counts=list(self.core.iteration_token_counts),
+            iteration_tokens_sum=self.core.iteration_tokens_sum,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),

@@ -6,12 +6,14 @@ preemptions) are read from the engine's latest `EngineStats` at scrape time.
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    SummaryMetricFamily)
 
-from m3serve.protocol import EngineStats
+from m3serve.protocol import ITERATION_TOKEN_BUCKETS, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _PREFIX = re.compile(rb"^((?:# (?:HELP|TYPE) )?)m3serve:", re.MULTILINE)
@@ -80,6 +82,14 @@ class _EngineCollector:
                                       "(benchmarks only: outputs are not the model's).", labels=labels)
         synthetic.add_metric(name, 1.0 if s.spec_synthetic_acceptance else 0.0)
         yield synthetic
+        if s.iteration_token_counts:
+            steps = HistogramMetricFamily("m3serve:iteration_tokens_total",
+                                          "Tokens computed per engine step (steps that computed any).",
+                                          labels=labels)
+            cumulative = list(itertools.accumulate(s.iteration_token_counts))
+            bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+            steps.add_metric(name, list(zip(bounds, cumulative)), sum_value=s.iteration_tokens_sum)
+            yield steps
         xfer = SummaryMetricFamily("m3serve:nixl_xfer_time_seconds", "Duration of each rank's KV pulls.",
                                    labels=labels)
         xfer.add_metric(name, count_value=s.kv_xfer_count, sum_value=s.kv_xfer_seconds_sum)

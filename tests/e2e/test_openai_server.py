@@ -207,8 +207,23 @@ def test_metrics_count_tokens_and_latencies(server, client):
     assert after["m3serve:e2e_request_latency_seconds_count"] - before["m3serve:e2e_request_latency_seconds_count"] == 1
     assert after["m3serve:prefix_cache_queries_total"] > before["m3serve:prefix_cache_queries_total"]
     assert 0.0 <= after["m3serve:prefix_cache_hit_rate"] <= 1.0
+
+
+def test_iteration_tokens_count_every_computed_token(server, client):
+    """The per-step token histogram: a prompt no earlier request shares (no prefix-cache hit)
+    computes its prompt tokens, then one token for each generated token after the first."""
+    before = server.metrics()
+    out = client.completions.create(model=MODEL_NAME, prompt="zq unique " + PROMPT, max_tokens=5,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    after = server.wait_idle(20)
+    computed = after["m3serve:iteration_tokens_total_sum"] - before.get("m3serve:iteration_tokens_total_sum", 0)
+    assert after["m3serve:prefix_cache_hits_total"] == before["m3serve:prefix_cache_hits_total"]
+    assert computed == out.usage.prompt_tokens + 4
+    steps = after["m3serve:iteration_tokens_total_count"] - before.get("m3serve:iteration_tokens_total_count", 0)
+    assert steps >= 5                                   # the prefill, then four decode steps
     # vLLM's names for dashboards built for vLLM: the same series under vllm:*
     for name in ("generation_tokens_total", "prompt_tokens_total", "num_requests_running", "kv_cache_usage_perc",
+                 "iteration_tokens_total_count", "iteration_tokens_total_sum",
                  "time_to_first_token_seconds_count", "e2e_request_latency_seconds_sum", "request_success_total"):
         assert after["vllm:" + name] == after["m3serve:" + name], name
 
