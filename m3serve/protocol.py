@@ -70,6 +70,7 @@ class CoreOutput(msgspec.Struct):
     new_prompt_logprobs: list[Any] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error": the engine failed this request
+    error_is_client: bool = False  # ... because of what the request asked (a 400), not a bug
     kv_transfer_params: dict | None = None  # P/D: the finished prefill's KV is held for a decode worker
 
     @property
@@ -168,6 +169,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     eos_token_id: int | None
     dp_rank: int = 0
     world_size: int = 1
+    max_waiting_requests: int = 0     # the waiting queue's bound (--max-waiting-requests); 0 = none told
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

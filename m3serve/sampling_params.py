@@ -55,6 +55,11 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {given or 'none'}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a boolean, "
+                             f"got {self.disable_any_whitespace!r}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (object or text), got {self.json!r}")
         for name in ("regex", "grammar"):

@@ -34,6 +34,10 @@ class EngineError(RuntimeError):
     """The engine failed a request (HTTP 500)."""
 
 
+class RequestFailed(EngineError):
+    """The engine ended a request because of what it asked for (HTTP 400, the message says why)."""
+
+
 class EngineDeadError(EngineError):
     """The engine is not running (it failed, or is shut down): HTTP 503."""
 

@@ -169,7 +169,8 @@ class ReplicaBook:
         usable = min(r.num_usable_blocks for r in self.ready.values())
         return EngineReady(max_model_len=first.max_model_len, block_size=first.block_size,
                            num_usable_blocks=usable, vocab_size=first.vocab_size,
-                           eos_token_id=first.eos_token_id, dp_rank=0, world_size=first.world_size)
+                           eos_token_id=first.eos_token_id, dp_rank=0, world_size=first.world_size,
+                           max_waiting_requests=first.max_waiting_requests)
 
     @staticmethod
     def combine(stats: list[EngineStats]) -> EngineStats:

@@ -18,6 +18,7 @@ import os
 import signal
 import traceback
 
+import msgspec
 import zmq
 
 from m3serve import envs
@@ -45,6 +46,10 @@ class EngineLoop:
 
     def add(self, message: protocol.AddRequests) -> AddResult:
         scheduler = self.core.scheduler
+        if len(message.requests) > self.max_waiting:     # could never be admitted: not a retry
+            return AddResult(message.parent_id, "invalid",
+                             f"{len(message.requests)} sequences (n) exceed the waiting queue's bound "
+                             f"(--max-waiting-requests {self.max_waiting})")
         if scheduler.num_waiting + len(message.requests) > self.max_waiting:
             return AddResult(message.parent_id, "overloaded",
                              f"the waiting queue holds {scheduler.num_waiting} requests; its bound "
@@ -96,6 +101,7 @@ class EngineLoop:
             self.core.num_steps += 1
         return [CoreOutput(o.request_id, list(o.new_token_ids), o.finish_reason, o.stop_reason,
                            o.new_logprobs, o.new_prompt_logprobs, o.num_cached_tokens, o.error,
+                           o.error_is_client,
                            o.kv_transfer_params)
                 for o in outputs]
 
@@ -152,7 +158,7 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
                 parts = pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            for message in map(protocol.decode_input, parts):
+            for message in (_decode_or_refuse(part, add_results) for part in parts):
                 if isinstance(message, protocol.Shutdown):
                     if not lockstep:
                         return
@@ -175,6 +181,25 @@ def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
                                                   dp_rank=loop.dp_rank)))
         for query_id in state_queries:     # after the step: finished requests are flushed
             push.send(protocol.encode(loop.state(query_id)))
+
+
+def _decode_or_refuse(data: bytes, add_results: list[AddResult]):
+    """One message from the API process, or None when it does not decode. The API process
+    validates every request, so that is an m3serve bug; an admission that fails this way is
+    refused on its own (an "error" result, a 500 for that request), and the engine keeps serving."""
+    try:
+        return protocol.decode_input(data)
+    except msgspec.DecodeError as e:
+        try:
+            raw = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError:
+            raw = None
+        parent = raw.get("parent_id") if isinstance(raw, dict) and raw.get("type") == "add" else None
+        logger.error("dropped a message from the API process that does not decode (%s): %s",
+                     f"admission {parent!r}" if isinstance(parent, str) else "not an admission", e)
+        if isinstance(parent, str):
+            add_results.append(AddResult(parent, "error", f"the engine could not decode the request: {e}"))
+        return None
 
 
 def _report_fatal(output_addr: str, dp_rank: int, message: str) -> None:
@@ -244,7 +269,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         max_model_len=core.max_model_len, block_size=executor.block_size,
         num_usable_blocks=core.kv_manager.num_usable_blocks, vocab_size=model_config.vocab_size,
         eos_token_id=model_config.eos_token_id, dp_rank=dp_rank,
-        world_size=config.parallel.world_size)))
+        world_size=config.parallel.world_size, max_waiting_requests=config.scheduler.max_waiting_requests)))
     code = 0
     try:
         _serve(EngineLoop(core, dp_rank), pull, push)

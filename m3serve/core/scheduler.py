@@ -430,6 +430,14 @@ class Scheduler:
             if req_id not in index:
                 raise RuntimeError(f"model runner output lacks scheduled request {req_id!r}")
             i = index[req_id]
+            if req_id in model_runner_output.failed:
+                if scheduler_output.deferred and req_id in sampled_ids:
+                    request.num_output_placeholders -= 1
+                request.status = RequestStatus.FINISHED_ABORTED
+                outputs.append(EngineCoreOutput(req_id, [], "error", None, error=model_runner_output.failed[req_id],
+                                                error_is_client=True))
+                finished.add(req_id)
+                continue
             new_token_ids: list[int] = []
             # A partial prefill chunk has no next token yet: its sample is discarded.
             if scheduler_output.deferred:      # the next step has been scheduled since

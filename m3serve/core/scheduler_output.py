@@ -117,6 +117,9 @@ class ModelRunnerOutput:
     """When the step's metadata asked for it: every rank's report of its KV pulls, in TP order."""
     previous: "ModelRunnerOutput | None" = None
     """Async scheduling: the output of the previous step when that step was deferred."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """req_id -> why the request cannot go on, by what it asked for (its sampled token is void):
+    the scheduler finishes it with that client error and the step's other requests go on."""
 
 
 @dataclass
@@ -137,6 +140,8 @@ class EngineCoreOutput:
     """Set when a finished request's KV is held for a decode worker: what the response returns."""
     error: str | None = None
     """Set (with finish_reason "error") when the engine failed this request."""
+    error_is_client: bool = False
+    """The failure comes from what the request asked for (an HTTP 400), not from the engine."""
 
     @property
     def finished(self) -> bool:

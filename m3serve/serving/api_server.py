@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded
+from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
 from m3serve.serving.chat_template import load_chat_template
 from m3serve.serving.lifecycle import Drain, DrainingServer, describe_engine, raise_fd_limit
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -167,6 +167,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @app.exception_handler(EngineError)
     async def _engine_error(_, e: EngineError):
+        if isinstance(e, RequestFailed):
+            return _error(400, str(e))
         return _error(500, internal_error(e))
 
     @app.exception_handler(ClientDisconnected)

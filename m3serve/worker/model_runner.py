@@ -76,6 +76,7 @@ class ModelRunner:
         self.num_graph_steps = self.num_eager_steps = 0
         self.grammars = None          # worker.structured.GrammarBook on the sampling rank (set by the worker)
         self._deferred: _DeferredTokens | None = None
+        self.failed: dict[str, str] = {}   # the last sampled step's requests that cannot go on: why
         # async scheduling: two pinned buffers (each with its copy's event), used in turn, so a
         # step's copy never overwrites the one being read
         cuda = device.type == "cuda"
@@ -185,7 +186,7 @@ class ModelRunner:
         if not self.is_driver:
             return None
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[[t] for t in sampled],
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, failed=self.failed,
                                  previous=previous)
 
     # ------------------------------------------------------------ async scheduling
@@ -339,6 +340,7 @@ class ModelRunner:
         chunk's token would be discarded, and drawing it would advance a seeded request's
         generator by a number of draws that depends on how its prompt was chunked."""
         head, b = self.model.lm_head, self.batch
+        self.failed = {}
         done = self._complete(batch)                                      # [R]
         rows = batch.rows[done]
         if b.all_plain_greedy(rows):                  # the common benchmark case: argmax only
@@ -361,7 +363,9 @@ class ModelRunner:
             sampled[i] = token
         if self.grammars is not None:
             for req_id, p, token in zip(req_ids, params, out.sampled_token_ids.tolist()):
-                self.grammars.accept(req_id, p, token)
+                if not self.grammars.accept(req_id, p, token):
+                    self.failed[req_id] = ("its structured_outputs grammar reached a state that allows "
+                                           "no token (no output can complete it)")
         if out.logprobs is None:
             return sampled, None
         for i, entry in zip(index.tolist(), self._sample_logprobs(out.logprobs, params)):

@@ -13,6 +13,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from m3serve.sampling_params import StructuredOutputsParams
@@ -49,6 +50,9 @@ def compile_grammar(params, tokenizer_dir, vocab_size: int):
     if not stop_ids:
         raise ValueError("structured_outputs needs a stop token to end the output: not with ignore_eos "
                          "and no stop_token_ids")
+    if params.min_tokens > 0:
+        raise ValueError("structured_outputs cannot be combined with min_tokens: the grammar decides "
+                         "where the output ends (its stop token cannot wait for min_tokens)")
     return _compile(params.structured_outputs, str(tokenizer_dir), vocab_size, stop_ids)
 
 
@@ -79,10 +83,23 @@ def _compile(spec: StructuredOutputsParams, tokenizer_dir: str, vocab_size: int,
                     if getattr(spec, k) not in (None, False))
         detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip().splitlines()[0])   # no C++ source path
         raise ValueError(f"structured_outputs.{what} is not valid: {detail[:300]}") from None
+    if not _allowed_words(_xgr().GrammarMatcher(grammar), vocab_size).any():
+        what = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(spec, k) not in (None, False))
+        raise ValueError(f"structured_outputs.{what} matches no output: not even its first token can be sampled")
     if len(_CACHE) > 256:
         _CACHE.clear()
     _CACHE[key] = grammar
     return grammar
+
+
+def _allowed_words(matcher, vocab_size: int) -> np.ndarray:
+    """The matcher's next-token mask as packed bits: [ceil(V / 32)] uint32, bit t of the row
+    set when token t is allowed."""
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bitmask[0].numpy().view(np.uint32).copy()
 
 
 class GrammarBook:
@@ -107,12 +124,13 @@ class GrammarBook:
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device))
         logits[index] = sub
 
-    def accept(self, req_id: str, params, token: int) -> None:
+    def accept(self, req_id: str, params, token: int) -> bool:
+        """Advance the request's grammar by its sampled token; False when the grammar does not
+        allow it (every token was masked: the grammar reached a dead end)."""
         if params.structured_outputs is None:
-            return
+            return True
         matcher = self._matcher(req_id, params)
-        if not matcher.is_terminated() and not matcher.accept_token(token):
-            raise RuntimeError(f"request {req_id!r}: sampled token {token} outside its grammar")
+        return matcher.is_terminated() or matcher.accept_token(token)
 
     def drop(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)

@@ -177,3 +177,16 @@ def test_disable_fastapi_docs_removes_the_documentation_routes(tiny_dir):
                 assert httpx.get(srv.url + route, timeout=10).status_code == status, (disabled, route)
         finally:
             srv.stop()
+
+
+@pytest.mark.parametrize("fields", [{"n": 2}, {"prompt": ["hello", "there"]}])
+def test_more_sequences_than_the_waiting_bound_is_400_not_503(guarded_server, fields):
+    """A request whose prompts x n could never wait at once is refused as a bad request, not
+    told to retry (the bound is one)."""
+    auth = {"Authorization": "Bearer sekret"}
+    body = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 2, **fields}
+    r = httpx.post(guarded_server.url + C, json=body, headers=auth, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "--max-waiting-requests 1" in r.json()["error"]["message"]
+    assert httpx.post(guarded_server.url + C, json={**body, "n": 1, "prompt": "hi"}, headers=auth,
+                      timeout=60).status_code == 200

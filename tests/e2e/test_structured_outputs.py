@@ -78,11 +78,39 @@ def test_regex_and_choice_streaming_and_not(server):
     ({"response_format": {"type": "yaml"}}, "response_format.type must be"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "give one constraint"),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "needs a stop token"),
+    # types the engine's message decoder would refuse (it used to stop the engine)
+    ({"structured_outputs": {"json_object": 1}}, "json_object must be a boolean"),
+    ({"structured_outputs": {"choice": ["a"], "disable_any_whitespace": "yes"}}, "disable_any_whitespace must be a boolean"),
+    # grammars that allow no first token (they used to fail the step with a 500)
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "matches no output"),
+    ({"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}}, "matches no output"),
+    ({"structured_outputs": {"choice": ["a"]}, "min_tokens": 5}, "cannot be combined with min_tokens"),
 ])
 def test_bad_constraints_are_400(server, fields, words):
     r = chat(server, **fields)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
+    assert chat(server, max_tokens=2).status_code == 200
+
+
+def test_a_grammar_dead_end_fails_only_its_request(server):
+    """A grammar whose first token is allowed and then nothing: that request ends with a 400
+    naming the dead end (streamed: an error event), and a request running beside it is served."""
+    import concurrent.futures
+
+    dead = {"structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        normal = pool.submit(chat, server, max_tokens=40, ignore_eos=True)
+        r = chat(server, **dead)
+        assert normal.result().status_code == 200
+    assert r.status_code == 400, r.text
+    assert "allows no token" in r.json()["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                      json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
+                            "max_tokens": 20, "stream": True, **dead}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["error"]["code"] == 400 and "allows no token" in events[-1]["error"]["message"]
     assert chat(server, max_tokens=2).status_code == 200
 
 

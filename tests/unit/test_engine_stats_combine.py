@@ -15,3 +15,21 @@ def test_replica_stats_combine():
     assert total.iteration_token_counts == [1, 4] + [0] * (n - 3) + [2]
     assert total.iteration_tokens_sum == 70020
     assert total.kv_cache_usage == 1.0 - 40 / 80
+
+
+def test_an_admission_that_does_not_decode_is_refused_alone():
+    """A message the engine cannot decode (a type the API should have refused) answers its
+    admission with an error instead of stopping the engine loop."""
+    import msgspec
+
+    from m3serve.core.engine_proc import _decode_or_refuse
+    from m3serve.protocol import AbortRequests, encode
+
+    raw = {"type": "add", "parent_id": "p1", "requests": [{"request_id": 5}]}   # wrong types
+    results = []
+    assert _decode_or_refuse(msgspec.msgpack.encode(raw), results) is None
+    assert [(r.parent_id, r.kind) for r in results] == [("p1", "error")]
+    assert "could not decode" in results[0].message
+    assert _decode_or_refuse(b"\xc1 not msgpack", results) is None and len(results) == 1
+    good = _decode_or_refuse(encode(AbortRequests(["a"])), results)
+    assert isinstance(good, AbortRequests) and good.request_ids == ["a"]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from m3serve.core.core_client import EngineDeadError
+from m3serve.core.core_client import EngineDeadError, RequestFailed
 from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import APIError, error_body
 from m3serve.serving.output_processor import RequestState
@@ -67,6 +67,8 @@ def engine_error_event(e: BaseException) -> str:
     message says why), else a generic 500."""
     if isinstance(e, EngineDeadError):
         return sse_error(503, str(e))
+    if isinstance(e, RequestFailed):
+        return sse_error(400, str(e))
     return sse_error(500, internal_error(e))
 
 

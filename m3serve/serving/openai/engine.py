@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from tokenizers import Tokenizer
 
-from m3serve.core.core_client import EngineError
+from m3serve.core.core_client import EngineError, RequestFailed
 from m3serve.outputs import PositionLogprobs
 from m3serve.protocol import EngineCoreRequest
 from m3serve.sampling_params import SamplingParams
@@ -43,6 +43,7 @@ class ServingEngine:
         # The scheduler needs KV for every token but the last: total tokens <= capacity + 1.
         self.max_total_tokens = min(info.max_model_len, info.num_usable_blocks * info.block_size + 1)
         self.block_size = info.block_size
+        self.max_waiting = info.max_waiting_requests
         # No token covers more characters than its own string has: a text longer than this
         # (twice over, for normalizers) cannot fit, and is refused before it is tokenized.
         longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
@@ -54,6 +55,12 @@ class ServingEngine:
             raise ValueError(f"prompt is too long: {len(text)} characters cannot fit in this model's "
                              f"maximum context length of {self.max_total_tokens} tokens")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """ValueError when prompts x n sequences could never wait in the engine's queue at once."""
+        if self.max_waiting and num_prompts * n > self.max_waiting:
+            raise ValueError(f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences exceed the "
+                             f"waiting queue's bound (--max-waiting-requests {self.max_waiting})")
 
     def check_token_ids(self, ids: list[int], field: str = "prompt") -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -112,7 +119,7 @@ class ServingEngine:
                     if isinstance(out, Exception):
                         raise out
                     if out.error is not None:
-                        raise EngineError(out.error)
+                        raise (RequestFailed if out.error_is_client else EngineError)(out.error)
                     seq = by_id[out.request_id]
                     if seq.finished:
                         continue
