@@ -1,5 +1,6 @@
-"""The stats of DP replicas combined into the engine's: counts summed, histograms by bucket,
-KV usage over the summed pools."""
+"""What crosses between the engine processes and the API: the stats of DP replicas combined
+(counts summed, histograms by bucket, KV usage over the summed pools), and a message that does
+not decode."""
 from m3serve.core.engine_group import ReplicaBook
 from m3serve.protocol import ITERATION_TOKEN_BUCKETS, EngineStats
 
