@@ -93,7 +93,6 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
         raise ValueError(f"best_of must equal n ({request.n}) when set, got {request.best_of}")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await asyncio.to_thread(prompts_of, ctx, request)     # long prompts: off the event loop
-    ctx.engine.check_fan_out(len(prompts), request.n)
     kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids for _, ids in prompts], request.n)
     # echo: each choice's text starts with its prompt (token-id prompts are decoded)
     echoed = [(text if text is not None else ctx.engine.tokenizer.decode(ids, skip_special_tokens=False))
@@ -106,6 +105,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
             params.prompt_logprobs = request.logprobs
         streams.append(ctx.engine.generate(f"{request_id}-{i}", text, ids, params, arrival_time,
                                            request.cache_salt, kv))
+    ctx.engine.check_fan_out(len(prompts), request.n)     # after the params' own checks (n's range)
     streams = await admit(streams)
     header = {"id": request_id, "object": "text_completion", "created": ctx.created,
               "model": ctx.model_name}

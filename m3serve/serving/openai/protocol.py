@@ -191,7 +191,9 @@ class _SamplingRequest(_Strict):
         given = {}
         fmt = self.response_format
         if fmt is not None:
-            kind = fmt.get("type", "text")
+            if "type" not in fmt:
+                raise ValueError("response_format.type is required: text, json_object or json_schema")
+            kind = fmt["type"]
             if kind == "json_object":
                 given["response_format"] = {"json_object": True}
             elif kind == "json_schema":
