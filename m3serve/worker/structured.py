@@ -13,7 +13,6 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from m3serve.sampling_params import StructuredOutputsParams
@@ -79,27 +78,30 @@ def _compile(spec: StructuredOutputsParams, tokenizer_dir: str, vocab_size: int,
         else:
             grammar = compiler.compile_grammar(spec.grammar)
     except Exception as e:      # xgrammar's parse errors are RuntimeErrors of several kinds
-        what = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(spec, k) not in (None, False))
+        what = _constraint_name(spec)
         detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip().splitlines()[0])   # no C++ source path
         raise ValueError(f"structured_outputs.{what} is not valid: {detail[:300]}") from None
-    if not _allowed_words(_xgr().GrammarMatcher(grammar), vocab_size).any():
-        what = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                    if getattr(spec, k) not in (None, False))
-        raise ValueError(f"structured_outputs.{what} matches no output: not even its first token can be sampled")
+    if not _allows_a_first_token(grammar, vocab_size):
+        raise ValueError(f"structured_outputs.{_constraint_name(spec)} matches no output: not even its "
+                         f"first token can be sampled")
     if len(_CACHE) > 256:
         _CACHE.clear()
     _CACHE[key] = grammar
     return grammar
 
 
-def _allowed_words(matcher, vocab_size: int) -> np.ndarray:
-    """The matcher's next-token mask as packed bits: [ceil(V / 32)] uint32, bit t of the row
-    set when token t is allowed."""
+def _constraint_name(spec: StructuredOutputsParams) -> str:
+    """The one constraint field the request set (json, regex, choice, grammar or json_object)."""
+    return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(spec, k) not in (None, False))
+
+
+def _allows_a_first_token(grammar, vocab_size: int) -> bool:
+    """Whether a fresh matcher of `grammar` allows any token (a stop token included)."""
     xgr = _xgr()
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    matcher.fill_next_token_bitmask(bitmask, 0)
-    return bitmask[0].numpy().view(np.uint32).copy()
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)      # [1, ceil(V / 32)] int32 bits
+    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 class GrammarBook:
