@@ -155,16 +155,21 @@ def print_syncs(eng, what: str) -> None:
     print(json.dumps({"what": what, "host_syncs": dict(stacks.most_common())}, indent=1), flush=True)
 
 
-def print_trace_summary(prof, what: str) -> None:
-    """GPU busy time against the span of a profiled step's kernels."""
+def _trace_kernels(prof) -> list[dict]:
+    """The GPU kernels, copies and fills a profiler recorded, as chrome-trace events by start."""
     import os
     import tempfile
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: e["ts"])
+    return sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+
+
+def print_trace_summary(prof, what: str) -> None:
+    """GPU busy time against the span of a profiled step's kernels."""
+    kernels = _trace_kernels(prof)
     if not kernels:
         return
     start, end = kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels)
@@ -176,17 +181,10 @@ def print_trace_summary(prof, what: str) -> None:
 def print_timeline(eng, sync) -> None:
     """One step's GPU kernels in launch order: start offset, duration and the idle gap before each
     (µs), then the totals; the gaps are what launch latency and host work cost inside the step."""
-    import os
-    import tempfile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         eng.step()
         sync()
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: e["ts"])
+    kernels = _trace_kernels(prof)
     if not kernels:
         print("timeline: the profiler recorded no kernels")
         return

@@ -46,10 +46,6 @@ class EngineLoop:
 
     def add(self, message: protocol.AddRequests) -> AddResult:
         scheduler = self.core.scheduler
-        if len(message.requests) > self.max_waiting:     # could never be admitted: not a retry
-            return AddResult(message.parent_id, "invalid",
-                             f"{len(message.requests)} sequences (n) exceed the waiting queue's bound "
-                             f"(--max-waiting-requests {self.max_waiting})")
         if scheduler.num_waiting + len(message.requests) > self.max_waiting:
             return AddResult(message.parent_id, "overloaded",
                              f"the waiting queue holds {scheduler.num_waiting} requests; its bound "

@@ -165,10 +165,12 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def _engine_dead(_, e: EngineDeadError):
         return _error(503, str(e), headers={"Retry-After": str(config.retry_after_s)})
 
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(_, e: RequestFailed):
+        return _error(400, str(e))
+
     @app.exception_handler(EngineError)
     async def _engine_error(_, e: EngineError):
-        if isinstance(e, RequestFailed):
-            return _error(400, str(e))
         return _error(500, internal_error(e))
 
     @app.exception_handler(ClientDisconnected)

@@ -182,14 +182,17 @@ def test_disable_fastapi_docs_removes_the_documentation_routes(tiny_dir):
             srv.stop()
 
 
-@pytest.mark.parametrize("fields", [{"n": 2}, {"prompt": ["hello", "there"]}])
-def test_more_sequences_than_the_waiting_bound_is_400_not_503(guarded_server, fields):
+@pytest.mark.parametrize("path,fields", [(C, {"n": 2}), (C, {"prompt": ["hello", "there"]}),
+                                         (CH, {"n": 2, "messages": GOOD_CHAT})])
+def test_more_sequences_than_the_waiting_bound_is_400_not_503(guarded_server, path, fields):
     """A request whose prompts x n could never wait at once is refused as a bad request, not
     told to retry (the bound is one)."""
     auth = {"Authorization": "Bearer sekret"}
     body = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 2, **fields}
-    r = httpx.post(guarded_server.url + C, json=body, headers=auth, timeout=60)
+    if path == CH:
+        del body["prompt"]
+    r = httpx.post(guarded_server.url + path, json=body, headers=auth, timeout=60)
     assert r.status_code == 400, r.text
     assert "--max-waiting-requests 1" in r.json()["error"]["message"]
-    assert httpx.post(guarded_server.url + C, json={**body, "n": 1, "prompt": "hi"}, headers=auth,
-                      timeout=60).status_code == 200
+    single = {**body, "n": 1} if path == CH else {**body, "n": 1, "prompt": "hi"}
+    assert httpx.post(guarded_server.url + path, json=single, headers=auth, timeout=60).status_code == 200

@@ -135,6 +135,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     max_tokens = ctx.engine.resolve_max_tokens(len(ids), max_tokens)
     k = (request.top_logprobs or 0) if request.logprobs else None
     params = request.sampling_params(max_tokens, k, ctx.engine.sampling_defaults)
+    ctx.engine.check_fan_out(1, request.n)
     if use_tools and tool_choice != "auto":
         # "required" / named: the output is constrained to the model's tool-call markup (this
         # replaces any response_format, as in vLLM); the tool parser reads it back as usual.
