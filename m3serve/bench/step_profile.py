@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--sync-debug", action="store_true",
                    help="with --mixed: list the host syncs inside the mixed steps (their Python stacks)")
     a = p.parse_args()
+    if a.sync_debug and not a.mixed:
+        p.error("--sync-debug applies to the mixed steps: give --mixed too")
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
 
@@ -94,12 +96,8 @@ def profile_mixed(eng, sync, chunk: int, isl: int, rng, sync_debug: bool = False
     sync_debug: the third mixed step runs under torch's sync debug mode, and the distinct Python
     stacks of the host syncs it made are printed."""
     from m3serve.sampling_params import SamplingParams
-    eng.core.scheduler._long_cap = chunk
-    decode = []
-    for _ in range(5):
-        sync(); t0 = time.perf_counter()
-        eng.step()
-        sync(); decode.append((time.perf_counter() - t0) * 1e3)
+    eng.core.scheduler._long_cap = chunk      # what --long-prefill-token-threshold sets
+    decode = [_timed_step(eng, sync) for _ in range(5)]
     req_id = f"mixed{chunk}"
     eng.add_request(req_id, {"prompt_token_ids": [rng.randrange(2000) for _ in range(isl)]},
                     SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
@@ -119,9 +117,7 @@ def profile_mixed(eng, sync, chunk: int, isl: int, rng, sync_debug: bool = False
             print_syncs(eng, f"mixed step, chunk {chunk}")
             mixed.append(float("nan"))
             continue
-        sync(); t0 = time.perf_counter()
-        eng.step()
-        sync(); mixed.append((time.perf_counter() - t0) * 1e3)
+        mixed.append(_timed_step(eng, sync))
     eng.abort_request(req_id)
     eng.step()
     print(json.dumps({"mixed_chunk": chunk, "decode_step_ms": [round(x, 2) for x in decode],
@@ -130,6 +126,14 @@ def profile_mixed(eng, sync, chunk: int, isl: int, rng, sync_debug: bool = False
     if profiled:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
         print_trace_summary(prof, f"mixed step, chunk {chunk}")
+
+
+def _timed_step(eng, sync) -> float:
+    """One engine step's wall time in ms, the GPU idle before and done after it."""
+    sync(); t0 = time.perf_counter()
+    eng.step()
+    sync()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def print_syncs(eng, what: str) -> None:
