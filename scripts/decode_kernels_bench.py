@@ -9,9 +9,11 @@
   mid_moe  the fused MoE at mixed-step sizes (575-2111 tokens), by tile, one GEMM at a time;
   moe_bounds  the fused MoE's regime configs side by side at 448-4223 tokens;
   prefill_moe_kernels  the fused MoE's prefill time by kernel (profiler), with each GEMM's TFLOP/s;
+  grouped_mm  torch's grouped GEMMs (sort, gather, two grouped GEMMs, SwiGLU, weighted sum)
+         against the fused MoE at prefill sizes, bf16 and fp8, each stage timed;
   small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps;
   sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step.
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [small] [sample]`"""
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [grouped_mm] [small] [sample]`"""
 import sys
 
 import torch
@@ -365,6 +367,83 @@ def prefill_moe_kernels() -> None:
                 f = flops.get(ev.key)
                 parts.append(f"{ev.key[:28]} {us:.0f} us" + (f" ({f / us / 1e6:.0f} TFLOP/s)" if f else ""))
             print(f"prefill moe kernels T={T} reduce={reduce}: " + "; ".join(parts), flush=True)
+
+
+def grouped_mm() -> None:
+    """The MoE of a prefill step as torch's grouped GEMMs: pairs sorted by expert (the shared
+    expert as group E), rows gathered, gate_up GEMM, SwiGLU-OAI, down GEMM, weighted sum over
+    the K + 1 choices; against the fused MoE (atomic), bf16 and fp8 (row scales), 2048-16384
+    tokens. Prints each stage's time and the result's error against the fused MoE."""
+    from m3serve.kernels.fused_moe import fused_moe, quant_rows_fp8
+    E, H, I = 128, 6144, 3072
+    w13, w2, shared = _moe_weights(E, H, I)
+    b13 = torch.cat([w13, shared[0][None]]).transpose(1, 2)     # [E+1, H, 2I], column-major
+    b2 = torch.cat([w2, shared[1][None]]).transpose(1, 2)       # [E+1, I, H]
+    fp8 = {}
+    try:
+        q13, s13 = quant_rows_fp8(torch.cat([w13, shared[0][None]]).flatten(0, 1))
+        q2, s2 = quant_rows_fp8(torch.cat([w2, shared[1][None]]).flatten(0, 1))
+        fp8 = {"b13": q13.view(E + 1, 2 * I, H).transpose(1, 2), "s13": s13.view(E + 1, 2 * I),
+               "b2": q2.view(E + 1, H, I).transpose(1, 2), "s2": s2.view(E + 1, H)}
+    except Exception as exc:  # noqa: BLE001 - reported, bf16 still runs
+        print(f"grouped_mm: fp8 weights not built: {exc}")
+
+    def swiglu(h):
+        gate, up = h[:, :I].float().clamp(max=7.0), h[:, I:].float().clamp(-7.0, 7.0)
+        return (gate * torch.sigmoid(1.702 * gate) * (up + 1.0)).to(torch.bfloat16)
+
+    for T in (2048, 8192, 16384):
+        x, ids, wts, out = _prefill_moe_inputs(T, E, H)
+        flops = 2 * T * 5 * 3 * H * I
+        ours = triton.testing.do_bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out),
+                                       rep=50) * 1e3
+        ref = out.clone()
+        all_ids = torch.cat([ids, torch.full((T, 1), E, device="cuda", dtype=ids.dtype)], 1).flatten()
+        all_w = torch.cat([wts, torch.ones(T, 1, device="cuda")], 1)          # [T, 5]
+        state = {}
+
+        def plan():
+            order = torch.argsort(all_ids, stable=True)
+            state["order"] = order
+            state["offs"] = torch.cumsum(torch.bincount(all_ids, minlength=E + 1), 0).int()
+            state["a"] = x[order // 5]
+
+        def gemms(q=None):
+            a, offs = state["a"], state["offs"]
+            if q is None:
+                h = torch._grouped_mm(a, b13, offs=offs)
+                y = torch._grouped_mm(swiglu(h), b2, offs=offs)
+            else:
+                qa, sa = quant_rows_fp8(a)
+                h = torch._scaled_grouped_mm(qa, q["b13"], sa, q["s13"], offs=offs,
+                                             out_dtype=torch.bfloat16, use_fast_accum=True)
+                qh, sh = quant_rows_fp8(swiglu(h))
+                y = torch._scaled_grouped_mm(qh, q["b2"], sh, q["s2"], offs=offs,
+                                             out_dtype=torch.bfloat16, use_fast_accum=True)
+            state["y"] = y
+
+        def combine():
+            y = torch.empty_like(state["y"])
+            y[state["order"]] = state["y"]
+            state["out"] = torch.einsum("tk,tkh->th", all_w, y.view(T, 5, H).float())
+
+        for name, q in (("bf16", None), ("fp8", fp8 or None)):
+            if name == "fp8" and not fp8:
+                continue
+            try:
+                plan(); gemms(q); combine()
+                t_plan = triton.testing.do_bench(plan, rep=50) * 1e3
+                t_gemm = triton.testing.do_bench(lambda: gemms(q), rep=50) * 1e3
+                t_comb = triton.testing.do_bench(combine, rep=50) * 1e3
+            except Exception as exc:  # noqa: BLE001 - the op may be missing for this dtype
+                print(f"grouped_mm T={T} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            err = ((state["out"] - ref).norm() / ref.norm()).item()
+            tot = t_plan + t_gemm + t_comb
+            print(f"grouped_mm T={T} {name}: fused_moe bf16 {ours:.0f} us ({flops / ours / 1e6:.0f} TFLOP/s); "
+                  f"grouped: plan {t_plan:.0f} + gemms+swiglu {t_gemm:.0f} ({flops / t_gemm / 1e6:.0f} TFLOP/s) "
+                  f"+ combine {t_comb:.0f} = {tot:.0f} us ({flops / tot / 1e6:.0f} TFLOP/s); rel err vs fused "
+                  f"bf16 {err:.4f}", flush=True)
 
 
 def small() -> None:

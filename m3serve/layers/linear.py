@@ -8,6 +8,8 @@ Column-parallel layers split output rows; row-parallel layers split input column
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,8 +63,26 @@ def replicated_loader(param: nn.Parameter, full: torch.Tensor, shard_id=None) ->
     param.data.copy_(full)
 
 
-def make_param(shape, dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+_deferring = False
+
+
+@contextlib.contextmanager
+def deferred_weights():
+    """Inside, the weights online FP8 quantises (`make_param(..., quantizable=True)`: linear
+    layers and routed experts) are made on the meta device. The loader gives each real memory
+    when its first shard arrives and quantises it once complete, so a model whose bf16 weights
+    would not fit the device still loads in FP8 (model/loader.py)."""
+    global _deferring
+    before, _deferring = _deferring, True
+    try:
+        yield
+    finally:
+        _deferring = before
+
+
+def make_param(shape, dtype, quantizable: bool = False) -> nn.Parameter:
+    device = "meta" if quantizable and _deferring else None
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def kv_head_range(num_kv_heads: int, tp: GroupInfo) -> tuple[int, int]:
@@ -80,7 +100,7 @@ def kv_head_range(num_kv_heads: int, tp: GroupInfo) -> tuple[int, int]:
 class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = attach_loader(make_param((out_features, in_features), dtype),
+        self.weight = attach_loader(make_param((out_features, in_features), dtype, True),
                                     replicated_loader, [None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +119,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.tp = tp
         self.full_sizes = list(output_sizes)
         self.local_sizes = [n // tp.size for n in output_sizes]
-        self.weight = attach_loader(make_param((sum(self.local_sizes), in_features), dtype),
+        self.weight = attach_loader(make_param((sum(self.local_sizes), in_features), dtype, True),
                                     self._load, range(len(output_sizes)))
 
     def _load(self, param, full: torch.Tensor, shard_id: int) -> None:
@@ -141,7 +161,7 @@ class QKVParallelLinear(nn.Module):
         for name, out in zip(self.sections, self.output_sizes):
             self.offsets[name] = off
             off += out
-        self.weight = attach_loader(make_param((off, hidden), dtype), self._load, self.sections)
+        self.weight = attach_loader(make_param((off, hidden), dtype, True), self._load, self.sections)
 
     def _load(self, param, full: torch.Tensor, shard_id: str) -> None:
         rows, first, n, size = self.sections[shard_id]
@@ -166,7 +186,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.reduce_results = reduce_results
         self.in_local = in_features // tp.size
-        self.weight = attach_loader(make_param((out_features, self.in_local), dtype),
+        self.weight = attach_loader(make_param((out_features, self.in_local), dtype, True),
                                     self._load, [None])
 
     def _load(self, param, full: torch.Tensor, shard_id=None) -> None:

@@ -87,9 +87,9 @@ class Experts(nn.Module):
         shards = [(kind, e) for e in range(self.first, self.first + self.num_local)
                   for kind in ("w1", "w2", "w3")]
         il = self.inter_local
-        self.w13 = attach_loader(make_param((self.num_local, 2 * il, hidden), dtype),
+        self.w13 = attach_loader(make_param((self.num_local, 2 * il, hidden), dtype, True),
                                  self._load, [s for s in shards if s[0] != "w2"])
-        self.w2 = attach_loader(make_param((self.num_local, hidden, il), dtype),
+        self.w2 = attach_loader(make_param((self.num_local, hidden, il), dtype, True),
                                 self._load, [s for s in shards if s[0] == "w2"])
 
     def owns(self, expert_id: int) -> bool:

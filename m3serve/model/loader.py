@@ -176,15 +176,17 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: M3Config) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progress: bool = True) -> None:
+def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progress: bool = True,
+                 **fill) -> None:
     """Stream every checkpoint tensor into `model`'s parameters; a tensor only another rank
-    needs (another rank's experts) is checked by its shape and never read."""
+    needs (another rank's experts) is checked by its shape and never read. `fill`: the
+    `device` / `on_complete` arguments of `fill_parameters`."""
     def entries():
         for path, key, tensor in iter_checkpoint(weight_files(model_dir)):
             pairs = canonicalize(key, tensor)
             if pairs is not None:
                 yield path.name, key, pairs
-    fill_parameters(model, cfg, entries(), f"checkpoint {model_dir}", progress)
+    fill_parameters(model, cfg, entries(), f"checkpoint {model_dir}", progress, **fill)
 
 
 def dummy_weights(cfg: M3Config, seed: int, device) -> Iterator[tuple[str, str, list]]:
@@ -203,13 +205,26 @@ def dummy_weights(cfg: M3Config, seed: int, device) -> Iterator[tuple[str, str, 
         yield "dummy", name, [(name, LazyTensor(shape, make))]
 
 
+def _materialize(model: torch.nn.Module, pname: str, param: torch.nn.Parameter, device) -> torch.nn.Parameter:
+    """Replace a meta-device parameter (`layers.linear.deferred_weights`) by an empty one on
+    `device` that keeps its loader; returns the new parameter."""
+    owner, _, attr = pname.rpartition(".")
+    real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+    real.weight_loader, real.required_shards = param.weight_loader, param.required_shards
+    setattr(model.get_submodule(owner), attr, real)
+    return real
+
+
 def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
-                    progress: bool = True, expected: dict | None = None, to_param=None) -> None:
+                    progress: bool = True, expected: dict | None = None, to_param=None,
+                    device=None, on_complete=None) -> None:
     """Copy this rank's shards of canonical tensors into `model`. `entries` yields
     (file name, original name, [(canonical name, tensor or LazyTensor)]). Every tensor of
     `expected` (default: the configuration's checkpoint tensors) must arrive exactly once with
     its expected shape, and every parameter shard must be filled, else a ValueError names the
-    tensor and `source`. `to_param` maps a canonical name to (parameter name, shard id)."""
+    tensor and `source`. `to_param` maps a canonical name to (parameter name, shard id).
+    A parameter still on the meta device gets memory on `device` when its first shard arrives;
+    `on_complete(parameter name)` runs as soon as all of a parameter's shards have arrived."""
     params = dict(model.named_parameters())
     expected = canonical_shapes(cfg) if expected is None else expected
     to_param = to_param or canonical_to_param
@@ -230,11 +245,15 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
             param = params[pname]
             if shard not in param.required_shards:
                 continue  # another rank's expert
+            if param.is_meta:
+                param = params[pname] = _materialize(model, pname, param, device)
             try:
                 param.weight_loader(param, materialize(t), shard)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             loaded[pname].add(shard)
+            if on_complete is not None and loaded[pname] >= param.required_shards:
+                on_complete(pname)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -259,13 +278,21 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir, hf_overrides)
     torch_dtype = resolve_dtype(dtype, cfg)
-    with torch.device(device):
-        net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
-    if load_format == "dummy":
-        fill_parameters(net, cfg, dummy_weights(cfg, seed, device), "dummy weights", progress=False)
-    else:
-        load_weights(net, cfg, model_dir, progress=progress)
+    fill = {"device": torch.device(device)}
     if quantization in ("fp8", "fp8_per_channel"):
-        from m3serve.model.quantize import quantize_model_fp8
-        quantize_model_fp8(net)
+        # online FP8, weight by weight as each completes: the bf16 model never exists whole
+        from m3serve.layers.linear import deferred_weights
+        from m3serve.model.quantize import quantize_param_fp8
+        with torch.device(device), deferred_weights():
+            net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
+        fill["on_complete"] = lambda name: quantize_param_fp8(net, name)
+    else:
+        with torch.device(device):
+            net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
+    if load_format == "dummy":
+        fill_parameters(net, cfg, dummy_weights(cfg, seed, device), "dummy weights", progress=False, **fill)
+    else:
+        load_weights(net, cfg, model_dir, progress=progress, **fill)
+    if "on_complete" in fill and net.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()
     return net.eval(), cfg, model_dir

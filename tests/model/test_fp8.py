@@ -69,3 +69,44 @@ def test_chunked_weight_quantisation_equals_whole(monkeypatch):
     q_ref, s_ref = quant_weight_fp8(w)
     assert q.shape == w.shape and s.shape == (3, 40)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+def test_online_fp8_quantises_each_weight_as_it_loads(tiny_dir, monkeypatch):
+    """Online FP8 quantises every weight as soon as its last shard arrives: the same bits as
+    quantising a whole bf16 model after loading, with only a few bf16 weights alive at a time
+    (the bf16 model of a large checkpoint need not fit the device)."""
+    import m3serve.model.loader as loader
+    from m3serve.model.quantize import quantize_param_fp8
+    from m3serve.layers.quant import FP8
+
+    ref, _, _ = loader.load_model(tiny_dir, dtype="bfloat16", progress=False)
+    live, peak = set(), [0]
+    real_materialize, real_quantize = loader._materialize, quantize_param_fp8
+
+    def materialize(model, name, param, device):
+        live.add(name)
+        peak[0] = max(peak[0], len(live))
+        return real_materialize(model, name, param, device)
+
+    def quantize(model, name):
+        live.discard(name)
+        return real_quantize(model, name)
+
+    monkeypatch.setattr(loader, "_materialize", materialize)
+    monkeypatch.setattr("m3serve.model.quantize.quantize_param_fp8", quantize)
+    q, _, _ = loader.load_model(tiny_dir, dtype="bfloat16", progress=False, quantization="fp8")
+    assert not live and 1 <= peak[0] <= 3, (live, peak)
+    assert not any(p.is_meta for p in q.parameters())
+    quantised = 0
+    for name, p in ref.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        qmod = q.get_submodule(owner)
+        if quantize_param_fp8(ref, name):          # the old way: quantise after a bf16 load
+            quantised += 1
+            rw, qw = getattr(ref.get_submodule(owner), attr), getattr(qmod, attr)
+            scale = "weight_scale" if attr == "weight" else attr + "_scale"
+            assert qw.dtype == FP8 and torch.equal(qw.view(torch.uint8), rw.view(torch.uint8)), name
+            assert torch.equal(getattr(qmod, scale), getattr(ref.get_submodule(owner), scale)), name
+        else:
+            assert torch.equal(getattr(qmod, attr), p), name
+    assert quantised > 10
