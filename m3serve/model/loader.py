@@ -226,6 +226,7 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
     A parameter still on the meta device gets memory on `device` when its first shard arrives;
     `on_complete(parameter name)` runs as soon as all of a parameter's shards have arrived."""
     params = dict(model.named_parameters())
+    required = {name: p.required_shards for name, p in params.items()}
     expected = canonical_shapes(cfg) if expected is None else expected
     to_param = to_param or canonical_to_param
     seen: dict[str, str] = {}
@@ -243,7 +244,7 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
             seen[cname] = file_name
             pname, shard = to_param(cname)
             param = params[pname]
-            if shard not in param.required_shards:
+            if shard not in required[pname]:
                 continue  # another rank's expert
             if param.is_meta:
                 param = params[pname] = _materialize(model, pname, param, device)
@@ -252,8 +253,10 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             loaded[pname].add(shard)
-            if on_complete is not None and loaded[pname] >= param.required_shards:
+            if on_complete is not None and loaded[pname] >= required[pname]:
                 on_complete(pname)
+                # the model may have replaced it (quantised): hold only what the model holds
+                params[pname], param = model.get_parameter(pname), None
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -262,8 +265,8 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"{source} is missing tensor(s) {missing[:5]}{more}")
-    for name, param in params.items():
-        if set(param.required_shards) - loaded[name]:
+    for name, shards in required.items():
+        if set(shards) - loaded[name]:
             raise ValueError(f"parameter {name} was not fully loaded from {source}")
 
 
