@@ -1,5 +1,5 @@
 """Online FP8 quantisation (`--quantization fp8`, per-token activation / per-channel weight,
-docs/model.md §8.3): weights are quantised once after loading, activations per call.
+docs/model.md §8.3): each weight is quantised once, as the loader completes it; activations per call.
 
 GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU; the CPU reference
 dequantises both operands and multiplies in fp64 (same products, one rounding).
