@@ -284,6 +284,37 @@ def test_echo_with_logprobs_scores_the_prompt_as_decoding_scored_it(server):
     assert joined["token_logprobs"][:len(whole)] == lp["token_logprobs"][:len(whole)]
 
 
+def test_prompt_logprobs_score_the_prompt_as_decoding_scored_it(server):
+    """Oracle as for echo: the logprobs decoding gave its greedy tokens equal their
+    prompt_logprobs once sent back as a prompt; each position holds the prompt token and at most
+    k others, ranked; the chat endpoint returns the field for its rendered prompt."""
+    url = server.url + "/v1/completions"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    body = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(url, json={**body, "prompt": ids, "logprobs": 0, "return_token_ids": True},
+                       timeout=60).json()["choices"][0]
+    whole = ids + plain["token_ids"]
+    choice = httpx.post(url, json={**body, "prompt": whole, "max_tokens": 1, "prompt_logprobs": 2},
+                        timeout=60).json()["choices"][0]
+    field = choice["prompt_logprobs"]
+    assert len(field) == len(whole) and field[0] is None and "logprobs" in choice
+    for token, position in zip(whole[1:], field[1:]):
+        assert str(token) in position and len(position) <= 3                  # the k = 2 best + the token
+        assert sorted(e["rank"] for e in position.values() if e["rank"] <= 2) == [1, 2]
+    scored = [field[len(ids) + i][str(t)]["logprob"] for i, t in enumerate(plain["token_ids"])]
+    assert scored == pytest.approx(plain["logprobs"]["token_logprobs"], abs=2e-3)
+    assert all(field[len(ids) + i][str(t)]["rank"] == 1 for i, t in enumerate(plain["token_ids"]))  # greedy
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        **body, "messages": CHAT, "prompt_logprobs": 0, "return_token_ids": True}, timeout=60).json()
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert chat["prompt_logprobs"][0] is None
+    assert all(str(t) in p for t, p in zip(chat["prompt_token_ids"][1:], chat["prompt_logprobs"][1:]))
+    for bad, what in (({"prompt_logprobs": 2, "stream": True}, "stream"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                      ({"prompt_logprobs": 21}, "prompt_logprobs")):
+        r = httpx.post(url, json={**body, "prompt": PROMPT, **bad}, timeout=30)
+        assert r.status_code == 400 and what in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_return_token_ids_streaming_and_not(server, route):
     chat = route.endswith("chat/completions")

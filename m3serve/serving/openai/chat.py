@@ -14,7 +14,7 @@ from m3serve.sampling_params import StructuredOutputsParams
 from m3serve.serving.chat_template import render_chat
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field, merge,
                                            sse, engine_error_event, usage_block)
-from m3serve.serving.openai.engine import clamp_logprob, top_entries
+from m3serve.serving.openai.engine import clamp_logprob, prompt_logprobs_field, top_entries
 from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import ChatCompletionRequest
 from m3serve.serving.output_processor import SequenceState
@@ -162,6 +162,9 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                     "stop_reason": seq.stop_reason,
                     **({"token_ids": seq.token_ids} if request.return_token_ids else {})})
     return JSONResponse({**header, "choices": out, "usage": usage_block([state]),
+                         **({"prompt_logprobs": prompt_logprobs_field(
+                             state.sequences[0].prompt_logprobs, state.prompt_token_ids, request.prompt_logprobs)}
+                            if request.prompt_logprobs is not None else {}),
                          **({"prompt_token_ids": state.prompt_token_ids} if request.return_token_ids else {}),
                          **kv_transfer_field([state], request.kv_transfer_params is not None)})
 

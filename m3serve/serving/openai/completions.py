@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from m3serve.core.core_client import EngineError
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field,
                                            merge, sse, engine_error_event, usage_block)
-from m3serve.serving.openai.engine import clamp_logprob, top_entries
+from m3serve.serving.openai.engine import clamp_logprob, prompt_logprobs_field, top_entries
 from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import CompletionRequest
 from m3serve.serving.output_processor import RequestState, SequenceState
@@ -102,7 +102,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
         max_tokens = ctx.engine.resolve_max_tokens(len(ids), request.max_tokens)
         params = request.sampling_params(max_tokens, request.logprobs, ctx.engine.sampling_defaults)
         if request.echo and request.logprobs is not None:
-            params.prompt_logprobs = request.logprobs
+            params.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
         streams.append(ctx.engine.generate(f"{request_id}-{i}", text, ids, params, arrival_time,
                                            request.cache_salt, kv))
     ctx.engine.check_fan_out(len(prompts), request.n)     # after the params' own checks (n's range)
@@ -124,6 +124,9 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
             choices.append({
                 "index": i * request.n + seq.index, "text": echoed[i] + seq.text, "logprobs": logprobs,
                 "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
+                **({"prompt_logprobs": prompt_logprobs_field(
+                    state.sequences[0].prompt_logprobs, state.prompt_token_ids, request.prompt_logprobs)}
+                   if request.prompt_logprobs is not None else {}),
                 **({"prompt_token_ids": state.prompt_token_ids, "token_ids": seq.token_ids}
                    if request.return_token_ids else {})})
     return JSONResponse({**header, "choices": choices, "usage": usage_block(ordered),

@@ -178,6 +178,7 @@ class _SamplingRequest(_Strict):
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None   # P/D legs (vLLM's NIXL protocol)
     return_token_ids: bool = False     # vLLM's: the prompt's and each choice's token ids in the reply
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the k best
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -234,6 +235,13 @@ class _SamplingRequest(_Strict):
                 raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}") from None
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+            if self.stream:
+                raise ValueError("prompt_logprobs is not available with stream=true")
+            if self.kv_transfer_params is not None:
+                raise ValueError("prompt_logprobs needs the prompt computed here: not with kv_transfer_params")
         optional = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
         optional |= {k: v for k, v in (
             ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
@@ -245,7 +253,7 @@ class _SamplingRequest(_Strict):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(), logit_bias=bias,
-            **optional)
+            prompt_logprobs=self.prompt_logprobs, **optional)
 
     @property
     def include_usage(self) -> bool:
