@@ -286,18 +286,22 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     return app
 
 
-def check_port_free(host: str, port: int) -> None:
-    """ValueError when `host:port` cannot be bound (in use, or not an address of this host)."""
+def listen_socket(host: str, port: int):
+    """The server's listening socket, bound now: before minutes of model loading (a port in
+    use is a start-up error at once), and so that no other socket the engine's processes open
+    in the meantime can take the port. ValueError when it cannot be bound."""
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as uvicorn binds
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}"
-                             f"{' (another process holds the port; pick another with --port)' if e.errno == 98 else ''}") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as uvicorn binds
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}"
+                         f"{' (another process holds the port; pick another with --port)' if e.errno == 98 else ''}") from None
+    return s
 
 
 def run_server(args) -> None:
@@ -321,10 +325,10 @@ def run_server(args) -> None:
         logger.info("accepted, not applicable: %s", line)
     if engine.compilation.not_applicable:
         logger.info("--compilation-config keys not applicable here, ignored: %s", engine.compilation.not_applicable)
-    check_port_free(server.host, server.port)       # before minutes of model loading
     if engine.parallel.node_rank > 0:     # another host of a multi-node engine: no API here
         from m3serve.core.engine_group import run_headless
         raise SystemExit(run_headless(engine))
+    sock = listen_socket(server.host, server.port)
     model_dir = model_directory(engine.model.model)
     check_layout(load_config(model_dir, engine.model.hf_overrides), engine.parallel)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
@@ -335,6 +339,6 @@ def run_server(args) -> None:
     raise_fd_limit(engine.scheduler.max_num_seqs, engine.scheduler.max_waiting_requests)
     uv = DrainingServer(uvicorn.Config(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
                                        timeout_graceful_shutdown=5), app.state.drain)
-    uv.run()
+    uv.run(sockets=[sock])
     if uv.drain.forced:
         raise SystemExit(1)

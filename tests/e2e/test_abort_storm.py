@@ -46,8 +46,10 @@ def test_cancelled_requests_free_their_blocks_at_once(server):
     asyncio.run(storm())
     steps_before = server.metrics()["m3serve:iteration_tokens_total_count"]
     metrics = server.wait_idle(timeout_s=60)        # a sequence left running would take minutes
-    # every request asked for 2000 tokens: one left running would take hundreds of steps
-    assert metrics["m3serve:iteration_tokens_total_count"] - steps_before <= 8
+    # every request asked for 2000 tokens: one left running would take 2000 steps. Requests
+    # the API was still admitting when their client left may take a step or two each before
+    # their abort lands (14 steps seen on a 2-core machine, 2 on a faster one).
+    assert metrics["m3serve:iteration_tokens_total_count"] - steps_before <= 100
     assert metrics["m3serve:num_requests_running"] == 0 and metrics["m3serve:num_requests_waiting"] == 0
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": MODEL_NAME, "prompt": "after the storm", "max_tokens": 3, "ignore_eos": True})
