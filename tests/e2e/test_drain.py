@@ -88,7 +88,9 @@ def streaming_server(tiny_dir, tmp_path, timeout_s: float, max_tokens: int):
 
 
 def test_sigterm_lets_running_requests_finish_and_refuses_new_ones(tiny_dir, tmp_path):
-    with streaming_server(tiny_dir, tmp_path, 60, 40) as (server, children, stream):
+    # 400 tokens: the stream must outlast the probes below (a 40-token one could finish, and the
+    # drained server exit, within the 0.3 s before the first probe on a fast step)
+    with streaming_server(tiny_dir, tmp_path, 60, 400) as (server, children, stream):
         assert children, "the engine runs in a child process"
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -99,7 +101,7 @@ def test_sigterm_lets_running_requests_finish_and_refuses_new_ones(tiny_dir, tmp
         assert "shutting down" in refused.json()["error"]["message"]
         assert server.proc.wait(timeout=60) == 0
         stream.join(5)
-        assert stream.status == 200 and stream.tokens() == 40
+        assert stream.status == 200 and stream.tokens() == 400
         assert stream.events[-1]["choices"][0]["finish_reason"] == "length"
         log = server.log_path.read_text()
         assert "0 sequence(s) aborted, KV blocks in use: 0" in log, log[-2000:]
