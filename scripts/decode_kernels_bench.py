@@ -427,9 +427,7 @@ def grouped_mm() -> None:
             y[state["order"]] = state["y"]
             state["out"] = torch.einsum("tk,tkh->th", all_w, y.view(T, 5, H).float())
 
-        for name, q in (("bf16", None), ("fp8", fp8 or None)):
-            if name == "fp8" and not fp8:
-                continue
+        for name, q in [("bf16", None)] + ([("fp8", fp8)] if fp8 else []):
             try:
                 plan(); gemms(q); combine()
                 t_plan = triton.testing.do_bench(plan, rep=50) * 1e3

@@ -9,6 +9,7 @@ unreadable file, raises a ValueError naming the tensor and the file; the half-bu
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from m3serve.distributed import ParallelInfo
+from m3serve.layers.linear import attach_loader, deferred_weights, make_param
 from m3serve.model.config import M3Config, canonical_shapes, load_config
 from m3serve.model.files import resolve_model_dir
 
@@ -209,8 +211,8 @@ def _materialize(model: torch.nn.Module, pname: str, param: torch.nn.Parameter, 
     """Replace a meta-device parameter (`layers.linear.deferred_weights`) by an empty one on
     `device` that keeps its loader; returns the new parameter."""
     owner, _, attr = pname.rpartition(".")
-    real = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
-    real.weight_loader, real.required_shards = param.weight_loader, param.required_shards
+    with torch.device(device):
+        real = attach_loader(make_param(param.shape, param.dtype), param.weight_loader, param.required_shards)
     setattr(model.get_submodule(owner), attr, real)
     return real
 
@@ -256,7 +258,7 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
             if on_complete is not None and loaded[pname] >= required[pname]:
                 on_complete(pname)
                 # the model may have replaced it (quantised): hold only what the model holds
-                params[pname], param = model.get_parameter(pname), None
+                params[pname] = model.get_parameter(pname)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -281,21 +283,17 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir, hf_overrides)
     torch_dtype = resolve_dtype(dtype, cfg)
-    fill = {"device": torch.device(device)}
-    if quantization in ("fp8", "fp8_per_channel"):
-        # online FP8, weight by weight as each completes: the bf16 model never exists whole
-        from m3serve.layers.linear import deferred_weights
-        from m3serve.model.quantize import quantize_param_fp8
-        with torch.device(device), deferred_weights():
-            net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
-        fill["on_complete"] = lambda name: quantize_param_fp8(net, name)
-    else:
-        with torch.device(device):
-            net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
+    # online FP8, weight by weight as each completes: the bf16 model never exists whole
+    fp8 = quantization in ("fp8", "fp8_per_channel")
+    from m3serve.model.quantize import quantize_param_fp8
+    with torch.device(device), (deferred_weights() if fp8 else contextlib.nullcontext()):
+        net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
+    fill = {"device": torch.device(device),
+            "on_complete": (lambda name: quantize_param_fp8(net, name)) if fp8 else None}
     if load_format == "dummy":
         fill_parameters(net, cfg, dummy_weights(cfg, seed, device), "dummy weights", progress=False, **fill)
     else:
         load_weights(net, cfg, model_dir, progress=progress, **fill)
-    if "on_complete" in fill and net.lm_head.weight.is_cuda:
+    if fp8 and net.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
     return net.eval(), cfg, model_dir

@@ -75,11 +75,12 @@ def test_online_fp8_quantises_each_weight_as_it_loads(tiny_dir, monkeypatch):
     """Online FP8 quantises every weight as soon as its last shard arrives: the same bits as
     quantising a whole bf16 model after loading, with only a few bf16 weights alive at a time
     (the bf16 model of a large checkpoint need not fit the device)."""
-    import m3serve.model.loader as loader
-    from m3serve.model.quantize import quantize_param_fp8
-    from m3serve.layers.quant import FP8
-
     import weakref
+
+    import m3serve.model.loader as loader
+    from m3serve.layers.quant import FP8
+    from m3serve.model.quantize import quantize_param_fp8
+
     ref, _, _ = loader.load_model(tiny_dir, dtype="bfloat16", progress=False)
     made, peak = [], [0]        # every bf16 weight the loader made; how many were alive at once
     real_materialize = loader._materialize

@@ -162,9 +162,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                     "stop_reason": seq.stop_reason,
                     **({"token_ids": seq.token_ids} if request.return_token_ids else {})})
     return JSONResponse({**header, "choices": out, "usage": usage_block([state]),
-                         **({"prompt_logprobs": prompt_logprobs_field(
-                             state.sequences[0].prompt_logprobs, state.prompt_token_ids, request.prompt_logprobs)}
-                            if request.prompt_logprobs is not None else {}),
+                         **prompt_logprobs_field(state, request.prompt_logprobs),
                          **({"prompt_token_ids": state.prompt_token_ids} if request.return_token_ids else {}),
                          **kv_transfer_field([state], request.kv_transfer_params is not None)})
 

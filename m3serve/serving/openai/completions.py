@@ -115,6 +115,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     ordered = await collect(streams, is_disconnected)
     choices = []
     for i, state in enumerate(ordered):
+        prompt_field = prompt_logprobs_field(state, request.prompt_logprobs)   # shared by its n choices
         for seq in state.sequences:
             logprobs = None
             if request.logprobs is not None:
@@ -124,9 +125,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
             choices.append({
                 "index": i * request.n + seq.index, "text": echoed[i] + seq.text, "logprobs": logprobs,
                 "finish_reason": seq.finish_reason, "stop_reason": seq.stop_reason,
-                **({"prompt_logprobs": prompt_logprobs_field(
-                    state.sequences[0].prompt_logprobs, state.prompt_token_ids, request.prompt_logprobs)}
-                   if request.prompt_logprobs is not None else {}),
+                **prompt_field,
                 **({"prompt_token_ids": state.prompt_token_ids, "token_ids": seq.token_ids}
                    if request.return_token_ids else {})})
     return JSONResponse({**header, "choices": choices, "usage": usage_block(ordered),

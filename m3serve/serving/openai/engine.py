@@ -157,17 +157,17 @@ def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, float, st
     return [(t, clamp_logprob(lp.logprob), lp.decoded_token or "") for t, lp in ranked[:k]]
 
 
-def prompt_logprobs_field(positions: list[PositionLogprobs | None] | None, prompt_token_ids: list[int],
-                          k: int) -> list[dict | None]:
-    """vLLM's `prompt_logprobs` reply field: per prompt position None (the first, which nothing
+def prompt_logprobs_field(state, k: int | None) -> dict:
+    """vLLM's `prompt_logprobs` reply field of a finished request `state` (a RequestState), {}
+    when the request did not ask (k None): per prompt position None (the first, which nothing
     predicts) or {token id: {logprob, rank, decoded_token}} of the prompt token and the k best."""
+    if k is None:
+        return {}
+    positions = state.sequences[0].prompt_logprobs or []
     out: list[dict | None] = []
-    for p, token_id in enumerate(prompt_token_ids):
-        position = positions[p] if positions is not None and p < len(positions) else None
-        if position is None:
-            out.append(None)
-            continue
-        out.append({str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
-                             "decoded_token": lp.decoded_token}
-                    for t, lp in position.items() if t == token_id or (lp.rank or 0) <= k})
-    return out
+    for p, token_id in enumerate(state.prompt_token_ids):
+        position = positions[p] if p < len(positions) else None
+        out.append(None if position is None else {
+            str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in position.items() if t == token_id or (lp.rank or 0) <= k})
+    return {"prompt_logprobs": out}

@@ -235,9 +235,7 @@ class _SamplingRequest(_Strict):
                 raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}") from None
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {logprobs}")
-        if self.prompt_logprobs is not None:
-            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None:        # (its range: SamplingParams checks it)
             if self.stream:
                 raise ValueError("prompt_logprobs is not available with stream=true")
             if self.kv_transfer_params is not None:
