@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.tma import tma_ready
+
 FP8_MAX = 448.0
 # Floor of a per-token activation scale, so an all-zero row quantises to zeros instead of NaN.
 FP8_MIN_SCALE = 1e-12
@@ -266,9 +268,24 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, first_expert
     return sorted_ids, block_expert, num_post
 
 
-def _config(block_m, block_n, block_k, group_m, num_warps, num_stages) -> dict:
+def _config(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=False,
+            reduce_sum=False) -> dict:
+    """A tile config: TMA = weight tiles through tensor descriptors; SUM = the down GEMM stores
+    expert outputs for one summing pass (`fused_moe`'s reduce=None follows it)."""
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m,
-            "num_warps": num_warps, "num_stages": num_stages}
+            "num_warps": num_warps, "num_stages": num_stages, "TMA": tma, "SUM": reduce_sum}
+
+
+# Tile regimes whose weight tiles load through tensor descriptors (TMA), by weight dtype, and
+# those whose down GEMM stores each expert's output for one summing pass instead of adding it
+# atomically (`fused_moe`'s reduce=None). Measured on an H200, 4 routed + shared expert,
+# balanced routing (scripts/decode_kernels_bench.py moe_tma, moe_tma_regimes), µs:
+#   bf16 16384 tokens: TMA + sum 18683, per-thread loads + sum 19931, loads + atomic 21521;
+#   bf16 2048 / 1087 tokens (64-row tiles): TMA + sum 4731 / 3919, loads + atomic 4860 / 4208;
+#   fp8 16384 / 8192 tokens: loads + sum 11474 / 6431, atomic 11785 / 6480, TMA + sum 11195 /
+#   6453 (not adopted: no clear gain); fp8 2048 tokens: atomic 2576, sum 2785.
+TMA_REGIMES = {torch.bfloat16: ("large", "largest"), torch.float8_e4m3fn: ()}
+SUM_REGIMES = {torch.bfloat16: ("large", "largest"), torch.float8_e4m3fn: ("largest",)}
 
 
 # Rows per routed expert where `get_config` changes tiles (each regime is its own compiled
@@ -314,15 +331,19 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
     fp8 = dtype == torch.float8_e4m3fn
     small, medium, large = tile_regimes(dtype)
     if M <= small:   # bf16: 3 stages beat 4 (143 vs 151 µs for 5 experts at 1 token, H200)
-        cfg = _config(16, 64, 256 if fp8 else 128, 1, 4, 4 if fp8 else 3)
+        regime, cfg = "small", _config(16, 64, 256 if fp8 else 128, 1, 4, 4 if fp8 else 3)
     elif M <= medium:
-        cfg = _config(32, 64, 256 if fp8 else 128, 4, 4, 4)
+        regime, cfg = "medium", _config(32, 64, 256 if fp8 else 128, 4, 4, 4)
     elif M <= large:   # bf16 with 8 warps and an unhalved gate_up: 4717 vs 4832 µs at 2048 tokens
-        cfg = _config(64, 128, 128, 8, 4, 4) if fp8 else _config(64, 128, 64, 8, 8, 4)
+        regime, cfg = "large", _config(64, 128, 128, 8, 4, 4) if fp8 else _config(64, 128, 64, 8, 8, 4)
     else:            # bf16 unhalved gate_up: 12053 vs 12220 µs at 8192 tokens
-        cfg = _config(128, 128, 128 if fp8 else 64, 8, 8, 3)
+        regime, cfg = "largest", _config(128, 128, 128 if fp8 else 64, 8, 8, 3)
+        if not fp8 and not gate_up:   # TMA down GEMM: 18683 vs 19249 us at 16384 tokens
+            cfg["BLOCK_N"] = 256
     if gate_up and fp8 and cfg["BLOCK_M"] >= 64:   # FP8 prefill: not measured unhalved
         cfg["BLOCK_N"] //= 2
+    cfg["TMA"] = regime in TMA_REGIMES.get(dtype, ())
+    cfg["SUM"] = regime in SUM_REGIMES.get(dtype, ())
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], max(16, triton.next_power_of_2(N)))
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(K)))
     return cfg
@@ -421,11 +442,13 @@ def _gemm1_swiglu_kernel(
         alpha, limit, zero_ptr, zero_numel, zero_chunk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
-        UPCAST: tl.constexpr, ZERO: tl.constexpr):
+        UPCAST: tl.constexpr, ZERO: tl.constexpr, TMA: tl.constexpr):
     """h[p, n] = SwiGLU-OAI(x[t] . w13[e, n], x[t] . w13[e, I_e + n]) for one [BLOCK_M, BLOCK_N]
     tile of expert e's aligned rows p, each holding pair t * K' + k (K' = num_choices).
     With ZERO every program first clears its chunk of the down GEMM's fp32 atomic target (one
-    launch fewer than a separate fill; the down GEMM runs after this kernel)."""
+    launch fewer than a separate fill; the down GEMM runs after this kernel). TMA: the weight
+    tiles come through a tensor descriptor of the expert's [2 I_e, H] matrix (Hopper's bulk
+    copy engine) instead of per-thread loads."""
     if ZERO:
         _clear_chunk(zero_ptr, zero_numel, zero_chunk)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
@@ -450,10 +473,21 @@ def _gemm1_swiglu_kernel(
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_n + offs_k[:, None]
     u_ptrs = g_ptrs + n_inter.to(tl.int64) * stride_n
+    if TMA:   # rows past 2 I_e read as zero; a gate tile's columns past I_e are never stored
+        w_desc = tl.make_tensor_descriptor(w_base, shape=[2 * n_inter, hidden],
+                                           strides=[stride_n, 1], block_shape=[BLOCK_N, BLOCK_K])
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < hidden - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            u = w_desc.load([n_inter + pid_n * BLOCK_N, k * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
@@ -493,10 +527,11 @@ def _gemm2_kernel(
         stride_h, stride_we, stride_wn, stride_wsn, stride_se, stride_out,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
-        UPCAST: tl.constexpr, ATOMIC: tl.constexpr):
-    """y = routing_weight * (h[p] . w2[e, n]) for pair t * K' + k at aligned row p; ATOMIC adds
-    y into out[t, n] (fp32), otherwise stores it at out[t * K' + k, n] for a later sum over k.
-    The shared choice k == top_k has weight 1.0."""
+        UPCAST: tl.constexpr, ATOMIC: tl.constexpr, TMA: tl.constexpr):
+    """y = h[p] . w2[e, n] for pair t * K' + k at aligned row p. ATOMIC adds routing_weight * y
+    into out[t, n] (fp32; the shared choice k == top_k has weight 1.0); otherwise y itself is
+    stored, rounded to out's dtype, at out[t * K' + k, n] for `_moe_sum_kernel`. TMA: the h and
+    weight tiles come through tensor descriptors."""
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -515,9 +550,17 @@ def _gemm2_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_k[None, :]
     b_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_n + offs_k[:, None]
+    if TMA:   # columns past I_e read as zero in both operands
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[num_pid_m * BLOCK_M, k_inter],
+                                           strides=[stride_h, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_base, shape=[hidden, k_inter],
+                                           strides=[stride_n, 1], block_shape=[BLOCK_N, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(tl.cdiv(k_inter, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            a = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -534,19 +577,45 @@ def _gemm2_kernel(
         sh = tl.load(h_scale_ptr + offs_m)
         sw = tl.load(scale_base + offs_n, mask=n_ok, other=0.0)
         acc = acc * sh[:, None] * sw[None, :]
-    tokens = rows // num_choices
-    choice = rows % num_choices
-    routed = row_ok & (choice < top_k)
-    route_w = tl.load(weights_ptr + tokens * top_k + choice, mask=routed, other=1.0)
-    acc = acc * route_w[:, None]
     mask = row_ok[:, None] & n_ok[None, :]
     if ATOMIC:
+        tokens = rows // num_choices
+        choice = rows % num_choices
+        routed = row_ok & (choice < top_k)
+        route_w = tl.load(weights_ptr + tokens * top_k + choice, mask=routed, other=1.0)
+        acc = acc * route_w[:, None]
         tokens = tokens.to(tl.int64)
         out_ptrs = out_ptr + tokens[:, None] * stride_out + offs_n[None, :]
         tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
     else:
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_tokens"])
+def _moe_sum_kernel(y_ptr, weights_ptr, ids_ptr, extra_ptr, out_ptr, num_tokens, hidden, top_k,
+                    num_choices, first_expert, num_experts, stride_y, stride_extra, stride_out,
+                    BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_EXTRA: tl.constexpr):
+    """out[t] = sum_k weights[t, k] * y[t * K' + k] over the choices this rank owns (+ the shared
+    row t * K' + K with weight 1, + extra[t]), in fp32, choices in order; one program per
+    (token, BLOCK_H columns). Rows of other ranks' experts were never written and are not read."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(top_k):
+        local = tl.load(ids_ptr + t * top_k + k).to(tl.int32) - first_expert
+        if (local >= 0) & (local < num_experts):
+            w = tl.load(weights_ptr + t * top_k + k)
+            acc += w * tl.load(y_ptr + (t * num_choices + k) * stride_y + cols, mask=ok,
+                               other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(y_ptr + (t * num_choices + top_k) * stride_y + cols, mask=ok,
+                       other=0.0).to(tl.float32)
+    if HAS_EXTRA:
+        acc += tl.load(extra_ptr + t * stride_extra + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared):
@@ -587,7 +656,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
               shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
-              first_expert: int = 0, reduce: str = "atomic",
+              first_expert: int = 0, reduce: str | None = None, extra: torch.Tensor | None = None,
               config: dict | tuple[dict, dict] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]) (+ Shared(x[t])) for every token t.
 
@@ -601,14 +670,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     run as an extra expert with weight 1.0.
     out: optional [T, H] result tensor of any float dtype (an fp32 one receives the unrounded sum;
     being the atomic target itself, it is cleared while x is still read, so it must not alias x).
-    reduce: "atomic" (fp32 atomic adds into [T, H]) or "sum" (write [T, K(+1), H], then sum).
+    reduce: "atomic" (routing weight times the fp32 down GEMM, atomically added into [T, H]) or
+    "sum" (each expert's output rounded to x's dtype into [T, K(+1), H], then one pass sums
+    them with the routing weights in fp32, in choice order: the reference's rounding points,
+    and the same result whatever the atomic order); None takes the tile config's choice
+    (`get_config`: "sum" for the prefill tiles where it measured faster, "atomic" for decode,
+    where the extra pass would cost a launch per layer).
+    extra: with reduce="sum", an optional [T, H] addend (an expert computed elsewhere).
     config: a `get_config`-style dict overriding the tile choice for both GEMMs, or a pair of
     them (gate_up, down; both with the same BLOCK_M) (benchmarks).
     Returns out, or a new [T, H] tensor in x's dtype.
     """
     _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared)
-    if reduce not in ("atomic", "sum"):
-        raise ValueError(f"reduce={reduce!r} must be 'atomic' or 'sum'")
+    if reduce not in (None, "atomic", "sum"):
+        raise ValueError(f"reduce={reduce!r} must be 'atomic', 'sum' or None")
+    if extra is not None and (reduce == "atomic" or extra.shape != x.shape or extra.stride(-1) != 1):
+        raise ValueError(f"extra {tuple(extra.shape)} needs reduce='sum', x's shape "
+                         f"{tuple(x.shape)} and contiguous rows")
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -639,6 +717,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, w13.dtype, True)
         cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, w13.dtype)
     block_m = cfg1["BLOCK_M"]
+    if reduce is None:
+        reduce = "sum" if cfg1.get("SUM") or extra is not None else "atomic"
+    # tensor-descriptor loads need rows of 16-byte multiples (TMA's stride rule)
+    rows_ok = (hidden * w13.element_size() % 16 == 0 and inter_max * x.element_size() % 16 == 0
+               and inter * w2.element_size() % 16 == 0 and inter_shared * w2.element_size() % 16 == 0)
+    tma1 = bool(cfg1.get("TMA")) and rows_ok and tma_ready(x.device)
+    tma2 = bool(cfg2.get("TMA")) and rows_ok and tma_ready(x.device)
     if cfg2["BLOCK_M"] != block_m:
         raise ValueError(f"both GEMMs share one alignment: BLOCK_M {block_m} and {cfg2['BLOCK_M']}")
     sorted_ids, block_expert, num_post = moe_align(ids, num_experts, block_m,
@@ -663,8 +748,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         direct = out.dtype == torch.float32 and out.is_contiguous()
         acc = out if direct else torch.empty(num_tokens, hidden, dtype=torch.float32,
                                              device=x.device)
-    else:
-        acc = torch.zeros(num_rows, hidden, dtype=torch.float32, device=x.device)  # [T*K', H]
+    else:   # rows of other ranks' experts stay unwritten: the sum skips them
+        acc = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)      # [T*K', H]
 
     h = torch.empty(num_padded, inter_max, dtype=x.dtype, device=x.device)  # [B*BM, I_max]
     num_n1 = triton.cdiv(inter_max, cfg1["BLOCK_N"])
@@ -677,7 +762,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         alpha, limit, acc, acc.numel(), zero_chunk,
         BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
         GROUP_M=cfg1["GROUP_M"], EVEN_K=hidden % cfg1["BLOCK_K"] == 0, USE_FP8=fp8,
-        UPCAST=_INTERPRET, ZERO=atomic, num_warps=cfg1["num_warps"],
+        UPCAST=_INTERPRET, ZERO=atomic, TMA=tma1, num_warps=cfg1["num_warps"],
         num_stages=cfg1["num_stages"])
 
     if fp8:
@@ -693,10 +778,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         BLOCK_M=block_m, BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=cfg2["BLOCK_K"],
         GROUP_M=cfg2["GROUP_M"],
         EVEN_K=inter % cfg2["BLOCK_K"] == 0 and inter_shared % cfg2["BLOCK_K"] == 0,
-        USE_FP8=fp8, UPCAST=_INTERPRET, ATOMIC=atomic, num_warps=cfg2["num_warps"],
+        USE_FP8=fp8, UPCAST=_INTERPRET, ATOMIC=atomic, TMA=tma2, num_warps=cfg2["num_warps"],
         num_stages=cfg2["num_stages"])
     if not atomic:
-        out.copy_(acc.view(num_tokens, num_choices, hidden).sum(1))
+        block_h = min(2048, triton.next_power_of_2(hidden))
+        ex = extra if extra is not None else acc
+        _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            acc, route_w, ids.contiguous(), ex, out, num_tokens, hidden, top_k, num_choices, first_expert,
+            num_experts, acc.stride(0), ex.stride(0), out.stride(0), BLOCK_H=block_h,
+            HAS_SHARED=shared is not None, HAS_EXTRA=extra is not None, num_warps=4)
     elif acc is not out:
         out.copy_(acc)
     return out

@@ -79,7 +79,7 @@ def test_bf16_matches_ref(weights, num_tokens):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert _rel(out, ref) < BF16_TOL
     summed = fused_moe(*args, shared=weights["shared"], reduce="sum")
-    assert _rel(summed, ref) < BF16_TOL
+    assert _rel(summed, fused_moe_ref(*args, shared=weights["shared"], reduce="sum")) < BF16_TOL
     # an fp32 out is the atomic target itself: the first GEMM clears all of it (NaN before)
     out32 = torch.full(out.shape, float("nan"), device="cuda")
     fused_moe(*args, shared=weights["shared"], out=out32)
@@ -100,6 +100,43 @@ def test_fp8_matches_ref(weights, num_tokens):
     bf16_ref = fused_moe_ref(x, weights["w13"], weights["w2"], route_w, ids,
                              shared=weights["shared"])
     assert _rel(out, bf16_ref) < FP8_VS_BF16_TOL
+
+
+@pytest.mark.parametrize("num_tokens", [640, 2600, 8192])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_tiles_tma_and_sum(weights, num_tokens, fp8, monkeypatch):
+    """The prefill path: tensor-descriptor (TMA) weight tiles, expert outputs stored and summed
+    (reduce="sum"), with the shared expert inside the grouped GEMMs or added as `extra`; on a
+    rank owning experts 64..127 the other experts' rows are skipped (buffers start as NaN)."""
+    from m3serve.kernels import fused_moe as fm
+    from m3serve.kernels.ref.fused_moe import fused_moe_ref
+    x, route_w, ids = _inputs(weights, num_tokens, 200 + num_tokens)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    m_avg = -(-num_tokens * K // E)
+    config = ({**fm.get_config(m_avg, I, H, dtype, True), "TMA": True},
+              {**fm.get_config(m_avg, H, I, dtype), "TMA": True})
+    if fp8:
+        w13, w2, shared = weights["q13"], weights["q2"], weights["fp8_shared"]
+        kw, tol = {"w13_scale": weights["s13"], "w2_scale": weights["s2"]}, FP8_TOL
+    else:
+        w13, w2, shared, kw, tol = weights["w13"], weights["w2"], weights["shared"], {}, BF16_TOL
+    ref = fused_moe_ref(x, w13, w2, route_w, ids, shared=shared, reduce="sum", **kw)
+    out = fm.fused_moe(x, w13, w2, route_w, ids, shared=shared, reduce="sum", config=config, **kw)
+    assert torch.isfinite(out).all() and _rel(out, ref) < tol
+    extra = fused_moe_ref(x, w13[:0], w2[:0], route_w, ids, shared=shared, reduce="sum", **{
+        k: v[:0] for k, v in kw.items()})                        # the shared expert alone
+    out = fm.fused_moe(x, w13, w2, route_w, ids, extra=extra, reduce="sum", config=config, **kw)
+    assert _rel(out, ref) < tol
+    real_empty = torch.empty
+    monkeypatch.setattr(fm.torch, "empty", lambda *a, **k: (
+        real_empty(*a, **k).fill_(float("nan")) if k.get("dtype", torch.float32).is_floating_point
+        else real_empty(*a, **k)))
+    half = {k: v[64:] for k, v in kw.items()}
+    out = fm.fused_moe(x, w13[64:], w2[64:], route_w, ids, first_expert=64, reduce="sum",
+                       config=config, **half)
+    monkeypatch.undo()
+    ref = fused_moe_ref(x, w13[64:], w2[64:], route_w, ids, first_expert=64, reduce="sum", **half)
+    assert torch.isfinite(out).all() and _rel(out, ref) < tol
 
 
 def test_ref_matches_layer_ops(weights):

@@ -139,13 +139,14 @@ def test_align_layout(num_tokens, top_k, block_m, first_expert, shared_expert):
     (17, 2, torch.float16, True, "atomic"),
     (64, 4, torch.float32, True, "sum"),
     (64, 4, torch.float16, False, "atomic"),
+    (33, 4, torch.float16, True, "sum"),
 ])
 def test_kernel_matches_ref(num_tokens, top_k, dtype, use_shared, reduce):
     w13, w2, shared = _weights(2, dtype=dtype)
     x, weights, ids = _routing(3, num_tokens, top_k, dtype=dtype)
     shared = shared if use_shared else None
     out = fused_moe(x, w13, w2, weights, ids, shared=shared, reduce=reduce)
-    ref = fused_moe_ref(x, w13, w2, weights, ids, shared=shared)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, shared=shared, reduce=reduce)
     assert out.dtype == dtype and out.shape == (num_tokens, H)
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
 
@@ -184,6 +185,38 @@ def test_kernel_matches_layer_ops_with_expert_slice():
     out = fused_moe(x, local13, local2, weights, ids, shared=shared, first_expert=4)
     layer = experts_ref(x, local13, local2, weights, ids.long(), 4, ALPHA, LIMIT)
     assert _rel(out, layer + _shared_mlp(x, shared)) < 1e-5
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1e4])
+def test_sum_skips_other_ranks_rows_and_adds_extra(monkeypatch, poison):
+    """reduce="sum" on a rank owning experts 4..7: the [T, K, H] rows of the other experts are
+    never written and must not be read (the buffer starts poisoned), and `extra` (the shared
+    expert computed outside) is added; equal to the layer ops."""
+    real_empty = torch.empty
+    monkeypatch.setattr(fm.torch, "empty",
+                        lambda *a, **k: real_empty(*a, **k).fill_(poison)
+                        if k.get("dtype", torch.float32).is_floating_point else real_empty(*a, **k))
+    w13, w2, shared = _weights(8)
+    x, weights, ids = _routing(9, 17, 4)
+    local13, local2 = w13[4:].contiguous(), w2[4:].contiguous()
+    extra = _shared_mlp(x, shared)
+    out = fused_moe(x, local13, local2, weights, ids, first_expert=4, reduce="sum", extra=extra)
+    layer = experts_ref(x, local13, local2, weights, ids.long(), 4, ALPHA, LIMIT)
+    assert torch.isfinite(out).all() and _rel(out, layer + extra) < 1e-5
+    ref = fused_moe_ref(x, local13, local2, weights, ids, first_expert=4, reduce="sum", extra=extra)
+    assert _rel(out, ref) < 1e-5
+
+
+def test_sum_rounds_each_expert_output_like_the_reference():
+    """fp16: the sum path rounds every expert's output to fp16 before the weighted fp32 sum, as
+    the layer's reference ops do; closer to them than the atomic path's unrounded sum is."""
+    w13, w2, shared = _weights(14, dtype=torch.float16)
+    x, weights, ids = _routing(15, 40, 4, dtype=torch.float16)
+    summed = fused_moe(x, w13, w2, weights, ids, shared=shared, reduce="sum")
+    ref = fused_moe_ref(x, w13, w2, weights, ids, shared=shared, reduce="sum")
+    ref_atomic = fused_moe_ref(x, w13, w2, weights, ids, shared=shared)
+    assert _rel(summed, ref) < 1e-3
+    assert not torch.equal(ref.float(), ref_atomic.float())   # the rounding point is visible
 
 
 def test_shared_intermediate_differs():
@@ -242,6 +275,10 @@ def test_bad_inputs_raise():
         fused_moe(x, w13, w2, weights, ids, shared=(shared[0], shared[0]))
     with pytest.raises(ValueError, match="reduce"):
         fused_moe(x, w13, w2, weights, ids, reduce="mean")
+    with pytest.raises(ValueError, match="extra"):
+        fused_moe(x, w13, w2, weights, ids, extra=x, reduce="atomic")
+    with pytest.raises(ValueError, match="extra"):
+        fused_moe(x, w13, w2, weights, ids, extra=x[:1])
     with pytest.raises(ValueError, match="top_k"):
         moe_route(x, torch.randn(E, H), torch.zeros(E), E + 1, 2.0)
 
@@ -277,21 +314,38 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
            "zero_ptr": "*fp32"}
     # fp8: GEMM1 reads e4m3 x and writes bf16 h; GEMM2 reads h re-quantised to e4m3
     fp8 = {**ptr, "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp8e4nv"}
-    tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": True, "UPCAST": False}
+    decode = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": True,
+              "UPCAST": False, "TMA": False}
+    # prefill tiles with tensor-descriptor loads (the sum path: bf16 expert outputs)
+    prefill = {**decode, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "TMA": True}
     jobs = []
-    for sig, use_fp8 in ((ptr, False), (fp8, True)):
-        for name, extra in (("_gemm1_swiglu_kernel", {"ZERO": True}), ("_gemm2_kernel", {"ATOMIC": True})):
-            if use_fp8 and name == "_gemm2_kernel":
-                sig = {**sig, "h_ptr": "*fp8e4nv"}
-            names = set(__import__("m3serve.kernels.fused_moe", fromlist=[name]).__dict__[name].arg_names)
-            jobs.append(["m3serve.kernels.fused_moe", name, {k: v for k, v in sig.items() if k in names},
-                         {**tiles, "USE_FP8": use_fp8, **extra}, 4])
+    for tiles, warps, reduce in ((decode, 4, {"ZERO": True, "ATOMIC": True}),
+                                 (prefill, 8, {"ZERO": False, "ATOMIC": False})):
+        for sig, use_fp8 in ((ptr, False), (fp8, True)):
+            for name in ("_gemm1_swiglu_kernel", "_gemm2_kernel"):
+                if use_fp8 and name == "_gemm2_kernel":
+                    sig = {**sig, "h_ptr": "*fp8e4nv"}
+                if not reduce["ATOMIC"] and name == "_gemm2_kernel":
+                    sig = {**sig, "out_ptr": "*bf16"}
+                names = set(fm.__dict__[name].arg_names)
+                consts = {**tiles, "USE_FP8": use_fp8}
+                consts.update({k: v for k, v in reduce.items() if k in names})
+                if use_fp8 and tiles["TMA"]:
+                    consts["BLOCK_K"] = 128
+                jobs.append(["m3serve.kernels.fused_moe", name,
+                             {k: v for k, v in sig.items() if k in names}, consts, warps])
     align = {"ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
              "num_post_ptr": "*i32", "cursor_ptr": "*i32"}
     jobs.append(["m3serve.kernels.fused_moe", "_align_plan_kernel", align,
                  {"HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32, "SCATTER": True}, 4])
+    summ = {"y_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32", "extra_ptr": "*bf16",
+            "out_ptr": "*fp32"}
+    jobs.append(["m3serve.kernels.fused_moe", "_moe_sum_kernel", summ,
+                 {"BLOCK_H": 2048, "HAS_SHARED": True, "HAS_EXTRA": True}, 4])
     lines = compile_for_hopper(jobs, tmp_path)
-    assert len(lines) == 5
+    assert len(lines) == 10
+    # the prefill tiles run on wgmma (the 16-row decode tiles are below its 64 rows)
+    assert all(line.endswith("True") for line in lines[4:8])
 
 
 def test_regime_token_counts_reach_every_tile_regime(monkeypatch):

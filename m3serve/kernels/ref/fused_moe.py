@@ -87,10 +87,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
                   shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
-                  first_expert: int = 0, reduce: str = "atomic",
+                  first_expert: int = 0, reduce: str = "atomic", extra: torch.Tensor | None = None,
                   config: dict | None = None) -> torch.Tensor:
-    """Reference of `m3serve.kernels.fused_moe.fused_moe` (same contract; reduce and config are
-    accepted for signature parity and ignored)."""
+    """Reference of `m3serve.kernels.fused_moe.fused_moe` (same contract and rounding points:
+    reduce="sum" rounds each expert's output to x's dtype before the weighted fp32 sum; config
+    is accepted for signature parity and ignored)."""
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     fp8 = w13.dtype == torch.float8_e4m3fn
@@ -99,6 +100,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     else:
         xin, x_scale = x, None
     acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
+    rounded = (lambda y: y.to(x.dtype).float()) if reduce == "sum" else (lambda y: y)
     local = ids.long() - first_expert
     for e in torch.unique(local).tolist():
         if not 0 <= e < num_experts:
@@ -107,10 +109,12 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         y = _expert(xin[tok], x_scale[tok] if fp8 else None, w13[e],
                     w13_scale[e] if fp8 else None, w2[e], w2_scale[e] if fp8 else None,
                     alpha, limit, x.dtype)
-        acc.index_add_(0, tok, y * weights[tok, slot, None].float())
+        acc.index_add_(0, tok, rounded(y) * weights[tok, slot, None].float())
     if shared is not None:
-        acc += _expert(xin, x_scale, shared[0], shared[2] if fp8 else None, shared[1],
-                       shared[3] if fp8 else None, alpha, limit, x.dtype)
+        acc += rounded(_expert(xin, x_scale, shared[0], shared[2] if fp8 else None, shared[1],
+                               shared[3] if fp8 else None, alpha, limit, x.dtype))
+    if extra is not None:
+        acc += extra.float()
     if out is None:
         return acc.to(x.dtype)
     return out.copy_(acc)
