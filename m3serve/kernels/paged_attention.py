@@ -12,18 +12,24 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.tma import tma_ready
+
 _LOG2E = 1.4426950408889634
 
 # Launch knobs (H200 starting points; the bench script in m3serve/bench/kernels times them).
 _DECODE_BLOCK_N = 64          # keys per K/V tile in the per-token kernel
 _DECODE_WARPS = 4
 _DECODE_STAGES = 3
-# Prefill tiles by kind (sparse or not): (query rows = tokens x heads of one group, keys per
-# tile, warps, stages). Measured on an H200 over one 8K prompt (scripts/decode_kernels_bench.py
-# prefill_attn): sparse 2963 µs with these against 3600 with (128, 64, 8, 3); dense 2901 vs 2999.
-_PREFILL_TILES = {False: (64, 64, 4, 2), True: (64, 64, 4, 3)}
+# Prefill tiles by (sparse, K/V through tensor descriptors): (query rows = tokens x heads of
+# one group, keys per tile, warps, stages). Measured on an H200 over one 8K prompt
+# (scripts/decode_kernels_bench.py prefill_attn): dense 2129 µs with TMA and 128 rows against
+# 3044 by per-thread loads (64 rows: 2618); sparse 2544 against 2993.
+_PREFILL_TILES = {(False, False): (64, 64, 4, 2), (True, False): (64, 64, 4, 3),
+                  (False, True): (128, 64, 4, 3), (True, True): (64, 64, 4, 2)}
 # Sparse multi-token batches: query tiles over the union of their blocks (False = per-token).
 _SPARSE_PREFILL_TILED = True
+# Prefill K/V tiles through tensor descriptors on Hopper and newer (bf16/fp16 caches).
+_PREFILL_TMA = True
 # Steps whose queries are at most this many tokens per request (decode; the verify step of
 # speculative decoding, k + 1 tokens) run one program per token with split-K over the context,
 # so long contexts stay parallel; longer queries take the tiled prefill kernel.
@@ -66,21 +72,29 @@ def _request_of_tile(query_start_loc, pid, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, MASKED: tl.constexpr):
+    """One online-softmax step of q [M, D] over keys k [D, N] and values v [N, D]; visible
+    [M, N] masks the scores (base-2 domain) when MASKED."""
+    qk = tl.dot(q, k) * qk_scale                                               # [M, N] fp32
+    if MASKED:
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_tile(q, k_base, v_base, rows, load_ok, visible, qk_scale, m_i, l_i, acc,
                  D: tl.constexpr):
     """One online-softmax step of q [M, D] over the K/V rows at `rows` [N] (offsets from the
     group's base); load_ok [N] masks the loads, visible [M, N] the scores (base-2 domain)."""
     dims = tl.arange(0, D)
     k = tl.load(k_base + rows[None, :] + dims[:, None], mask=load_ok[None, :], other=0.0)  # [D, N]
-    qk = tl.dot(q, k.to(q.dtype)) * qk_scale                                   # [M, N] fp32
-    qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + rows[:, None] + dims[None, :], mask=load_ok[:, None], other=0.0)  # [N, D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-    return m_new, l_i, acc
+    return _softmax_step(q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, m_i, l_i, acc, True)
 
 
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
@@ -178,20 +192,24 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh
 
 
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "union_width"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "union_width", "num_kv_rows"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_loc, seq_lens, block_tables, block_ids_ptr,
     union_ptr, union_count_ptr, union_width, k_scale_ptr, v_scale_ptr, qk_scale, num_reqs, topk,
-    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
-    stride_it, stride_ig, stride_ik,
+    num_kv_rows, stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh,
+    stride_bt, stride_it, stride_ig, stride_ik,
     HPG: tl.constexpr, HPG_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TOPK_PAD: tl.constexpr, SPARSE: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, TMA: tl.constexpr, G: tl.constexpr,
 ):
     """One program = (query tile of BLOCK_Q tokens of one request, KV group g); its M rows are
     token-major (token, head-of-group) pairs so every K/V tile serves all heads of the group.
     Sparse: the tile visits the union of its tokens' selected blocks once each (listed per
-    (tile, group) by `_tile_block_union`), every row masked to its own token's selection."""
+    (tile, group) by `_tile_block_union`), every row masked to its own token's selection.
+    Dense: the key tiles wholly before the tile's first token run without masks, the rest
+    (the diagonal) masked. TMA: K/V tiles come through tensor descriptors of the cache planes
+    viewed as [num_kv_rows = pages x BLOCK_SIZE, G x D] (loads are not masked: slots past a
+    sequence hold finite stale or zero values, and their scores are masked)."""
     BLOCK_M: tl.constexpr = BLOCK_Q * HPG_PAD
     pid = tl.program_id(0)
     g = tl.program_id(1)
@@ -221,6 +239,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     k_base = k_ptr + g * stride_kh
     v_base = v_ptr + g * stride_kh
+    if TMA:
+        k_desc = tl.make_tensor_descriptor(k_ptr, shape=[num_kv_rows, G * D], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, D])
+        v_desc = tl.make_tensor_descriptor(v_ptr, shape=[num_kv_rows, G * D], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, D])
     if SPARSE:
         TILES_PER_BLOCK: tl.constexpr = BLOCK_SIZE // BLOCK_N
         kk = tl.arange(0, TOPK_PAD)
@@ -229,27 +252,53 @@ def _prefill_kernel(
                       + kk[None, :] * stride_ik, mask=tok_ok[:, None] & (kk < topk)[None, :],
                       other=-1).to(tl.int32)                                   # [BLOCK_M, TOPK_PAD]
         union = union_ptr + (pid * tl.num_programs(1) + g).to(tl.int64) * union_width
-        for e in range(0, tl.load(union_count_ptr + pid * tl.num_programs(1) + g)):
-            blk = tl.load(union + e)
-            if blk * BLOCK_SIZE <= last_pos:
-                row_sel = tl.max(tl.where(ids == blk, 1, 0), 1) > 0               # [BLOCK_M]
-                page = tl.load(block_tables + r * stride_bt + blk).to(tl.int64)
-                for sub in range(TILES_PER_BLOCK):
-                    start = blk * BLOCK_SIZE + sub * BLOCK_N
-                    key_pos = start + offs_n
-                    rows = page * stride_kp + (sub * BLOCK_N + offs_n) * stride_kt
-                    visible = row_sel[:, None] & (key_pos[None, :] <= q_pos[:, None])
-                    m_i, l_i, acc = _attend_tile(q, k_base, v_base, rows, key_pos <= last_pos,
-                                                 visible, qk_scale, m_i, l_i, acc, D)
-    else:
-        for i in range(0, tl.cdiv(last_pos + 1, BLOCK_N)):
-            start = i * BLOCK_N
-            page = tl.load(block_tables + r * stride_bt + start // BLOCK_SIZE).to(tl.int64)
+        num_union = tl.load(union_count_ptr + pid * tl.num_programs(1) + g)
+        # One flat loop over (union block, sub-tile) with no branch in it, so the K/V loads
+        # software-pipeline; keys past the tile's last token are masked (a block past it in a
+        # malformed selection reads page 0, never a page beyond the table row).
+        for j in range(0, num_union * TILES_PER_BLOCK):
+            blk = tl.load(union + j // TILES_PER_BLOCK)
+            sub = j % TILES_PER_BLOCK
+            row_sel = tl.max(tl.where(ids == blk, 1, 0), 1) > 0                   # [BLOCK_M]
+            start = blk * BLOCK_SIZE + sub * BLOCK_N
+            page = tl.load(block_tables + r * stride_bt + blk, mask=start <= last_pos,
+                           other=0).to(tl.int64)
             key_pos = start + offs_n
-            rows = page * stride_kp + ((start % BLOCK_SIZE) + offs_n) * stride_kt
-            m_i, l_i, acc = _attend_tile(q, k_base, v_base, rows, key_pos <= last_pos,
-                                         key_pos[None, :] <= q_pos[:, None], qk_scale,
-                                         m_i, l_i, acc, D)
+            visible = row_sel[:, None] & (key_pos[None, :] <= q_pos[:, None])
+            if TMA:
+                row0 = (page * BLOCK_SIZE + sub * BLOCK_N).to(tl.int32)
+                m_i, l_i, acc = _softmax_step(q, k_desc.load([row0, g * D]).T,
+                                              v_desc.load([row0, g * D]), visible, qk_scale,
+                                              m_i, l_i, acc, True)
+            else:
+                rows = page * stride_kp + (sub * BLOCK_N + offs_n) * stride_kt
+                m_i, l_i, acc = _attend_tile(q, k_base, v_base, rows, key_pos <= last_pos,
+                                             visible, qk_scale, m_i, l_i, acc, D)
+    else:
+        num_full = 0
+        if TMA:   # the key tiles every row sees whole: before the tile's first token
+            num_full = (ctx_start + tile * BLOCK_Q + 1) // BLOCK_N
+            for i in range(0, num_full):
+                start = i * BLOCK_N
+                page = tl.load(block_tables + r * stride_bt + start // BLOCK_SIZE)
+                row0 = page * BLOCK_SIZE + start % BLOCK_SIZE
+                m_i, l_i, acc = _softmax_step(q, k_desc.load([row0, g * D]).T,
+                                              v_desc.load([row0, g * D]), q_pos, qk_scale,
+                                              m_i, l_i, acc, False)
+        for i in range(num_full, tl.cdiv(last_pos + 1, BLOCK_N)):
+            start = i * BLOCK_N
+            page = tl.load(block_tables + r * stride_bt + start // BLOCK_SIZE)
+            key_pos = start + offs_n
+            visible = key_pos[None, :] <= q_pos[:, None]
+            if TMA:
+                row0 = page * BLOCK_SIZE + start % BLOCK_SIZE
+                m_i, l_i, acc = _softmax_step(q, k_desc.load([row0, g * D]).T,
+                                              v_desc.load([row0, g * D]), visible, qk_scale,
+                                              m_i, l_i, acc, True)
+            else:
+                rows = page.to(tl.int64) * stride_kp + ((start % BLOCK_SIZE) + offs_n) * stride_kt
+                m_i, l_i, acc = _attend_tile(q, k_base, v_base, rows, key_pos <= last_pos,
+                                             visible, qk_scale, m_i, l_i, acc, D)
 
     if FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -360,7 +409,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     position. A token that sees no key gets 0.
     max_query_len / max_seq_len: host-side bounds that pick the kernel and the split count only.
     query_start_loc[R] must equal T (the tiled sparse path numbers its tiles on the device from
-    it).
+    it). Cache slots past a sequence's length inside its blocks must hold finite values (the
+    engine zero-fills the cache): the prefill path may read them whole and mask their scores.
     Returns out ([T, H, D], q's dtype); softmax in fp32.
     """
     _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_tables, block_ids, k_scale, v_scale,
@@ -409,7 +459,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                                          D=D, NUM_SPLITS=splits, num_warps=4)
         return out
     hpg_pad = triton.next_power_of_2(hpg)
-    rows, keys, warps, stages = _PREFILL_TILES[sparse]
+    num_kv_rows = kv_cache.shape[1] * bs
+    # descriptors view each plane as [pages x block_size, G x D] rows (bf16/fp16 caches)
+    tma = (_PREFILL_TMA and not fp8 and tma_ready(q.device) and k.stride(2) == D
+           and k.stride(0) == bs * k.stride(1) and k.stride(1) == G * D and v.stride() == k.stride()
+           and num_kv_rows < 2 ** 31)
+    rows, keys, warps, stages = _PREFILL_TILES[sparse, tma]
     block_q = max(1, rows // hpg_pad)
     block_q = min(block_q, triton.next_power_of_2(max_query_len))
     block_q = max(block_q, triton.cdiv(16, hpg_pad))  # tl.dot needs M >= 16
@@ -421,8 +476,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                      else (seq_lens[:, None, None], seq_lens))       # placeholders when dense
     _prefill_kernel[grid](
         q, k, v, out, query_start_loc, seq_lens, block_tables, ids, union, counts,
-        union.shape[-1], k_sc, v_sc, scale * _LOG2E, R, topk, *common, *id_strides, HPG=hpg,
-        HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs, BLOCK_N=block_n,
-        TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8,
+        union.shape[-1], k_sc, v_sc, scale * _LOG2E, R, topk, num_kv_rows, *common, *id_strides,
+        HPG=hpg, HPG_PAD=hpg_pad, BLOCK_Q=block_q, D=D, BLOCK_SIZE=bs, BLOCK_N=block_n,
+        TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8, TMA=tma, G=G,
         num_warps=warps if block_q * hpg_pad >= rows else min(warps, 4), num_stages=stages)
     return out

@@ -120,6 +120,23 @@ def test_mixed_prefill_real_shapes(topk, cache_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("topk", [None, 16])
+@pytest.mark.parametrize("lens", [MIXED, ([8192, 3000, 700], [3000, 3000, 17])])
+def test_prefill_tma_and_per_thread_loads(lens, topk, tma, monkeypatch):
+    """The prefill kernel with K/V through tensor descriptors (Hopper) and through per-thread
+    loads: chunks at the start and in the middle of long contexts (the dense path's unmasked
+    tiles and its diagonal), against the reference."""
+    from m3serve.kernels import paged_attention as pa
+    if tma:
+        assert pa.tma_ready(torch.device("cuda")), "this test wants a Hopper GPU"
+    monkeypatch.setattr(pa, "_PREFILL_TMA", tma)
+    kwargs, meta, deq = make_case(*lens, **REAL, dtype=torch.bfloat16, device="cuda", topk=topk,
+                                  own_block_prob=0.8, seed=11)
+    _check(kwargs, meta, deq, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("topk", [None, 16])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -65,7 +65,7 @@ def test_dense_decode_single_split_fp16_out_buffer():
 def test_dense_mixed_prefill_batch(monkeypatch, block_m):
     # decode, full prefill, chunked prefill over earlier context, empty request, in one call;
     # block_m 16 = 8-token query tiles, so requests span several tiles
-    monkeypatch.setitem(pa._PREFILL_TILES, False, (block_m, 64, 4, 2))
+    monkeypatch.setitem(pa._PREFILL_TILES, (False, False), (block_m, 64, 4, 2))
     kwargs, meta, deq = make_case([40, 20, 50, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
                                   device="cpu", seed=4)
     got, ref = _run(kwargs)
@@ -83,7 +83,7 @@ def test_sparse_batches(force_split, monkeypatch, q_lens, tiled, ids_dtype):
     # contexts longer (100, 90, 70) and shorter (30) than topk x block; own block sometimes
     # unselected; 8-token query tiles so the 30-token request spans four tiles
     monkeypatch.setattr(pa, "_SPARSE_PREFILL_TILED", tiled)
-    monkeypatch.setitem(pa._PREFILL_TILES, True, (16, 64, 4, 3))
+    monkeypatch.setitem(pa._PREFILL_TILES, (True, False), (16, 64, 4, 3))
     kwargs, meta, deq = make_case([100, 30, 90, 70], q_lens, **TINY, dtype=torch.float32,
                                   device="cpu", topk=4, own_block_prob=0.7, ids_dtype=ids_dtype,
                                   seed=5)
@@ -145,3 +145,20 @@ def test_fp8_without_scales_raises():
     kwargs["kv_cache"] = kwargs["kv_cache"].to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="k_scale"):
         pa.paged_attention(**kwargs)
+
+
+def test_prefill_kernel_compiles_for_hopper(tmp_path):
+    """The prefill kernel compiles for sm_90 with the bundled ptxas, dense and sparse, with K/V
+    through tensor descriptors (TMA) and through per-thread loads, at the real head layout; the
+    tiles run on wgmma either way."""
+    from test_rmsnorm import compile_for_hopper
+    ptr = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+           "query_start_loc": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
+           "block_ids_ptr": "*i32", "union_ptr": "*i32", "union_count_ptr": "*i32",
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "qk_scale": "fp32"}
+    jobs = [["m3serve.kernels.paged_attention", "_prefill_kernel", ptr,
+             {"HPG": 16, "HPG_PAD": 16, "BLOCK_Q": 4, "D": 128, "BLOCK_SIZE": 128, "BLOCK_N": 64,
+              "TOPK_PAD": 16, "SPARSE": sparse, "FP8": False, "TMA": tma, "G": 4}, 4]
+            for sparse in (False, True) for tma in (False, True)]
+    lines = compile_for_hopper(jobs, tmp_path)
+    assert len(lines) == 4 and all(line.endswith("True") for line in lines)
