@@ -9,11 +9,14 @@
   mid_moe  the fused MoE at mixed-step sizes (575-2111 tokens), by tile, one GEMM at a time;
   moe_bounds  the fused MoE's regime configs side by side at 448-4223 tokens;
   prefill_moe_kernels  the fused MoE's prefill time by kernel (profiler), with each GEMM's TFLOP/s;
+  moe_tma  the fused MoE at prefill sizes: atomic against store-and-sum, tensor-descriptor
+         (TMA) weight tiles, the shared expert by cuBLAS beside the grouped GEMMs;
+  moe_tma_regimes  the same choices for FP8 weights and at mixed-step sizes;
   grouped_mm  torch's grouped GEMMs (sort, gather, two grouped GEMMs, SwiGLU, weighted sum)
          against the fused MoE at prefill sizes, bf16 and fp8, each stage timed;
   small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps;
   sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step.
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [grouped_mm] [small] [sample]`"""
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample]`"""
 import sys
 
 import torch
@@ -195,28 +198,43 @@ def prefill_attn() -> None:
             keys = torch.where(s >= 0, torch.minimum((s + 1) * bs, pos[:, None, None] + 1) - s * bs, 0)
             visible += keys.sum().item() / G
         dense_pairs = sum(n * (n + 1) / 2 for n in lens)
+        bq = base[True, True][0] // 16           # tokens per query tile (16 heads per group)
+        _, counts = pa._tile_block_union(sel, qsl, R, bq, T // bq + R)
+        print(f"prefill attn {lens}: distinct blocks per {bq}-token tile and group: mean "
+              f"{counts.float().mean():.1f}, max {int(counts.max())} (each token selects <= 16)",
+              flush=True)
+        ref = {s: pa.paged_attention(q, kv, qsl, seq, tables, 0.088, block_ids=sel if s else None,
+                                     max_query_len=max(lens), max_seq_len=max(lens)).float()
+               for s in (False, True)}
         for sparse, pairs in ((False, dense_pairs), (True, visible)):
             flops = 4 * H * D * pairs
             res = []
-            for bm in (64, 128, 256):
-                for bn in (64, 128):
-                    for wp in (4, 8):
-                        for st in (2, 3):
-                            pa._PREFILL_TILES[sparse] = (bm, bn, wp, st)
-                            fn = lambda: pa.paged_attention(q, kv, qsl, seq, tables, 0.088,
-                                                            block_ids=sel if sparse else None,
-                                                            max_query_len=max(lens), max_seq_len=max(lens))
-                            try:
-                                t = triton.testing.do_bench(fn, rep=30) * 1e3
-                            except Exception:  # noqa: BLE001 - out of resources: skipped
-                                continue
-                            res.append((t, f"m{bm} n{bn} w{wp} s{st}", (bm, bn, wp, st) == base[sparse]))
+            for tma in (False, True):
+                pa._PREFILL_TMA = tma
+                for bm in (64, 128):
+                    for bn in (64, 128):
+                        for wp in (4, 8):
+                            for st in (2, 3):
+                                if not tma and (bm, bn, wp, st) != base[sparse, False]:
+                                    continue
+                                pa._PREFILL_TILES[sparse, tma] = (bm, bn, wp, st)
+                                fn = lambda: pa.paged_attention(q, kv, qsl, seq, tables, 0.088,
+                                                                block_ids=sel if sparse else None,
+                                                                max_query_len=max(lens), max_seq_len=max(lens))
+                                try:
+                                    err = ((fn().float() - ref[sparse]).norm() / ref[sparse].norm()).item()
+                                    t = triton.testing.do_bench(fn, rep=30) * 1e3
+                                except Exception:  # noqa: BLE001 - out of resources: skipped
+                                    continue
+                                res.append((t, f"{'TMA ' if tma else ''}m{bm} n{bn} w{wp} s{st} (err {err:.1e})",
+                                            (bm, bn, wp, st) == base[sparse, tma]))
             pa._PREFILL_TILES.update(base)
+            pa._PREFILL_TMA = True
             res.sort()
-            cur = next(t for t, _, b in res if b)
-            print(f"prefill attn {lens} {'sparse' if sparse else 'dense '}: current {cur:.0f} us "
-                  f"({flops / cur / 1e6:.0f} TFLOP/s); best " +
-                  ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n, _ in res[:4]), flush=True)
+            cur = [f"{n} {t:.0f} us ({flops / t / 1e6:.0f} TFLOP/s)" for t, n, b in res if b]
+            print(f"prefill attn {lens} {'sparse' if sparse else 'dense '}: the table's tiles "
+                  f"{', '.join(cur)}; best " +
+                  ", ".join(f"{n} {t:.0f} ({flops / t / 1e6:.0f})" for t, n, _ in res[:5]), flush=True)
 
 
 def _prefill_moe_inputs(T: int, E: int, H: int):
@@ -442,6 +460,112 @@ def grouped_mm() -> None:
                   f"grouped: plan {t_plan:.0f} + gemms+swiglu {t_gemm:.0f} ({flops / t_gemm / 1e6:.0f} TFLOP/s) "
                   f"+ combine {t_comb:.0f} = {tot:.0f} us ({flops / tot / 1e6:.0f} TFLOP/s); rel err vs fused "
                   f"bf16 {err:.4f}", flush=True)
+
+
+def moe_tma() -> None:
+    """The fused MoE at prefill sizes (8192 / 16384 tokens, bf16, balanced routing): the
+    down GEMM's atomic epilogue against storing each expert's output and one summing pass, the
+    weight (and h) tiles by per-thread loads against tensor descriptors (TMA), tiles, and the
+    shared expert inside the grouped GEMMs against cuBLAS beside them (`extra`); each variant's
+    error against the default path, and cuBLAS at the shared expert's shapes as the ceiling."""
+    from m3serve.kernels.fused_moe import _config, fused_moe, get_config
+    from m3serve.kernels.swiglu import swiglu_oai_fused
+    E, H, I = 128, 6144, 3072
+    w13, w2, shared = _moe_weights(E, H, I)
+
+    def cfg(bm, bn, bk, wp, st, tma, bn2=None):
+        c1 = {**_config(bm, bn, bk, 8, wp, st), "TMA": tma}
+        return c1, {**c1, "BLOCK_N": bn2 or bn}
+
+    def shared_cublas(x):
+        return F.linear(swiglu_oai_fused(F.linear(x, shared[0]), 1.702, 7.0), shared[1])
+
+    for T in (8192, 16384):
+        x, ids, wts, out = _prefill_moe_inputs(T, E, H)
+        flops = 2 * T * 5 * 3 * H * I
+        m_avg = -(-T * 4 // E)
+        table = (get_config(m_avg, I, H, torch.bfloat16, True), get_config(m_avg, H, I, torch.bfloat16))
+        ref = fused_moe(x, w13, w2, wts, ids, shared=shared).float()
+        mm = bench(lambda: F.linear(x, shared[0]))
+        print(f"moe_tma T={T}: cuBLAS x @ w13_shared^T [{T}x{H}] x [{H}x{2 * I}] {mm:.0f} us "
+              f"({2 * T * H * 2 * I / mm / 1e6:.0f} TFLOP/s); shared expert by cuBLAS + SwiGLU "
+              f"{bench(lambda: shared_cublas(x)):.0f} us", flush=True)
+        variants = [("table atomic", table, "atomic", False),
+                    ("table sum", table, "sum", False),
+                    ("table sum, shared by cuBLAS", table, "sum", True)]
+        for tiles in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4),
+                      (64, 128, 64, 4, 4), (128, 128, 64, 8, 3, 256)):
+            name = "m{} n{} k{} w{} s{}".format(*tiles[:5]) + (f" n2={tiles[5]}" if len(tiles) > 5 else "")
+            c = cfg(*tiles[:5], True, *tiles[5:])
+            variants += [(f"TMA {name} sum", c, "sum", False),
+                         (f"TMA {name} sum, shared by cuBLAS", c, "sum", True)]
+        variants += [("no TMA m128 n128 k64 w8 s4 sum", cfg(128, 128, 64, 8, 4, False), "sum", False)]
+        for name, config, reduce, cublas in variants:
+            def run():
+                if cublas:
+                    return fused_moe(x, w13, w2, wts, ids, out=out, reduce=reduce, config=config,
+                                     extra=shared_cublas(x))
+                return fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, reduce=reduce,
+                                 config=config)
+            try:
+                run()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                t = triton.testing.do_bench(run, rep=50) * 1e3
+            except Exception as exc:  # noqa: BLE001 - reported, the next variant runs
+                print(f"moe_tma T={T} {name}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            print(f"moe_tma T={T} {name}: {t:.0f} us ({flops / t / 1e6:.0f} TFLOP/s), rel err {err:.4f}",
+                  flush=True)
+        for name, config in (("table", table), ("TMA m128 n128 k64 w8 s3", cfg(128, 128, 64, 8, 3, True))):
+            run = lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, reduce="sum", config=config)
+            run()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    run()
+                torch.cuda.synchronize()
+            gemm_flops = {"_gemm1_swiglu_kernel": 2 * T * 5 * 2 * H * I, "_gemm2_kernel": 2 * T * 5 * H * I}
+            parts = []
+            for ev in prof.key_averages():
+                us = ev.device_time_total / 5
+                f = gemm_flops.get(ev.key)
+                if us >= 1:
+                    parts.append(f"{ev.key[:24]} {us:.0f} us" + (f" ({f / us / 1e6:.0f} TFLOP/s)" if f else ""))
+            print(f"moe_tma kernels T={T} {name} sum: " + "; ".join(parts), flush=True)
+
+
+def moe_tma_regimes() -> None:
+    """Where else tensor-descriptor tiles and the summing pass pay: FP8 weights at prefill
+    sizes (the table's tiles, with and without TMA) and bf16 at mixed-step sizes (64-row
+    tiles), each with the atomic and the sum reduction."""
+    from m3serve.kernels.fused_moe import fused_moe, get_config
+    E, H, I = 128, 6144, 3072
+    bf16 = _moe_weights(E, H, I)
+    fp8 = _moe_weights_fp8(E, H, I)
+    cases = [("fp8", 8192), ("fp8", 16384), ("fp8", 2048), ("bf16", 2048), ("bf16", 1087)]
+    for kind, T in cases:
+        if kind == "fp8":
+            w13, w2, scales, shared = fp8
+        else:
+            (w13, w2, shared), scales = bf16, {}
+        x, ids, wts, out = _prefill_moe_inputs(T, E, H)
+        m = -(-T * 4 // E)
+        table = (get_config(m, I, H, w13.dtype, True), get_config(m, H, I, w13.dtype))
+        ref = fused_moe(x, w13, w2, wts, ids, shared=shared, reduce="atomic", **scales).float()
+        res = []
+        for tma in (False, True):
+            pair = tuple({**c, "TMA": tma} for c in table)
+            for reduce in ("atomic", "sum"):
+                run = lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, reduce=reduce,
+                                        config=pair, **scales)
+                try:
+                    run()
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    res.append(f"{'TMA' if tma else 'loads'} {reduce} {bench(run):.0f} us (err {err:.4f})")
+                except Exception as exc:  # noqa: BLE001 - reported, the next variant runs
+                    res.append(f"{'TMA' if tma else 'loads'} {reduce} failed: {str(exc)[:200]}")
+        print(f"moe_tma_regimes {kind} T={T} tiles m{table[0]['BLOCK_M']} n{table[0]['BLOCK_N']}/"
+              f"{table[1]['BLOCK_N']} k{table[0]['BLOCK_K']}: " + "; ".join(res), flush=True)
 
 
 def small() -> None:

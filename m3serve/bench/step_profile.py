@@ -25,6 +25,9 @@ def main() -> None:
                         "and the mixed steps are timed and profiled")
     p.add_argument("--sync-debug", action="store_true",
                    help="with --mixed: list the host syncs inside the mixed steps (their Python stacks)")
+    p.add_argument("--prefill", action="store_true",
+                   help="profile the first prefill step of the batch's prompts instead (kernel table "
+                        "by GPU time and the step's span), then stop")
     a = p.parse_args()
     if a.sync_debug and not a.mixed:
         p.error("--sync-debug applies to the mixed steps: give --mixed too")
@@ -39,10 +42,13 @@ def main() -> None:
     for i in range(a.batch):
         eng.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(2000) for _ in range(a.isl)]},
                         SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    if a.prefill:
+        profile_prefill(eng, sync)
+        return
     while any(len(s.sequences[0].token_ids) == 0 for s in eng.states.values()):
         eng.step()
     core = eng.core
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     graphs = eng.worker.runner.graphs
     marks = {}
     if graphs is not None:   # time stamps around the replay launch of the graph this batch uses
@@ -87,6 +93,19 @@ def main() -> None:
     print_timeline(eng, sync)
     for chunk in (int(c) for c in a.mixed.split(",") if c):
         profile_mixed(eng, sync, chunk, a.isl, rng, a.sync_debug)
+
+
+def profile_prefill(eng, sync) -> None:
+    """The batch's first engine step (prompt tokens only, up to the step budget): its wall time
+    alone, then under the profiler the kernels by GPU time and the span they cover."""
+    tokens = sum(len(r.prompt_token_ids) for r in eng.core.scheduler.waiting)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        wall = _timed_step(eng, sync)
+    print(json.dumps({"prefill_step_ms": round(wall, 2), "waiting_prompt_tokens": tokens,
+                      "note": "the step ran under the profiler"}), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    print_trace_summary(prof, "prefill step")
 
 
 def profile_mixed(eng, sync, chunk: int, isl: int, rng, sync_debug: bool = False) -> None:
