@@ -76,6 +76,14 @@ class SchedulerConfig:
                              f"{self.max_num_partial_prefills}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+    def effective_long_prefill_threshold(self, max_model_len: int) -> int:
+        """The per-request token cap the scheduler applies (0 = none): the flag's value, or, with
+        more than one concurrent partial prefill and no value given, 4 % of max_model_len (vLLM's
+        default for the same pair of flags)."""
+        if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
+            return int(max_model_len * 0.04)
+        return self.long_prefill_token_threshold
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
 

@@ -77,7 +77,7 @@ class Scheduler:
         self._failed_outputs: list[EngineCoreOutput] = []
         # --long-prefill-token-threshold: no request computes more tokens than this in one step
         # (a long prompt is chunked, so the decodes sharing its steps wait less); drafts fit
-        threshold = scheduler_config.long_prefill_token_threshold
+        threshold = scheduler_config.effective_long_prefill_threshold(max_model_len)
         self._long_cap = max(threshold, 1 + num_speculative_tokens) if threshold > 0 else max_model_len
         # Async scheduling (the engine core checked it applies): a step whose requests all sample
         # by argmax is deferred, and the next one is scheduled before its tokens are known, each

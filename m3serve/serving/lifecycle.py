@@ -134,6 +134,7 @@ def describe_engine(config, info) -> str:
     """The effective engine configuration in one block (logged at start-up): what was asked
     for, and the memory plan the engine made (`info`: its `EngineReady`, or None)."""
     m, c, s, p = config.model, config.cache, config.scheduler, config.parallel
+    max_len = info.max_model_len if info is not None else (m.max_model_len or 0)
     lines = [
         f"model {m.model or 'the tiny model'}, dtype {m.dtype}, weights {m.quantization or 'as stored'}, "
         f"load format {m.load_format}, device {m.device}",
@@ -144,7 +145,7 @@ def describe_engine(config, info) -> str:
         f"scheduler: {s.max_num_batched_tokens} tokens per step, {s.max_num_seqs} running, "
         f"{s.max_waiting_requests} waiting at most, async scheduling "
         f"{'off (' + blocker + ')' if (blocker := config.async_scheduling_off()) else 'on'}"
-        f"{f', {s.long_prefill_token_threshold} tokens per request per step' if s.long_prefill_token_threshold else ''}"
+        f"{f', {cap} tokens per request per step' if (cap := s.effective_long_prefill_threshold(max_len)) else ''}"
         f"{f', {s.max_num_partial_prefills} prefills per step' if s.max_num_partial_prefills else ''}",
         f"CUDA graphs {'off (--enforce-eager)' if config.compilation.enforce_eager else 'on where a GPU runs'}"
         f"{', speculative ' + config.speculative.method if config.speculative.enabled else ''}"

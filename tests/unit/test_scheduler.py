@@ -230,6 +230,19 @@ def test_long_prefill_token_threshold_chunks_long_prompts_beside_decodes():
         SchedulerConfig(long_prefill_token_threshold=-1)
 
 
+def test_partial_prefills_without_threshold_cap_each_request_at_4_percent_of_max_model_len():
+    """vLLM's default for the pair of flags: --max-num-partial-prefills > 1 and no
+    --long-prefill-token-threshold chunk each prompt at int(0.04 x max_model_len) tokens per step
+    (256 -> 10); one partial prefill, or an explicit threshold, keeps the flag's meaning."""
+    for partial, threshold, want in ((2, 0, 10), (1, 0, 40), (0, 0, 40), (2, 6, 6)):
+        sched, runner = make(max_batched=64, max_model_len=256, long_prefill=threshold,
+                             partial_prefills=partial)
+        assert sched.config.effective_long_prefill_threshold(256) == (want if want < 40 else 0)
+        sched.add_request(req("p", list(range(40)), max_tokens=1))
+        so = Run(sched, runner).step()
+        assert so.num_scheduled_tokens["p"] == want
+
+
 def test_max_num_partial_prefills_caps_prefilling_requests_per_step():
     """Two at a time: a third prompt waits although the budget has room, decodes never wait."""
     sched, runner = make(max_batched=64, long_prefill=4, partial_prefills=2)
