@@ -358,10 +358,30 @@ def moe_bounds_fp8() -> None:
     moe_bounds(fp8=True)
 
 
+def _moe_kernel_times(run, T: int, H: int, I: int, reps: int = 10) -> str:
+    """The GPU time per call of each kernel `run` launches (torch profiler, after three warm
+    calls), with the two grouped GEMMs' TFLOP/s (4 routed + shared expert per token)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    flops = {"_gemm1_swiglu_kernel": 2 * T * 5 * 2 * H * I, "_gemm2_kernel": 2 * T * 5 * H * I}
+    parts = []
+    for ev in prof.key_averages():
+        us = ev.device_time_total / reps
+        if us >= 1:
+            f = flops.get(ev.key)
+            parts.append(f"{ev.key[:28]} {us:.0f} us" + (f" ({f / us / 1e6:.0f} TFLOP/s)" if f else ""))
+    return "; ".join(parts)
+
+
 def prefill_moe_kernels() -> None:
     """Where the fused MoE's prefill time goes, kernel by kernel (torch profiler), at 2048 and
     8192 tokens with the tile table, and each GEMM's TFLOP/s."""
-    from torch.profiler import ProfilerActivity, profile
     from m3serve.kernels.fused_moe import fused_moe
     E, H, I = 128, 6144, 3072
     w13, w2, shared = _moe_weights(E, H, I)
@@ -369,22 +389,8 @@ def prefill_moe_kernels() -> None:
         x, ids, wts, out = _prefill_moe_inputs(T, E, H)
         for reduce in ("atomic", "sum"):   # the down GEMM adds into [T, H] or stores [T * 5, H]
             run = lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, reduce=reduce)
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    run()
-                torch.cuda.synchronize()
-            flops = {"_gemm1_swiglu_kernel": 2 * T * 5 * 2 * H * I, "_gemm2_kernel": 2 * T * 5 * H * I}
-            parts = []
-            for ev in prof.key_averages():
-                us = ev.device_time_total / 10
-                if us < 1:
-                    continue
-                f = flops.get(ev.key)
-                parts.append(f"{ev.key[:28]} {us:.0f} us" + (f" ({f / us / 1e6:.0f} TFLOP/s)" if f else ""))
-            print(f"prefill moe kernels T={T} reduce={reduce}: " + "; ".join(parts), flush=True)
+            print(f"prefill moe kernels T={T} reduce={reduce}: {_moe_kernel_times(run, T, H, I)}",
+                  flush=True)
 
 
 def grouped_mm() -> None:
@@ -518,20 +524,7 @@ def moe_tma() -> None:
                   flush=True)
         for name, config in (("table", table), ("TMA m128 n128 k64 w8 s3", cfg(128, 128, 64, 8, 3, True))):
             run = lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out, reduce="sum", config=config)
-            run()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    run()
-                torch.cuda.synchronize()
-            gemm_flops = {"_gemm1_swiglu_kernel": 2 * T * 5 * 2 * H * I, "_gemm2_kernel": 2 * T * 5 * H * I}
-            parts = []
-            for ev in prof.key_averages():
-                us = ev.device_time_total / 5
-                f = gemm_flops.get(ev.key)
-                if us >= 1:
-                    parts.append(f"{ev.key[:24]} {us:.0f} us" + (f" ({f / us / 1e6:.0f} TFLOP/s)" if f else ""))
-            print(f"moe_tma kernels T={T} {name} sum: " + "; ".join(parts), flush=True)
+            print(f"moe_tma kernels T={T} {name} sum: {_moe_kernel_times(run, T, H, I, reps=5)}", flush=True)
 
 
 def moe_tma_regimes() -> None:
