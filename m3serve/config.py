@@ -76,6 +76,8 @@ class SchedulerConfig:
                              f"{self.max_num_partial_prefills}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
 
     def effective_long_prefill_threshold(self, max_model_len: int) -> int:
         """The per-request token cap the scheduler applies (0 = none): the flag's value, or, with
@@ -84,8 +86,6 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
             return int(max_model_len * 0.04)
         return self.long_prefill_token_threshold
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
 
 
 @dataclass(frozen=True)

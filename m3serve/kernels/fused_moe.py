@@ -720,7 +720,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if reduce is None:
         reduce = "sum" if cfg1.get("SUM") or extra is not None else "atomic"
     # tensor-descriptor loads need rows of 16-byte multiples (TMA's stride rule)
-    rows_ok = (hidden * w13.element_size() % 16 == 0 and inter_max * x.element_size() % 16 == 0
+    h_size = 1 if fp8 else x.element_size()   # the down GEMM reads h (re-quantised for FP8)
+    rows_ok = (hidden * w13.element_size() % 16 == 0 and inter_max * h_size % 16 == 0
                and inter * w2.element_size() % 16 == 0 and inter_shared * w2.element_size() % 16 == 0)
     tma1 = bool(cfg1.get("TMA")) and rows_ok and tma_ready(x.device)
     tma2 = bool(cfg2.get("TMA")) and rows_ok and tma_ready(x.device)
@@ -751,7 +752,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     else:   # rows of other ranks' experts stay unwritten: the sum skips them
         acc = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)      # [T*K', H]
 
-    h = torch.empty(num_padded, inter_max, dtype=x.dtype, device=x.device)  # [B*BM, I_max]
+    # [B*BM, I_max]; FP8 re-quantises whole rows, so columns past a narrower expert's width
+    # (the shared expert's under TP beside whole routed experts) must be zero, not leftovers
+    alloc = torch.zeros if fp8 and inter != inter_shared else torch.empty
+    h = alloc(num_padded, inter_max, dtype=x.dtype, device=x.device)
     num_n1 = triton.cdiv(inter_max, cfg1["BLOCK_N"])
     grid1 = num_blocks * num_n1
     zero_chunk = triton.cdiv(triton.cdiv(acc.numel(), grid1), 1024) * 1024 if atomic else 0
@@ -783,10 +787,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if not atomic:
         block_h = min(2048, triton.next_power_of_2(hidden))
         ex = extra if extra is not None else acc
+        dest = out if out.stride(-1) == 1 else torch.empty(out.shape, dtype=out.dtype, device=out.device)
         _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-            acc, route_w, ids.contiguous(), ex, out, num_tokens, hidden, top_k, num_choices, first_expert,
-            num_experts, acc.stride(0), ex.stride(0), out.stride(0), BLOCK_H=block_h,
-            HAS_SHARED=shared is not None, HAS_EXTRA=extra is not None, num_warps=4)
+            acc, route_w, ids.contiguous(), ex, dest, num_tokens, hidden, top_k, num_choices,
+            first_expert, num_experts, acc.stride(0), ex.stride(0), dest.stride(0),
+            BLOCK_H=block_h, HAS_SHARED=shared is not None, HAS_EXTRA=extra is not None,
+            num_warps=4)
+        if dest is not out:
+            out.copy_(dest)
     elif acc is not out:
         out.copy_(acc)
     return out

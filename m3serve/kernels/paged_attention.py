@@ -409,8 +409,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     position. A token that sees no key gets 0.
     max_query_len / max_seq_len: host-side bounds that pick the kernel and the split count only.
     query_start_loc[R] must equal T (the tiled sparse path numbers its tiles on the device from
-    it). Cache slots past a sequence's length inside its blocks must hold finite values (the
-    engine zero-fills the cache): the prefill path may read them whole and mask their scores.
+    it). Cache slots past a sequence's length inside its blocks must hold finite values: the
+    prefill path may read blocks whole and mask the scores, and a zero weight times a NaN value
+    is NaN. The engine zero-fills the cache; a non-finite K/V that a request wrote would reach a
+    later request whose last, partly filled block reuses that page.
     Returns out ([T, H, D], q's dtype); softmax in fp32.
     """
     _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_tables, block_ids, k_scale, v_scale,

@@ -7,18 +7,18 @@ import os
 import torch
 import triton
 
-_allocator_set = False
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def tma_ready(device: torch.device) -> bool:
-    """True on a Hopper or newer GPU outside the interpreter; installs the allocator once."""
-    global _allocator_set
+    """True on a Hopper or newer GPU outside the interpreter. Installs the allocator on every
+    call: Triton keeps it per thread (a context variable), and a launch from a thread without
+    one fails."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(device)[0] < 9:
         return False
-    if not _allocator_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                     device="cuda"))
-        _allocator_set = True
+    triton.set_allocator(_scratch)
     return True

@@ -82,7 +82,7 @@ def test_bf16_matches_ref(weights, num_tokens):
     assert _rel(summed, fused_moe_ref(*args, shared=weights["shared"], reduce="sum")) < BF16_TOL
     # an fp32 out is the atomic target itself: the first GEMM clears all of it (NaN before)
     out32 = torch.full(out.shape, float("nan"), device="cuda")
-    fused_moe(*args, shared=weights["shared"], out=out32)
+    fused_moe(*args, shared=weights["shared"], out=out32, reduce="atomic")
     assert torch.isfinite(out32).all() and _rel(out32, ref) < BF16_TOL
 
 

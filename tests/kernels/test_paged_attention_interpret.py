@@ -94,6 +94,21 @@ def test_sparse_batches(force_split, monkeypatch, q_lens, tiled, ids_dtype):
 
 
 @pytest.mark.parametrize("topk", [None, 4])
+def test_prefill_through_tensor_descriptors(monkeypatch, topk):
+    """The Hopper path forced on under the interpreter: K/V tiles through tensor descriptors,
+    the dense key tiles before a query tile unmasked (8-token tiles, 16-key tiles: chunks with
+    earlier context have many such tiles), the sparse union in one loop; a decode, a full
+    prefill, a chunk over earlier context and an empty request in one call."""
+    monkeypatch.setattr(pa, "tma_ready", lambda device: True)
+    monkeypatch.setitem(pa._PREFILL_TILES, (topk is not None, True), (16, 16, 4, 2))
+    kwargs, meta, deq = make_case([40, 20, 75, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
+                                  device="cpu", topk=topk, own_block_prob=0.7, seed=12)
+    got, ref = _run(kwargs)
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+
+
+@pytest.mark.parametrize("topk", [None, 4])
 def test_fp8_cache(topk):
     kwargs, meta, deq = make_case([45, 70], [1, 3], **TINY, dtype=torch.float32, device="cpu",
                                   cache_dtype=torch.float8_e4m3fn, topk=topk, seed=6)

@@ -230,6 +230,14 @@ def test_long_prefill_token_threshold_chunks_long_prompts_beside_decodes():
         SchedulerConfig(long_prefill_token_threshold=-1)
 
 
+@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("max_num_seqs", -5),
+                                         ("max_num_batched_tokens", 0),
+                                         ("max_num_partial_prefills", -1)])
+def test_scheduler_config_refuses_bad_sizes(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
+
+
 def test_partial_prefills_without_threshold_cap_each_request_at_4_percent_of_max_model_len():
     """vLLM's default for the pair of flags: --max-num-partial-prefills > 1 and no
     --long-prefill-token-threshold chunk each prompt at int(0.04 x max_model_len) tokens per step

@@ -87,11 +87,18 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
                   shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
-                  first_expert: int = 0, reduce: str = "atomic", extra: torch.Tensor | None = None,
+                  first_expert: int = 0, reduce: str | None = "atomic", extra: torch.Tensor | None = None,
                   config: dict | None = None) -> torch.Tensor:
     """Reference of `m3serve.kernels.fused_moe.fused_moe` (same contract and rounding points:
-    reduce="sum" rounds each expert's output to x's dtype before the weighted fp32 sum; config
+    reduce="sum" rounds each expert's output to x's dtype before the weighted fp32 sum; None
+    means "sum" with `extra`, else "atomic" (the kernel's None follows its tile table); config
     is accepted for signature parity and ignored)."""
+    if reduce is None:
+        reduce = "sum" if extra is not None else "atomic"
+    if reduce not in ("atomic", "sum"):
+        raise ValueError(f"reduce={reduce!r} must be 'atomic', 'sum' or None")
+    if extra is not None and (reduce == "atomic" or extra.shape != x.shape):
+        raise ValueError(f"extra {tuple(extra.shape)} needs reduce='sum' and x's shape {tuple(x.shape)}")
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     fp8 = w13.dtype == torch.float8_e4m3fn
