@@ -480,7 +480,7 @@ def moe_tma() -> None:
     w13, w2, shared = _moe_weights(E, H, I)
 
     def cfg(bm, bn, bk, wp, st, tma, bn2=None):
-        c1 = {**_config(bm, bn, bk, 8, wp, st), "TMA": tma}
+        c1 = _config(bm, bn, bk, 8, wp, st, tma=tma)
         return c1, {**c1, "BLOCK_N": bn2 or bn}
 
     def shared_cublas(x):

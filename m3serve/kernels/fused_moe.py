@@ -479,21 +479,18 @@ def _gemm1_swiglu_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(tl.cdiv(hidden, BLOCK_K)):
+        k_ok = offs_k < hidden - k * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if TMA:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < hidden - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
             u = w_desc.load([n_inter + pid_n * BLOCK_N, k * BLOCK_K]).T
         elif EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = offs_k < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
@@ -723,8 +720,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     h_size = 1 if fp8 else x.element_size()   # the down GEMM reads h (re-quantised for FP8)
     rows_ok = (hidden * w13.element_size() % 16 == 0 and inter_max * h_size % 16 == 0
                and inter * w2.element_size() % 16 == 0 and inter_shared * w2.element_size() % 16 == 0)
-    tma1 = bool(cfg1.get("TMA")) and rows_ok and tma_ready(x.device)
-    tma2 = bool(cfg2.get("TMA")) and rows_ok and tma_ready(x.device)
+    tma = (cfg1.get("TMA") or cfg2.get("TMA")) and rows_ok and tma_ready(x.device)
+    tma1, tma2 = bool(tma and cfg1.get("TMA")), bool(tma and cfg2.get("TMA"))
     if cfg2["BLOCK_M"] != block_m:
         raise ValueError(f"both GEMMs share one alignment: BLOCK_M {block_m} and {cfg2['BLOCK_M']}")
     sorted_ids, block_expert, num_post = moe_align(ids, num_experts, block_m,

@@ -87,6 +87,15 @@ def _softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, MASKED: tl.constexp
 
 
 @triton.jit
+def _attend_tile_tma(q, k_desc, v_desc, row0, col0, visible, qk_scale, m_i, l_i, acc,
+                     MASKED: tl.constexpr):
+    """`_softmax_step` over the K/V tile at cache row row0, column col0 (the group's first
+    dimension), loaded through tensor descriptors."""
+    return _softmax_step(q, k_desc.load([row0, col0]).T, v_desc.load([row0, col0]), visible,
+                         qk_scale, m_i, l_i, acc, MASKED)
+
+
+@triton.jit
 def _attend_tile(q, k_base, v_base, rows, load_ok, visible, qk_scale, m_i, l_i, acc,
                  D: tl.constexpr):
     """One online-softmax step of q [M, D] over the K/V rows at `rows` [N] (offsets from the
@@ -267,9 +276,8 @@ def _prefill_kernel(
             visible = row_sel[:, None] & (key_pos[None, :] <= q_pos[:, None])
             if TMA:
                 row0 = (page * BLOCK_SIZE + sub * BLOCK_N).to(tl.int32)
-                m_i, l_i, acc = _softmax_step(q, k_desc.load([row0, g * D]).T,
-                                              v_desc.load([row0, g * D]), visible, qk_scale,
-                                              m_i, l_i, acc, True)
+                m_i, l_i, acc = _attend_tile_tma(q, k_desc, v_desc, row0, g * D, visible,
+                                                 qk_scale, m_i, l_i, acc, True)
             else:
                 rows = page * stride_kp + (sub * BLOCK_N + offs_n) * stride_kt
                 m_i, l_i, acc = _attend_tile(q, k_base, v_base, rows, key_pos <= last_pos,
@@ -281,20 +289,18 @@ def _prefill_kernel(
             for i in range(0, num_full):
                 start = i * BLOCK_N
                 page = tl.load(block_tables + r * stride_bt + start // BLOCK_SIZE)
-                row0 = page * BLOCK_SIZE + start % BLOCK_SIZE
-                m_i, l_i, acc = _softmax_step(q, k_desc.load([row0, g * D]).T,
-                                              v_desc.load([row0, g * D]), q_pos, qk_scale,
-                                              m_i, l_i, acc, False)
+                m_i, l_i, acc = _attend_tile_tma(q, k_desc, v_desc,
+                                                 page * BLOCK_SIZE + start % BLOCK_SIZE, g * D,
+                                                 q_pos, qk_scale, m_i, l_i, acc, False)
         for i in range(num_full, tl.cdiv(last_pos + 1, BLOCK_N)):
             start = i * BLOCK_N
             page = tl.load(block_tables + r * stride_bt + start // BLOCK_SIZE)
             key_pos = start + offs_n
             visible = key_pos[None, :] <= q_pos[:, None]
             if TMA:
-                row0 = page * BLOCK_SIZE + start % BLOCK_SIZE
-                m_i, l_i, acc = _softmax_step(q, k_desc.load([row0, g * D]).T,
-                                              v_desc.load([row0, g * D]), visible, qk_scale,
-                                              m_i, l_i, acc, True)
+                m_i, l_i, acc = _attend_tile_tma(q, k_desc, v_desc,
+                                                 page * BLOCK_SIZE + start % BLOCK_SIZE, g * D,
+                                                 visible, qk_scale, m_i, l_i, acc, True)
             else:
                 rows = page.to(tl.int64) * stride_kp + ((start % BLOCK_SIZE) + offs_n) * stride_kt
                 m_i, l_i, acc = _attend_tile(q, k_base, v_base, rows, key_pos <= last_pos,
