@@ -123,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--layers", type=int, default=4)
     mr.add_argument("--dense-layers", type=int, default=1,
                     help="leading dense layers (the real MiniMax-M3: --layers 60 --dense-layers 3)")
+    mr.add_argument("--tp-rank", type=int, default=None, metavar="N",
+                    help="write what one rank of a TP-N deployment holds (heads, widths and the "
+                         "vocabulary head cut as the engine cuts them), to measure one rank on one GPU")
+    mr.add_argument("--ep", action="store_true",
+                    help="with --tp-rank: the rank holds 128/N whole experts (expert parallelism) "
+                         "and computes only the rows routed to them")
+    mr.add_argument("--full-vocab", action="store_true",
+                    help="with --tp-rank: keep the whole vocabulary head (to compare with a peer "
+                         "that keeps it)")
     mr.set_defaults(func=cmd_make_realshape)
     for subparsers in (sub, bench_sub):       # each command reports unknown flags with its own usage
         for command in subparsers.choices.values():
@@ -133,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_make_realshape(args) -> int:
     from m3serve.bench.realshape import write_realshape_dir
 
-    print(f"wrote {write_realshape_dir(args.dir, args.layers, args.dense_layers)}")
+    print(f"wrote {write_realshape_dir(args.dir, args.layers, args.dense_layers, args.tp_rank, args.ep, args.full_vocab)}")
     return 0
 
 

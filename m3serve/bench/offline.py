@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 
 
@@ -36,9 +37,17 @@ def _expert_ids(llm) -> list:
     return [m.last_expert_ids.clone() if m.last_expert_ids is not None else None for m in layers]
 
 
-def _count(ids) -> float:
-    """Distinct experts in one layer's choices (a tensor [T, K], or None)."""
-    return float(ids.unique().numel()) if ids is not None else 0.0
+def _count(ids, cfg) -> float:
+    """Distinct experts this rank holds among one layer's choices (a tensor [T, K], or None):
+    all of them, or under an expert-parallel view only those in its range."""
+    if ids is None:
+        return 0.0
+    ids = ids.unique()
+    if cfg.expert_view is not None:
+        rank, size = cfg.expert_view
+        per = cfg.num_local_experts // size
+        ids = ids[(ids >= rank * per) & (ids < (rank + 1) * per)]
+    return float(ids.numel())
 
 
 def _spec_counts(llm) -> tuple[int, int, int] | None:
@@ -64,10 +73,26 @@ def _spec_figures(llm, before) -> dict:
 
 
 def _expected_experts(cfg, tokens: int) -> list[float]:
-    """E x (1 - (1 - k/E)^tokens) per MoE layer: distinct experts of balanced random routing."""
+    """E_held x (1 - (1 - k/E)^tokens) per MoE layer: distinct experts of balanced random
+    routing among the E_held this model holds (all E, or E / size under an expert view)."""
     E, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    held = E // cfg.expert_view[1] if cfg.expert_view else E
     n = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-    return [E * (1 - (1 - k / E) ** tokens)] * n
+    return [held * (1 - (1 - k / E) ** tokens)] * n
+
+
+def as_asked(bs: int, max_running: int | None, full_steps: int, decode_steps: int) -> str | None:
+    """None when the point ran as asked (all `bs` sequences decoding together for most decode
+    steps), else why not: e.g. preemption or KV capacity kept fewer running at once, so its
+    TPOT is not the TPOT of batch `bs`."""
+    if max_running is None:
+        return None                           # engine processes: not observable from here
+    if max_running < bs:
+        return f"at most {max_running} of {bs} sequences ran together (KV capacity or preemption)"
+    if decode_steps and full_steps < decode_steps // 2:
+        return (f"all {bs} sequences ran together in only {full_steps} of {decode_steps} steps "
+                f"(KV capacity or preemption)")
+    return None
 
 
 def run_params(args, max_tokens: int):
@@ -132,9 +157,14 @@ def main(args) -> list[dict]:
         first, last, ntok = {}, {}, {}
         runner = eng.worker.runner if in_process else None
         decode_steps, expert_ids = [], []
+        max_running, num_steps, full_steps = (0 if runner else None), 0, 0
         while eng.has_unfinished_requests():
             graph_before, t_step = runner.num_graph_steps if runner else 0, time.perf_counter()
             full = runner is not None and eng.core.scheduler.num_running == bs
+            if runner is not None:
+                max_running = max(max_running, eng.core.scheduler.num_running)
+                num_steps += 1
+                full_steps += full
             changed = eng.step()
             now = time.perf_counter()
             if full and runner.num_graph_steps > graph_before:
@@ -150,8 +180,8 @@ def main(args) -> list[dict]:
         total = time.perf_counter() - started
         tpot = sum((last[r] - first[r]) / (ntok[r] - 1) for r in last) / len(last)
         tpot_peer = (total - prefill) / args.osl
-        seen = [[_count(ids) for ids in step] for step in expert_ids] or [
-            [_count(ids) for ids in _expert_ids(llm)]]
+        seen = [[_count(ids, cfg) for ids in step] for step in expert_ids] or [
+            [_count(ids, cfg) for ids in _expert_ids(llm)]]
         # without a measured count (engine processes) the roofline assumes the balanced-routing
         # expectation of distinct experts per layer for bs tokens x top-k
         experts = [sum(col) / len(col) for col in zip(*seen)] or _expected_experts(cfg, bs)
@@ -162,6 +192,11 @@ def main(args) -> list[dict]:
             floor = None     # a verify + draft step is not the decode step this roofline counts
         flops = prefill_flops(cfg, bs, isl)
         compiled = new_variants(jit_before)
+        problem = as_asked(bs, max_running, full_steps, num_steps)
+        if problem:
+            print(f"WARNING: point {isl}:{bs} did not run as asked: {problem}; its TPOT is not "
+                  f"batch {bs}'s and no MBU is given", file=sys.stderr, flush=True)
+            floor = None
         row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3),
                "prefill_tflops": round(flops / prefill / 1e12, 1),
                "prefill_mfu": round(flops / prefill / 1e12 / peak, 3),
@@ -176,6 +211,8 @@ def main(args) -> list[dict]:
                "graph_steps": runner.num_graph_steps if runner else None,
                "eager_steps": runner.num_eager_steps if runner else None,
                "experts_measured": bool(expert_ids) or in_process,
+               "ran_as_asked": problem is None, **({"not_as_asked": problem} if problem else {}),
+               "max_running": max_running,
                **_spec_figures(llm, spec_before)}
         results.append(row)
         print(json.dumps(row), flush=True)

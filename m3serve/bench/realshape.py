@@ -1,10 +1,12 @@
 """Real-shape MiniMax-M3 for one GPU: the real layer shapes (hidden 6144, 64/4 heads of 128,
 index 4 + 1 heads, 128 experts of 3072 top-4 + shared, dense MLP 12288, vocab 200064) with the
-depth cut to L layers (layer 0 dense attention + dense MLP, the rest sparse + MoE).
+depth cut to L layers (the first `dense_layers` dense attention + dense MLP, the rest sparse + MoE).
 
 `m3serve bench make-realshape DIR --layers L` writes a checkpoint directory holding only
 config.json plus the tiny tokenizer and chat template; serve or load it with
 `--load-format dummy`, so the engine and server run it exactly as they would a checkpoint.
+`--tp-rank N` writes what one rank of a TP-N deployment holds instead (`rank_text_config`), so
+that one GPU measures exactly one rank's compute at full depth (no collectives).
 """
 from __future__ import annotations
 
@@ -40,15 +42,71 @@ def realshape_config_dict(num_layers: int, max_position_embeddings: int = 104857
             "torch_dtype": "bfloat16", "text_config": text}
 
 
-def write_realshape_dir(out_dir: str | Path, num_layers: int, dense_layers: int = 1) -> Path:
-    """config.json (real shapes, L layers) + the tiny model's tokenizer files, its vocabulary
-    widened to the real size (see `_widen_vocab`) so that every token the model can emit has
-    text, as with a real checkpoint (streaming and ITL measure per text chunk)."""
+def rank_text_config(text: dict, tp: int, expert_parallel: bool = False,
+                     full_vocab: bool = False) -> dict:
+    """The text config of what rank 0 of a TP-`tp` engine holds, as a one-GPU model: query heads
+    / tp; KV and index-query heads split while tp <= their count, else one (replicated, as the
+    engine does); the shared expert and dense MLP at 1/tp width; the vocabulary-parallel
+    embedding and head at ceil(V / tp) rows (`full_vocab` keeps V, to compare with a peer that
+    keeps the whole head). Routed experts: 1/tp of every expert's width, or with
+    `expert_parallel` E / tp whole experts behind the full router, computing only the rows
+    routed to them (`expert_parallel_view`: rank 0's share of the dispatch). Shapes are those
+    `layers/` builds for TP rank 0; indivisible widths raise the engine's own errors."""
+    from m3serve.distributed import GroupInfo
+    from m3serve.layers.linear import kv_head_range
+    from m3serve.model.config import parse_config
+
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp-rank must be a positive integer, got {tp!r}")
+    cfg = parse_config(text)
+    group = GroupInfo(0, tp)
+    for name, width in (("num_attention_heads", cfg.num_attention_heads),
+                        ("shared_intermediate_size", cfg.shared_intermediate_size),
+                        ("dense_intermediate_size", cfg.dense_intermediate_size)) + (
+            () if expert_parallel else (("intermediate_size", cfg.intermediate_size),)):
+        if width % tp:
+            raise ValueError(f"{name}={width} is not divisible by TP={tp}")
+    if expert_parallel and cfg.num_local_experts % tp:
+        raise ValueError(f"expert parallelism over {tp} ranks needs num_local_experts="
+                         f"{cfg.num_local_experts} divisible by {tp}")
+    out = dict(text)
+    out.pop("n_shared_experts", None)
+    kv = kv_head_range(cfg.num_key_value_heads, group)[1]
+    out.update(num_attention_heads=cfg.num_attention_heads // tp, num_key_value_heads=kv,
+               head_dim=cfg.head_dim,
+               shared_intermediate_size=cfg.shared_intermediate_size // tp,
+               dense_intermediate_size=cfg.dense_intermediate_size // tp,
+               vocab_size=cfg.vocab_size if full_vocab else -(-cfg.vocab_size // tp))
+    if expert_parallel:
+        out["expert_parallel_view"] = {"rank": 0, "size": tp}
+    else:
+        out["intermediate_size"] = cfg.intermediate_size // tp
+    index = kv_head_range(cfg.index_n_heads, group)[1]
+    if "sparse_attention_config" in out:
+        out["sparse_attention_config"] = {**out["sparse_attention_config"], "sparse_num_index_heads": index}
+    if "index_n_heads" in out or "sparse_attention_config" not in out:
+        out["index_n_heads"] = index
+    out["rank_of"] = {"tensor_parallel_size": tp, "expert_parallel": bool(expert_parallel),
+                      "full_vocab": bool(full_vocab)}
+    return out
+
+
+def write_realshape_dir(out_dir: str | Path, num_layers: int, dense_layers: int = 1,
+                        tp_rank: int | None = None, expert_parallel: bool = False,
+                        full_vocab: bool = False) -> Path:
+    """config.json (real shapes, L layers; with `tp_rank` N, what one rank of TP N holds) + the
+    tiny model's tokenizer files, its vocabulary widened to the model's size (see
+    `_widen_vocab`) so that every token the model can emit has text, as with a real checkpoint
+    (streaming and ITL measure per text chunk)."""
     from m3serve.model.files import default_model_dir
 
+    if tp_rank is None and (expert_parallel or full_vocab):
+        raise ValueError("--ep and --full-vocab describe a rank: give --tp-rank N")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = realshape_config_dict(num_layers, dense_layers=dense_layers)
+    if tp_rank is not None:
+        raw["text_config"] = rank_text_config(raw["text_config"], tp_rank, expert_parallel, full_vocab)
     tiny = default_model_dir()
     tiny_text = json.loads((tiny / "config.json").read_text())["text_config"]
     raw["text_config"]["bos_token_id"] = tiny_text["bos_token_id"]

@@ -60,10 +60,13 @@ def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
     weights per token (top-k routed + shared experts, router, indexer projections), causal
     attention counted once per (query, key) pair it computes (dense layers: all earlier keys;
     sparse layers: at most top-k x block keys, plus the indexer's scan of all earlier index keys),
-    and lm_head for the last position of each prompt only."""
+    and lm_head for the last position of each prompt only. A model that is one rank's view of
+    expert parallelism (`cfg.expert_view`) counts the routed rows it receives under balanced
+    routing: top-k / size per token."""
     H, D = cfg.hidden_size, cfg.head_dim
     w = _weights_per_layer(cfg)
-    moe_w = cfg.num_experts_per_tok * w["expert"] + w["shared"] + cfg.num_local_experts * H
+    held = 1 / cfg.expert_view[1] if cfg.expert_view else 1.0   # an expert view computes its share
+    moe_w = held * cfg.num_experts_per_tok * w["expert"] + w["shared"] + cfg.num_local_experts * H
     S = prompt_len
     causal_pairs = S * (S + 1) / 2                       # sum over positions p of (p + 1)
     cap = cfg.index_topk_blocks * cfg.index_block_size

@@ -50,6 +50,19 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
     return out
 
 
+def _expert_layout(cfg, parallel: ParallelInfo) -> ParallelInfo:
+    """The layout the routed experts are cut by: the engine's, or the one rank of expert
+    parallelism a `expert_view` model stands for (no group: nothing is exchanged)."""
+    if cfg.expert_view is None:
+        return parallel
+    if parallel.moe_size > 1:
+        raise ValueError(f"this checkpoint is one rank's view of expert parallelism over "
+                         f"{cfg.expert_view[1]} ranks (expert_parallel_view): serve it on one GPU, "
+                         f"without tensor, data or expert parallelism")
+    rank, size = cfg.expert_view
+    return ParallelInfo(tp=GroupInfo(rank, size), enable_expert_parallel=True)
+
+
 class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int):
         super().__init__()
@@ -126,7 +139,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.tp, self.dp = cfg, parallel.tp, parallel.dp
         self.gate = Router(cfg.hidden_size, cfg.num_local_experts)
-        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, parallel, dtype)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
+                               _expert_layout(cfg, parallel), dtype)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_alpha,
                                        cfg.swiglu_limit, parallel.tp, dtype, reduce_results=False)
         self.last_expert_ids: torch.Tensor | None = None  # [T, K], kept for tests and benchmarks

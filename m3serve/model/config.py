@@ -84,6 +84,10 @@ class M3Config:
     vision_config: dict | None = field(default=None, compare=False)
     # YaRN context extension (rope_type "yarn", e.g. through --hf-overrides); None = plain RoPE
     rope_yarn: YarnScaling | None = None
+    # (rank, size): this one-GPU model is one rank's view of expert parallelism over `size`
+    # ranks (`bench make-realshape --tp-rank N --ep`): it holds experts [rank * E / size, ...)
+    # and computes only the rows routed to them, with no collectives; None = a whole model
+    expert_view: tuple[int, int] | None = None
 
     @property
     def sparse_layer_ids(self) -> list[int]:
@@ -99,7 +103,8 @@ class M3Config:
         """transformers' flat text-config dict for this config (used to build reference models)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)
              if f.name not in ("rope_theta", "rotary_dim", "index_init_blocks", "torch_dtype",
-                               "vision_config", "layer_types", "mlp_layer_types", "rope_yarn")}
+                               "vision_config", "layer_types", "mlp_layer_types", "rope_yarn",
+                               "expert_view")}
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
@@ -252,7 +257,9 @@ def parse_config(raw: dict) -> M3Config:
     top_k = text.get("num_experts_per_tok", 4)
     if not 0 < top_k <= n_experts:
         raise _bad("num_experts_per_tok", top_k, f"must be in [1, num_local_experts={n_experts}]")
+    expert_view = _expert_view(text.get("expert_parallel_view"), n_experts)
     return M3Config(
+        expert_view=expert_view,
         vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
         intermediate_size=text.get("intermediate_size", 3072),
@@ -276,6 +283,21 @@ def parse_config(raw: dict) -> M3Config:
                         or raw.get("dtype") or "bfloat16"),
         vision_config=vision,
     )
+
+
+def _expert_view(view, num_experts: int) -> tuple[int, int] | None:
+    """`expert_parallel_view` {"rank": r, "size": n} -> (r, n), checked."""
+    if view is None:
+        return None
+    name = "expert_parallel_view"
+    if not isinstance(view, dict) or set(view) != {"rank", "size"}:
+        raise _bad(name, view, 'must be {"rank": r, "size": n}')
+    rank, size = view["rank"], view["size"]
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in (rank, size)) or not 0 <= rank < size:
+        raise _bad(name, view, "needs integers 0 <= rank < size")
+    if num_experts % size:
+        raise _bad(name, view, f"size must divide num_local_experts={num_experts}")
+    return rank, size
 
 
 def read_config_json(model_dir: str | Path, what: str = "") -> dict:

@@ -66,3 +66,25 @@ def test_prefill_flops_of_one_token(model_and_cfg):
                       + dense * 4 * cfg.num_attention_heads * cfg.head_dim * (2 * cap + 1)
                       + sparse * (4 * cfg.num_attention_heads * cfg.head_dim * cap
                                   + 2 * cfg.index_n_heads * cfg.index_head_dim * (2 * cap + 1)))
+
+
+def test_offline_points_that_did_not_run_as_asked_say_so():
+    from m3serve.bench.offline import as_asked
+    assert as_asked(64, 64, 90, 100) is None
+    assert as_asked(64, None, 0, 0) is None                     # engine processes: unobserved
+    assert "at most 9 of 64" in as_asked(64, 9, 0, 100)
+    assert "only 10 of 100 steps" in as_asked(64, 64, 10, 100)
+
+
+def test_expert_view_counts_its_share_of_the_routed_rows(tiny_dir):
+    """One rank's view of EP over 4 ranks: the routed FLOPs are a quarter of the whole model's,
+    everything else equal."""
+    import dataclasses
+
+    from m3serve.model.config import load_config
+    cfg = load_config(tiny_dir)
+    view = dataclasses.replace(cfg, expert_view=(0, 4))
+    expert = 3 * cfg.hidden_size * cfg.intermediate_size
+    num_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    routed = 2 * 10 * num_moe * cfg.num_experts_per_tok * expert      # 10 prompt tokens
+    assert prefill_flops(cfg, 1, 10) - prefill_flops(view, 1, 10) == pytest.approx(routed * 3 / 4)
