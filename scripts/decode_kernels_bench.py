@@ -15,7 +15,9 @@
   grouped_mm  torch's grouped GEMMs (sort, gather, two grouped GEMMs, SwiGLU, weighted sum)
          against the fused MoE at prefill sizes, bf16 and fp8, each stage timed;
   small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps;
-  sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step.
+  sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step;
+  rank_moe / rank_gemv  the fused MoE's and the projections' tiles at one TP 8 / TP 4 rank's
+         widths (decode rows), against the tables and cuBLAS.
 `PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample]`"""
 import sys
 
@@ -692,6 +694,100 @@ def sample_rounds() -> None:
             print(f"rounds R={R} {[b for _, b in rounds]} chunk {chunk}: top-p {t_p:.1f} us "
                   f"({same}/{R} equal), top-k {t_k:.1f} us; top-p kernels {kern}", flush=True)
         ks.ROUNDS, ks.CHUNK = base
+
+
+# one rank's widths (bench make-realshape --tp-rank N): routed / shared expert width I, the fused
+# qkv rows of a sparse layer (q | k | v | index_q | index_k), o_proj's K, the dense MLP width
+RANK_SHAPES = {"tp8": {"I": 384, "qkv": 1536, "o_k": 1024, "dense": 1536, "vocab": 25008},
+               "tp4": {"I": 768, "qkv": 2816, "o_k": 2048, "dense": 3072, "vocab": 50016}}
+
+
+def rank_moe() -> None:
+    """The fused MoE at one TP rank's expert width (4 routed of 128 + the shared expert, bf16
+    and FP8, 1 / 4 / 16 tokens): the tile table against a coordinate search, gate_up tiles
+    first (down at the table's), then down tiles beside the best gate_up."""
+    from m3serve.kernels.fused_moe import _config, fused_moe, get_config
+    E, H = 128, 6144
+    for fp8 in (False, True):
+        for rank, shp in RANK_SHAPES.items():
+            I = shp["I"]
+            if fp8:
+                w13, w2, scales, shared = _moe_weights_fp8(E, H, I)
+            else:
+                (w13, w2, shared), scales = _moe_weights(E, H, I), {}
+            dt = w13.dtype
+            for T in (1, 4, 16):
+                x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+                ids = torch.stack([torch.randperm(E, device="cuda")[:4] for _ in range(T)]).int()
+                wts = torch.rand(T, 4, device="cuda")
+                out = torch.empty(T, H, device="cuda", dtype=torch.float32)
+                ideal = (ids.unique().numel() + 1) * 3 * H * I * w13.element_size() / TBPS * 1e6
+                m = -(-T * 4 // E)
+                g0, d0 = get_config(m, I, H, dt, True), get_config(m, H, I, dt)
+
+                def run(pair):
+                    try:
+                        return bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out,
+                                                       config=pair, **scales))
+                    except Exception:  # noqa: BLE001 - a config that does not compile is skipped
+                        return float("inf")
+                table = run((g0, d0))
+                res = []
+                for bn in (16, 32, 64):
+                    for bk in (128, 256):
+                        for st in (3, 5):
+                            for wp in (2, 4):
+                                g = _config(g0["BLOCK_M"], bn, bk, 1, wp, st)
+                                res.append((run((g, d0)), f"n{bn} k{bk} s{st} w{wp}", g))
+                res.sort(key=lambda r: r[0])
+                g_best = res[0][2]
+                res2 = []
+                for bn in (32, 64, 128):
+                    for bk in (64, 128):
+                        for st in (2, 3, 4):
+                            d = _config(d0["BLOCK_M"], bn, bk, 1, 4, st)
+                            res2.append((run((g_best, d)), f"n{bn} k{bk} s{st}", d))
+                res2.sort(key=lambda r: r[0])
+                print(f"rank_moe {'fp8' if fp8 else 'bf16'} {rank} I={I} T={T} ideal {ideal:.1f} us: "
+                      f"table {table:.1f} ({ideal / table:.0%}); gate_up best " +
+                      ", ".join(f"{n} {t:.1f}" for t, n, _ in res[:4]) + "; then down best " +
+                      ", ".join(f"{n} {t:.1f} ({ideal / t:.0%})" for t, n, _ in res2[:4]), flush=True)
+
+
+def rank_gemv() -> None:
+    """cuBLAS against the Triton skinny GEMM (its table and a tile sweep) at one TP rank's
+    projection shapes, 1 / 4 / 8 rows, bf16; and FP8 weights through torch._scaled_mm with the
+    per-token activation quantisation (the FP8 path's kernels) for the same shapes."""
+    from m3serve.kernels.gemv import skinny_config, skinny_linear
+    from m3serve.layers.quant import fp8_linear, quantize_weight
+    for rank, shp in RANK_SHAPES.items():
+        shapes = {"qkv": (shp["qkv"], 6144), "o_proj": (6144, shp["o_k"]),
+                  "dense gate_up": (2 * shp["dense"], 6144), "dense down": (6144, shp["dense"]),
+                  "lm_head": (shp["vocab"], 6144)}
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+            wq, ws = quantize_weight(w)
+            for m in (1, 4, 8):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ideal = (n * k + m * k + m * n) * 2 / TBPS * 1e6
+                t_cublas = bench(lambda: F.linear(x, w))
+                t_table = bench(lambda: skinny_linear(x, w))
+                t_fp8 = bench(lambda: fp8_linear(x, wq, ws))
+                res = []
+                for bn in (16, 32, 64, 128):
+                    for bk in (128, 256):
+                        for st in (3, 4, 6):
+                            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
+                            try:
+                                res.append((bench(lambda: skinny_linear(x, w, cfg)), f"n{bn} k{bk} s{st}"))
+                            except Exception:  # noqa: BLE001
+                                pass
+                res.sort()
+                print(f"rank_gemv {rank} {name} N={n} K={k} M={m} ideal {ideal:.1f} us: cuBLAS "
+                      f"{t_cublas:.1f} ({ideal / t_cublas:.0%}), skinny table {skinny_config(n, k)} "
+                      f"{t_table:.1f} ({ideal / t_table:.0%}), fp8 _scaled_mm {t_fp8:.1f} "
+                      f"(ideal {ideal / 2:.1f}); best " + ", ".join(f"{c} {t:.1f}" for t, c in res[:4]),
+                      flush=True)
 
 
 if __name__ == "__main__":

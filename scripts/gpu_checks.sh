@@ -99,6 +99,21 @@ if [ "${1:-}" = serve ] || [ "${1:-}" = itl ]; then
   curl -s http://127.0.0.1:8011/metrics | grep -E "^m3serve:(num_requests|kv_cache|prefix)" >> "$OUT/server_L${L}_$Q${TAG:-}.txt"
   kill $srv; wait $srv 2>/dev/null
 fi
+# rank N QUANT [ep]: one rank of TP N at full depth (60 layers, 3 dense; bench make-realshape
+# --tp-rank N), offline points (default 8K at batch 1, 4, 16, 64); TAG names the result;
+# FULLVOCAB=1 keeps the whole vocabulary head (the vLLM peer_rank.py comparison)
+if [ "${1:-}" = rank ]; then
+  N=${2:-8}; Q=${3:-none}; EP=${4:-}
+  dir=/tmp/rank$N${EP:+ep}${FULLVOCAB:+fv}
+  python -m m3serve bench make-realshape $dir --layers 60 --dense-layers 3 --tp-rank $N ${EP:+--ep} ${FULLVOCAB:+--full-vocab} > /dev/null
+  qflag=(); [ "$Q" != none ] && qflag=(--quantization $Q)
+  step rank_tp${N}${EP:+ep}_$Q${TAG:-} timeout ${TMO:-400} python -m m3serve bench offline --model $dir --load-format dummy \
+    --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-64} --max-model-len 9472 --max-num-seqs 64 \
+    --max-num-batched-tokens 16384 --cudagraph-capture-sizes ${SIZES:-1,4,16,64} "${qflag[@]}" ${EXTRA:-}
+  if [ -n "${PROFILE_B:-}" ]; then
+    step rank_profile_tp${N}_${Q}_b$PROFILE_B${TAG:-} timeout 300 python -m m3serve.bench.step_profile $dir --batch $PROFILE_B --isl 8192 "${qflag[@]}"
+  fi
+fi
 # profile L B ISL [QUANT]: where one decode step's time goes
 if [ "${1:-}" = profile ]; then
   L=${2:-4}; B=${3:-4}; ISL=${4:-8192}

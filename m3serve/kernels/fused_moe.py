@@ -298,6 +298,18 @@ SUM_REGIMES = {torch.bfloat16: ("large", "largest"), torch.float8_e4m3fn: ("larg
 TILE_REGIMES = {torch.bfloat16: (16, 24, 80), torch.float8_e4m3fn: (16, 16, 80)}
 
 
+# Decode tiles for one TP rank's experts (width I <= NARROW_WIDTH: 384 at TP 8, 768 at TP 4),
+# by FP8: 5 experts x 768 gate_up columns in 64-column tiles are 60 programs for 132 SMs, so
+# the gate_up tiles narrow to 32 columns, and the down GEMM's short K (I) takes wider output
+# tiles. Measured on an H200, 4 routed of 128 + the shared expert, H 6144, 1 / 4 / 16 tokens
+# (scripts/decode_kernels_bench.py rank_moe), µs, old table -> these: bf16 I 384: 43.3 -> 32.0,
+# 70.4 -> 67.8, 183.5 -> 176.6; bf16 I 768 at 1 token: 52.6 -> 46.2; fp8 I 384: 42.5 -> 29.2,
+# 55.8 -> 48.5, 147.0 -> 111.0.
+NARROW_WIDTH = 1024
+NARROW_GATE_UP = {False: _config(16, 32, 128, 1, 4, 5), True: _config(16, 32, 256, 1, 4, 3)}
+NARROW_DOWN = {False: _config(16, 128, 128, 1, 4, 3), True: _config(16, 64, 128, 1, 4, 4)}
+
+
 def tile_regimes(dtype: torch.dtype) -> tuple[int, int, int]:
     """The (small, medium, large) row bounds of `get_config` for weights of `dtype`."""
     return TILE_REGIMES.get(dtype, TILE_REGIMES[torch.bfloat16])
@@ -330,7 +342,11 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
         return _config(16, 32, 32, 1, 4, 1)
     fp8 = dtype == torch.float8_e4m3fn
     small, medium, large = tile_regimes(dtype)
-    if M <= small:   # bf16: 3 stages beat 4 (143 vs 151 µs for 5 experts at 1 token, H200)
+    if M <= small and gate_up and N <= NARROW_WIDTH:   # one TP rank's experts: narrow tiles
+        regime, cfg = "small", dict(NARROW_GATE_UP[fp8])
+    elif M <= small and not gate_up and K <= NARROW_WIDTH:
+        regime, cfg = "small", dict(NARROW_DOWN[fp8])
+    elif M <= small:   # bf16: 3 stages beat 4 (143 vs 151 µs for 5 experts at 1 token, H200)
         regime, cfg = "small", _config(16, 64, 256 if fp8 else 128, 1, 4, 4 if fp8 else 3)
     elif M <= medium:
         regime, cfg = "medium", _config(32, 64, 256 if fp8 else 128, 4, 4, 4)

@@ -177,3 +177,32 @@ def test_align_matches_ref(weights, num_tokens, block_m):
     runs = torch.repeat_interleave(blocks.long().clamp(min=0), block_m)  # slot of every position
     key = runs * (num_tokens * (K + 1) + 1)  # sort inside runs only: the order there is free
     assert torch.equal(torch.sort(key + sorted_ids).values, torch.sort(key + ref_ids).values)
+
+
+@pytest.mark.parametrize("inter", [384, 768])                    # one TP 8 / TP 4 rank's experts
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rank_widths_match_ref(weights, inter, num_tokens, fp8):
+    """The narrow decode tiles of one TP rank's experts (NARROW_GATE_UP / NARROW_DOWN): the
+    slice [rank 0's channels] of every expert, against the reference on the same slice."""
+    from m3serve.kernels import fused_moe as fm
+    from m3serve.kernels.ref.fused_moe import fused_moe_ref, quant_weight_fp8
+    x, route_w, ids = _inputs(weights, num_tokens, 300 + num_tokens)
+    w13 = torch.cat([weights["w13"][:, :inter], weights["w13"][:, I:I + inter]], dim=1).contiguous()
+    w2 = weights["w2"][:, :, :inter].contiguous()
+    s13 = torch.cat([weights["shared"][0][:inter], weights["shared"][0][I:I + inter]]).contiguous()
+    shared = (s13, weights["shared"][1][:, :inter].contiguous())
+    assert fm.get_config(1, inter, H, w13.dtype, True) == {**fm.NARROW_GATE_UP[False], "TMA": False, "SUM": False}
+    kw = {"shared": shared}
+    if fp8:
+        q13, q2 = torch.empty_like(w13, dtype=torch.float8_e4m3fn), torch.empty_like(w2, dtype=torch.float8_e4m3fn)
+        sc13, sc2 = torch.empty(E, 2 * inter, device="cuda"), torch.empty(E, H, device="cuda")
+        for e in range(E):
+            q13[e], sc13[e] = quant_weight_fp8(w13[e])
+            q2[e], sc2[e] = quant_weight_fp8(w2[e])
+        (qs13, ss13), (qs2, ss2) = quant_weight_fp8(shared[0]), quant_weight_fp8(shared[1])
+        w13, w2 = q13, q2
+        kw = {"w13_scale": sc13, "w2_scale": sc2, "shared": (qs13, qs2, ss13, ss2)}
+    args = (x, w13, w2, route_w, ids)
+    out = fm.fused_moe(*args, **kw)
+    assert _rel(out, fused_moe_ref(*args, **kw)) < (FP8_TOL if fp8 else BF16_TOL)
