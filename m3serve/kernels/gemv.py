@@ -6,8 +6,7 @@ output is one fp32 dot product rounded once, with the same order for 1 to 16 row
 result does not depend on its batch). Against cuBLAS at M = 1..8 and the real MiniMax-M3 shapes
 (docs/performance.md): lm_head 545 vs 595 µs, fused qkv 31.9 vs 35.4, dense down_proj 38.2 vs
 43.8, o_proj and dense gate_up about equal (gate_up 71 vs 81 at 8 rows). `linear` uses it for
-the shapes in `skinny_eligible`. With FP8 weights (`skinny_fp8_linear`) it reads e4m3 codes and
-their row scales, for the online FP8 path's decode rows (`layers/quant.fp8_linear`).
+the shapes in `skinny_eligible`.
 """
 from __future__ import annotations
 
@@ -22,16 +21,14 @@ _MIN_DIM = 4096   # smaller N or K (e.g. TP shards): cuBLAS, the measured range 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, best_v_ptr, best_i_ptr, x_scale_ptr, w_scale_ptr,
-                   M, N, K, n_real, num_tiles, stride_xm, stride_wn, stride_om,
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, best_v_ptr, best_i_ptr, M, N, K, n_real, num_tiles,
+                   stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, HEAD: tl.constexpr, FP8: tl.constexpr):
+                   UPCAST: tl.constexpr, HEAD: tl.constexpr):
     """out = x @ w^T rounded once to out's dtype; with HEAD, out is fp32 holding the product
     rounded to x's dtype (what `.float()` of a 16-bit product gives), columns >= n_real are -inf,
     and each row's largest value in this tile and its first column go to best_v/best_i
-    [M, num_tiles] for `_argmax_finish_kernel`. FP8: x and w are e4m3 codes with fp32 scales
-    x_scale [M] and w_scale [N]; both are widened to bf16 (exactly), their products summed in
-    fp32, and the sum times x_scale[m] * w_scale[n] rounded once."""
+    [M, num_tiles] for `_argmax_finish_kernel`."""
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,14 +45,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, best_v_ptr, best_i_ptr, x_scale_ptr, w
         if UPCAST:                        # the interpreter's bf16 dot is not exact
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        elif FP8:                         # e4m3 -> bf16 is exact; bf16 products are exact in fp32
-            x = x.to(tl.bfloat16)
-            w = w.to(tl.bfloat16)
         acc = tl.dot(x, tl.trans(w), acc)                                          # [BM, BN]
-    if FP8:
-        sx = tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)
-        sw = tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)
-        acc = acc * sx[:, None] * sw[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if HEAD:
@@ -120,47 +110,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) 
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
         _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-            x, w, out, out, out, out, out, M, N, K, N, 1, x.stride(0), w.stride(0), out.stride(0),
-            BLOCK_M=16, UPCAST=interpreting(), HEAD=False, FP8=False, **cfg)
-    return out
-
-
-def skinny_fp8_config(N: int, K: int) -> dict:
-    """Tiles for FP8 weights (half the bytes per row of a bf16 tile): narrow output tiles while
-    N is small, so that a TP rank's projections still spread over every SM."""
-    if N > 12288:
-        return {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": 16 if N <= 4096 else 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
-
-
-def skinny_fp8_eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Decode rows (<= MAX_ROWS) of a 16-bit x against e4m3 weights, unit last strides."""
-    return (x.dim() == 2 and w.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
-            and x.shape[1] == w.shape[1] and w.dtype == torch.float8_e4m3fn
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(-1) == 1 and w.stride(-1) == 1)
-
-
-def skinny_fp8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
-                      w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                      config: dict | None = None) -> torch.Tensor:
-    """(xq [M <= 16, K] e4m3 * x_scale [M]) @ (wq [N, K] e4m3 * w_scale [N])^T -> [M, N] in
-    out_dtype: the product `torch._scaled_mm` gives with row-wise scales (fp32 sums of exact
-    products, scaled, rounded once), reading the weight at one byte per element."""
-    M, K = xq.shape
-    N = wq.shape[0]
-    if (M > 16 or wq.shape[1] != K or xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn
-            or x_scale.shape != (M,) or w_scale.shape != (N,) or xq.stride(-1) != 1 or wq.stride(-1) != 1):
-        raise ValueError(f"the FP8 skinny GEMM needs xq [M <= 16, K] and wq [N, K] e4m3 with unit last "
-                         f"strides and scales [M], [N]; got {tuple(xq.shape)} {xq.dtype}, "
-                         f"{tuple(wq.shape)} {wq.dtype}, {tuple(x_scale.shape)}, {tuple(w_scale.shape)}")
-    cfg = config or skinny_fp8_config(N, K)
-    out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
-    if M:
-        _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-            xq, wq, out, out, out, x_scale.float().contiguous(), w_scale.float().contiguous(),
-            M, N, K, N, 1, xq.stride(0), wq.stride(0), out.stride(0),
-            BLOCK_M=16, UPCAST=interpreting(), HEAD=False, FP8=True, **cfg)
+            x, w, out, out, out, M, N, K, N, 1, x.stride(0), w.stride(0), out.stride(0),
+            BLOCK_M=16, UPCAST=interpreting(), HEAD=False, **cfg)
     return out
 
 
@@ -187,9 +138,8 @@ def skinny_head(x: torch.Tensor, w: torch.Tensor, num_real: int | None = None,
         best_v = torch.empty((M, tiles), dtype=torch.float32, device=x.device)
         best_i = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
         _skinny_kernel[(tiles,)](
-            x, w, logits, best_v, best_i, logits, logits, M, N, K, num_real, tiles, x.stride(0),
-            w.stride(0), logits.stride(0), BLOCK_M=16, UPCAST=interpreting(), HEAD=True, FP8=False,
-            **cfg)
+            x, w, logits, best_v, best_i, M, N, K, num_real, tiles, x.stride(0), w.stride(0),
+            logits.stride(0), BLOCK_M=16, UPCAST=interpreting(), HEAD=True, **cfg)
         _argmax_finish_kernel[(M,)](best_v, best_i, ids, tiles,
                                     BLOCK=triton.next_power_of_2(tiles), num_warps=4)
     return logits, ids

@@ -1,17 +1,14 @@
 """Online FP8 quantisation (`--quantization fp8`, per-token activation / per-channel weight,
 docs/model.md §8.3): each weight is quantised once, as the loader completes it; activations per call.
 
-GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU, decode rows through the
-FP8 skinny GEMM (`kernels/gemv.skinny_fp8_linear`: the same products and scales); the CPU
-reference dequantises both operands and multiplies in fp64 (same products, one rounding).
+GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU; the CPU reference
+dequantises both operands and multiplies in fp64 (same products, one rounding).
 Kept in bf16 (the default exclusions): embeddings, lm_head, the router, all norms.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from m3serve.layers.dispatch import use_triton
 
 FP8 = torch.float8_e4m3fn
 
@@ -47,13 +44,8 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torc
     x2 = x.reshape(-1, shape[-1])
     xq, x_scale = quantize_rows(x2)
     if x.is_cuda:
-        from m3serve.kernels.gemv import skinny_fp8_eligible, skinny_fp8_linear
-        if skinny_fp8_eligible(x2, wq) and use_triton("skinny_fp8_gemm", x2):
-            # decode rows: the weight read at one byte per element, no cuBLAS split-K pass
-            y = skinny_fp8_linear(xq, x_scale, wq, w_scale, x.dtype)
-        else:
-            y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
-                                 out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
+                             out_dtype=x.dtype)
     else:
         y = ((xq.double() * x_scale.double()[:, None]) @ (wq.double() * w_scale.double()[:, None]).t()).to(x.dtype)
     return y.reshape(*shape[:-1], wq.shape[0])

@@ -73,34 +73,3 @@ def test_lm_head_uses_the_epilogue_for_decode_batches():
             assert torch.equal(local, want)
         assert torch.equal(ids, want.argmax(-1))
 
-
-# one TP 8 / TP 4 rank's projections: fused qkv, o_proj, dense gate_up / down, the 1/N head
-RANK_SHAPES = [(1536, 6144), (6144, 1024), (3072, 6144), (6144, 1536), (2816, 6144), (6144, 2048),
-               (25008, 6144)]
-
-
-@pytest.mark.parametrize("n,k", RANK_SHAPES + SHAPES[:4])
-@pytest.mark.parametrize("m", [1, 4, 8])
-def test_fp8_weights_match_scaled_mm(n, k, m):
-    """The FP8 skinny GEMM (what `fp8_linear` runs for decode rows) against the FP8 path's
-    reference, the dequantised codes multiplied in fp64 and rounded once: within one bf16 ulp
-    (fp32 sums of exact products). torch._scaled_mm (the path it replaces) is held to twice
-    that: Hopper's FP8 tensor cores accumulate in less than fp32. `fp8_linear` routes <= 8
-    rows to the skinny GEMM."""
-    from m3serve.kernels.gemv import skinny_fp8_linear
-    from m3serve.layers import dispatch
-    from m3serve.layers.quant import fp8_linear, quantize_rows, quantize_weight
-    g = torch.Generator(device="cuda").manual_seed(n + k + m)
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    wq, ws = quantize_weight((torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16())
-    xq, xs = quantize_rows(x)
-    ref = (xq.double() * xs.double()[:, None]) @ (wq.double() * ws.double()[:, None]).T
-    scaled_mm = torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :],
-                                 out_dtype=torch.bfloat16)
-    got = skinny_fp8_linear(xq, xs, wq, ws)
-    ulp = ref.abs().clamp_min(2.0 ** -6) * 2.0 ** -7
-    assert ((got.double() - ref).abs() <= ulp).all()
-    assert ((scaled_mm.double() - ref).abs() <= 2 * ulp).all()
-    dispatch.executed.clear()
-    assert torch.equal(fp8_linear(x, wq, ws), got)
-    assert dispatch.executed[("skinny_fp8_gemm", "triton")] == 1
