@@ -72,4 +72,3 @@ def test_lm_head_uses_the_epilogue_for_decode_batches():
         if m <= 8:
             assert torch.equal(local, want)
         assert torch.equal(ids, want.argmax(-1))
-
