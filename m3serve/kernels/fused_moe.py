@@ -301,10 +301,11 @@ TILE_REGIMES = {torch.bfloat16: (16, 24, 80), torch.float8_e4m3fn: (16, 16, 80)}
 # Decode tiles for one TP rank's experts (width I <= NARROW_WIDTH: 384 at TP 8, 768 at TP 4),
 # by FP8: 5 experts x 768 gate_up columns in 64-column tiles are 60 programs for 132 SMs, so
 # the gate_up tiles narrow to 32 columns, and the down GEMM's short K (I) takes wider output
-# tiles. Measured on an H200, 4 routed of 128 + the shared expert, H 6144, 1 / 4 / 16 tokens
-# (scripts/decode_kernels_bench.py rank_moe), µs, old table -> these: bf16 I 384: 43.3 -> 32.0,
-# 70.4 -> 67.8, 183.5 -> 176.6; bf16 I 768 at 1 token: 52.6 -> 46.2; fp8 I 384: 42.5 -> 29.2,
-# 55.8 -> 48.5, 147.0 -> 111.0.
+# tiles. Picked on an H200 by a coordinate search at 1 / 4 / 16 tokens, 4 routed of 128 + the
+# shared expert (scripts/decode_kernels_bench.py rank_moe; docs/performance.md has its best
+# pairs); measured where it counts, one TP rank's 60-layer model at 8K context (bench offline,
+# TPOT ms at batch 1 / 4 / 16): TP 8 bf16 5.18 / 7.01 / 14.73 -> 4.60 / 6.86 / 14.42, TP 8 FP8
+# 5.78 / 6.90 / 13.11 -> 5.34 / 6.80 / 11.48, TP 4 FP8 6.45 / 8.75 / 16.62 -> 5.95 / 8.63 / 16.49.
 NARROW_WIDTH = 1024
 NARROW_GATE_UP = {False: _config(16, 32, 128, 1, 4, 5), True: _config(16, 32, 256, 1, 4, 3)}
 NARROW_DOWN = {False: _config(16, 128, 128, 1, 4, 3), True: _config(16, 64, 128, 1, 4, 4)}
