@@ -30,13 +30,12 @@ ROUTE_ITERS = 2         # K steps per program (scripts/decode_kernels_bench.py r
 ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _route_scores_kernel(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Partial router logits: program (t, e, s) writes x[t-block] . w[e-block]^T over the s-th
-    slice of the hidden dimension into part[s] (CUDA-core fp32 products, exact like the
-    reference). Many programs share the weight read, which one program could not do fast."""
-    pid_t, pid_e, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+@triton.jit
+def _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split, pid_t,
+                   pid_e, pid_s, num_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """x[t-block] . w[e-block]^T over the pid_s-th slice of the hidden dimension, into
+    part[pid_s] (CUDA-core fp32 products, exact like the reference)."""
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)
@@ -50,21 +49,34 @@ def _route_scores_kernel(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k
                      mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         wt = tl.load(w_ptr + offs_e[:, None] * hidden + cols[None, :], mask=k_ok[None, :], other=0.0)
         acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)              # [BLOCK_T, BLOCK_E]
-    num_e = tl.num_programs(1) * BLOCK_E
     out = part_ptr + (pid_s * num_tokens + offs_t.to(tl.int64))[:, None] * num_e + offs_e[None, :]
     tl.store(out, acc, mask=t_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale,
-                       E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
-    """One token per program: logits = the partials summed in split order, sigmoid, top-k of
-    score + bias (lowest id among equal values), chosen scores renormalised and scaled."""
-    t = tl.program_id(0).to(tl.int64)
+def _route_scores_kernel(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partial router logits: program (t, e, s) runs `_route_partial`. Many programs share the
+    weight read, which one program could not do fast."""
+    _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split,
+                   tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                   tl.num_programs(1) * BLOCK_E, BLOCK_T, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t, scale,
+                      E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                      BYPASS_L1: tl.constexpr):
+    """Token t: logits = the partials summed in split order, sigmoid, top-k of score + bias
+    (lowest id among equal values), chosen scores renormalised and scaled. BYPASS_L1: the
+    partials were written by other programs of the same launch (read from L2)."""
     offs_e = tl.arange(0, E)
     logits = tl.zeros((E,), dtype=tl.float32)
     for sp in tl.static_range(SPLITS):
-        logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e)
+        if BYPASS_L1:
+            logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e, cache_modifier=".cg")
+        else:
+            logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e)
     scores = tl.sigmoid(logits)
     choice = scores + tl.load(bias_ptr + offs_e)
     offs_k = tl.arange(0, TOP_K)
@@ -81,6 +93,14 @@ def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, sca
     picked_w = picked_w / tl.sum(picked_w, axis=0) * scale
     tl.store(weights_ptr + t * TOP_K + offs_k, picked_w)
     tl.store(ids_ptr + t * TOP_K + offs_k, picked_id)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale,
+                       E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
+    """One token per program (`_route_topk_token`)."""
+    _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens,
+                      tl.program_id(0).to(tl.int64), scale, E, SPLITS, TOP_K, False)
 
 
 def route_tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int, int]:
@@ -148,14 +168,12 @@ def _slot_of(ids_ptr, idx, num_pairs, num_choices, top_k, first_expert, num_expe
     return slot
 
 
-# sizes that change from step to step are not specialised on (no recompiles mid-serving)
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
-                       num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
-                       num_blocks, block_m,
-                       HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                       BLOCK_B: tl.constexpr, SCATTER: tl.constexpr):
-    """Single program: per-slot counts, padded run offsets (-> cursor), block -> expert map,
+@triton.jit
+def _align_plan(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
+                num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
+                num_blocks, block_m, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+                BINS: tl.constexpr, BLOCK_B: tl.constexpr, SCATTER: tl.constexpr):
+    """One program: per-slot counts, padded run offsets (-> cursor), block -> expert map,
     padded length, and sorted_ids filled with the padding value; with SCATTER it then places
     the pairs too (after a barrier: the cursor and the fill are visible to all its threads)."""
     counts = tl.zeros((BINS,), dtype=tl.int32)
@@ -186,6 +204,19 @@ def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, 
             _scatter_pairs(ids_ptr, sorted_ids_ptr, cursor_ptr, start + tl.arange(0, BLOCK),
                            num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
                            HAS_SHARED, BINS)
+
+
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_plan_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
+                       num_pairs, num_choices, top_k, first_expert, num_experts, num_slots,
+                       num_blocks, block_m,
+                       HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                       BLOCK_B: tl.constexpr, SCATTER: tl.constexpr):
+    """Single program: `_align_plan`."""
+    _align_plan(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr, num_pairs,
+                num_choices, top_k, first_expert, num_experts, num_slots, num_blocks, block_m,
+                HAS_SHARED, BLOCK, BINS, BLOCK_B, SCATTER)
 
 
 @triton.jit
@@ -266,6 +297,94 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, first_expert
             ids, sorted_ids, cursor, num_pairs, num_choices, top_k, *args,
             HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, num_warps=4)
     return sorted_ids, block_expert, num_post
+
+
+# sizes that change from step to step are not specialised on (no recompiles mid-serving)
+@triton.jit(do_not_specialize=["num_tokens", "num_pairs", "num_blocks"])
+def _route_align_kernel(x_ptr, w_ptr, part_ptr, bias_ptr, weights_ptr, ids_ptr, counter_ptr,
+                        sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
+                        num_tokens, hidden, stride_x, k_per_split, scale, num_pairs, num_choices,
+                        first_expert, num_local, num_slots, num_blocks, block_m,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                        HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                        BLOCK_B: tl.constexpr):
+    """The router and the MoE alignment in one launch: program (e, s) writes its partial
+    logits; the program that finishes last (a counter, reset by it for the next launch) then
+    runs the top-k of every token and the one-program alignment plan, the same code as the
+    three separate kernels."""
+    _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split, 0,
+                   tl.program_id(0), tl.program_id(1), E, BLOCK_T, BLOCK_E, BLOCK_K)
+    tl.debug_barrier()            # every thread's partials are written before the release below
+    total = tl.num_programs(0) * tl.num_programs(1)
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == total - 1:
+        tl.debug_barrier()
+        for t in range(num_tokens):
+            _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t, scale,
+                              E, SPLITS, TOP_K, True)
+        tl.debug_barrier()        # the ids are written before the plan reads them
+        _align_plan(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
+                    num_pairs, num_choices, TOP_K, first_expert, num_local, num_slots,
+                    num_blocks, block_m, HAS_SHARED, BLOCK, BINS, BLOCK_B, True)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+
+
+_counters: dict = {}
+
+
+def route_align_eligible(x: torch.Tensor, num_experts: int, top_k: int) -> bool:
+    """Decode-sized batches (one token tile of the router) that `moe_route` routes in kernels."""
+    return ((x.is_cuda or _INTERPRET) and 0 < x.shape[0] <= 16 and x.stride(1) == 1
+            and num_experts == triton.next_power_of_2(num_experts) and num_experts <= 256
+            and top_k == triton.next_power_of_2(top_k) and 0 < top_k <= num_experts)
+
+
+def moe_route_align(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                    routed_scaling_factor: float, num_experts: int, block_m: int, *,
+                    first_expert: int = 0, shared_expert: bool = False):
+    """`moe_route` then `moe_align(ids, num_experts, block_m, first_expert=, shared_expert=)` in
+    one launch, for `route_align_eligible` batches (decode: at most 16 tokens). Returns
+    (weights [T, K] fp32, ids [T, K] int32, (sorted_ids, expert_ids_per_block,
+    num_tokens_post_pad, block_m)): the same weights and ids as `moe_route` (the same sums in
+    the same order) and an alignment under `moe_align`'s contract. Launches on one device must
+    not overlap (they share one counter, which the last program resets)."""
+    num_tokens, hidden = x.shape
+    num_all = gate_weight.shape[0]
+    if not route_align_eligible(x, num_all, top_k):
+        raise ValueError(f"moe_route_align takes 1-16 tokens with unit-stride rows, a power-of-two "
+                         f"expert count <= 256 and top_k; got x {tuple(x.shape)}, {num_all} "
+                         f"experts, top_k {top_k}")
+    w, b = gate_weight.float().contiguous(), bias.float().contiguous()
+    block_t, block_e, block_k, splits = route_tiles(num_tokens, num_all, hidden)
+    k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
+    device = x.device
+    part = torch.empty(splits, num_tokens, num_all, dtype=torch.float32, device=device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    num_choices = top_k + int(shared_expert)
+    num_slots = num_experts + int(shared_expert)
+    num_pairs = num_tokens * num_choices
+    num_blocks = max_aligned_blocks(num_pairs, num_slots, block_m)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_slots + 1)
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
+    counter = _counters.get(device)
+    if counter is None:
+        counter = _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    _route_align_kernel[(num_all // block_e, splits)](
+        x, w, part, b, weights, ids, counter, sorted_ids, block_expert, num_post, cursor,
+        num_tokens, hidden, x.stride(0), k_per_split, routed_scaling_factor, num_pairs,
+        num_choices, first_expert, num_experts, num_slots, num_blocks, block_m,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, E=num_all, SPLITS=splits,
+        TOP_K=top_k, HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, BLOCK_B=32, num_warps=4)
+    return weights, ids, (sorted_ids, block_expert, num_post, block_m)
+
+
+def decode_block_m(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> int:
+    """The BLOCK_M `fused_moe` aligns to for this many tokens (its tile table's choice)."""
+    return get_config(triton.cdiv(num_tokens * top_k, num_experts), 16, 16, dtype)["BLOCK_M"]
 
 
 def _config(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=False,
@@ -671,7 +790,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               w2_scale: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
               shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
               first_expert: int = 0, reduce: str | None = None, extra: torch.Tensor | None = None,
-              config: dict | tuple[dict, dict] | None = None) -> torch.Tensor:
+              config: dict | tuple[dict, dict] | None = None,
+              alignment: tuple | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]) (+ Shared(x[t])) for every token t.
 
     x: [T, H] bf16 (fp16/fp32 also accepted); w13: [E, 2I, H], gate rows then up rows (not
@@ -693,6 +813,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     extra: with reduce="sum", an optional [T, H] addend (an expert computed elsewhere).
     config: a `get_config`-style dict overriding the tile choice for both GEMMs, or a pair of
     them (gate_up, down; both with the same BLOCK_M) (benchmarks).
+    alignment: `moe_route_align`'s (sorted_ids, expert_ids_per_block, num_tokens_post_pad,
+    block_m) for these ids, first_expert and shared expert; used when block_m is the tiles'
+    BLOCK_M, else the pairs are aligned here.
     Returns out, or a new [T, H] tensor in x's dtype.
     """
     _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared)
@@ -741,9 +864,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     tma1, tma2 = bool(tma and cfg1.get("TMA")), bool(tma and cfg2.get("TMA"))
     if cfg2["BLOCK_M"] != block_m:
         raise ValueError(f"both GEMMs share one alignment: BLOCK_M {block_m} and {cfg2['BLOCK_M']}")
-    sorted_ids, block_expert, num_post = moe_align(ids, num_experts, block_m,
-                                                   first_expert=first_expert,
-                                                   shared_expert=shared is not None)
+    if alignment is not None and alignment[3] == block_m:
+        sorted_ids, block_expert, num_post = alignment[:3]
+    else:
+        sorted_ids, block_expert, num_post = moe_align(ids, num_experts, block_m,
+                                                       first_expert=first_expert,
+                                                       shared_expert=shared is not None)
     num_blocks = block_expert.shape[0]
     num_padded = num_blocks * block_m
 

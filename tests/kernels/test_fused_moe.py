@@ -206,3 +206,44 @@ def test_rank_widths_match_ref(weights, inter, num_tokens, fp8):
     args = (x, w13, w2, route_w, ids)
     out = fm.fused_moe(*args, **kw)
     assert _rel(out, fused_moe_ref(*args, **kw)) < (FP8_TOL if fp8 else BF16_TOL)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 16])
+@pytest.mark.parametrize("num_local,first_expert", [(128, 0), (16, 32)])   # TP, one EP-8 rank
+def test_route_align_one_launch_real_shapes(weights, num_tokens, num_local, first_expert):
+    """The decode router + alignment in one launch at 128 experts x 6144, eagerly 20 times and
+    replayed 20 times in a CUDA graph (the last program's hand-off between programs, under
+    real concurrency): the weights and ids of moe_route bit for bit, moe_align's block map and
+    padded length, the same pairs per block; the end-to-end MoE with it equals the reference."""
+    from m3serve.kernels import fused_moe as fm
+    from m3serve.kernels.ref.fused_moe import fused_moe_ref, moe_align_ref
+    g = torch.Generator(device="cuda").manual_seed(num_tokens + first_expert)
+    x = torch.randn(num_tokens, H, device="cuda", generator=g, dtype=torch.bfloat16)
+    gate, bias = weights["gate"] * H ** -0.5, weights["bias"]
+    want_w, want_ids = fm.moe_route(x, gate, bias, K, 2.0)
+    want = moe_align_ref(want_ids, num_local, 16, first_expert=first_expert, shared_expert=True)
+
+    def check(w, ids, alignment):
+        assert torch.equal(w, want_w) and torch.equal(ids, want_ids)
+        sorted_ids, blocks, post = alignment[:3]
+        assert torch.equal(blocks, want[1]) and torch.equal(post, want[2])
+        runs = sorted_ids[:int(post)].view(-1, 16).sort(dim=1).values
+        assert torch.equal(runs, want[0][:int(post)].view(-1, 16).sort(dim=1).values)
+
+    call = lambda: fm.moe_route_align(x, gate, bias, K, 2.0, num_local, 16,  # noqa: E731
+                                      first_expert=first_expert, shared_expert=True)
+    for _ in range(20):
+        check(*call())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        check(*out)
+    w, ids, alignment = out
+    w13, w2 = weights["w13"][first_expert:first_expert + num_local], weights["w2"][first_expert:first_expert + num_local]
+    got = fm.fused_moe(x, w13, w2, w, ids, shared=weights["shared"], first_expert=first_expert,
+                       alignment=alignment)
+    ref = fused_moe_ref(x, w13, w2, w, ids, shared=weights["shared"], first_expert=first_expert)
+    assert _rel(got, ref) < BF16_TOL

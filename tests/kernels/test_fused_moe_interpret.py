@@ -133,6 +133,60 @@ def test_align_layout(num_tokens, top_k, block_m, first_expert, shared_expert):
     assert int(num_post) == pos and (sorted_ids[pos:] == num_tokens * num_choices).all()
 
 
+def _same_alignment(got, want, num_pairs_padding):
+    """Two alignments under moe_align's contract: the same block map and padded length, and the
+    same pairs in each run (their order inside a run is free)."""
+    (sorted_ids, blocks, post), (ref_sorted, ref_blocks, ref_post) = got, want
+    assert torch.equal(blocks, ref_blocks) and torch.equal(post, ref_post)
+    assert sorted_ids.shape == ref_sorted.shape
+    for b in range(int(post) // (sorted_ids.numel() // blocks.numel())):
+        m = sorted_ids.numel() // blocks.numel()
+        assert sorted(sorted_ids[b * m:(b + 1) * m].tolist()) == sorted(ref_sorted[b * m:(b + 1) * m].tolist())
+    assert (sorted_ids[int(post):] == num_pairs_padding).all()
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_local,first_expert,shared_expert", [
+    (1, 2, E, 0, True), (3, 4, E, 0, False), (16, 2, E, 0, True), (5, 2, 4, 4, True),
+    (16, 4, 2, 2, False)])
+def test_route_align_one_launch_matches_route_then_align(num_tokens, top_k, num_local,
+                                                         first_expert, shared_expert):
+    """The decode router + alignment in one launch: the same weights and ids as moe_route, bit
+    for bit, and the same alignment as moe_align (also for one rank's expert range); run twice,
+    so the counter the last program resets is seen to be reset."""
+    g = torch.Generator().manual_seed(num_tokens * 7 + top_k)
+    x = (torch.randn(num_tokens, H, generator=g) * 1.5).to(torch.bfloat16)
+    gate, bias = torch.randn(E, H, generator=g), torch.randn(E, generator=g) * 0.1
+    want_w, want_ids = moe_route(x, gate, bias, top_k, 2.0)
+    want_align = moe_align_ref(want_ids, num_local, 4, first_expert=first_expert,
+                               shared_expert=shared_expert)
+    padding = num_tokens * (top_k + int(shared_expert))
+    for _ in range(2):
+        w, ids, alignment = fm.moe_route_align(x, gate, bias, top_k, 2.0, num_local, 4,
+                                               first_expert=first_expert,
+                                               shared_expert=shared_expert)
+        assert torch.equal(w, want_w) and torch.equal(ids, want_ids)
+        assert alignment[3] == 4
+        _same_alignment(alignment[:3], want_align, padding)
+        assert int(fm._counters[x.device]) == 0
+
+
+def test_route_align_feeds_fused_moe():
+    """fused_moe with moe_route_align's alignment equals fused_moe aligning itself; an alignment
+    for another BLOCK_M is ignored (the pairs are aligned again); bad input is refused."""
+    w13, w2, shared = _weights(5)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, H, generator=g)
+    gate, bias = torch.randn(E, H, generator=g), torch.randn(E, generator=g) * 0.1
+    block_m = fm.decode_block_m(6, 2, E, torch.float32)
+    w, ids, alignment = fm.moe_route_align(x, gate, bias, 2, 2.0, E, block_m, shared_expert=True)
+    want = fused_moe(x, w13, w2, w, ids, shared=shared)
+    assert torch.equal(fused_moe(x, w13, w2, w, ids, shared=shared, alignment=alignment), want)
+    other = fm.moe_route_align(x, gate, bias, 2, 2.0, E, 2 * block_m, shared_expert=True)[2]
+    assert torch.equal(fused_moe(x, w13, w2, w, ids, shared=shared, alignment=other), want)
+    with pytest.raises(ValueError, match="1-16 tokens"):
+        fm.moe_route_align(torch.randn(17, H), gate, bias, 2, 2.0, E, block_m)
+
+
 @pytest.mark.parametrize("num_tokens,top_k,dtype,use_shared,reduce", [
     (1, 2, torch.float32, True, "atomic"),
     (3, 4, torch.float32, False, "sum"),
@@ -353,7 +407,8 @@ def test_config_override_with_ragged_k_tiles():
 
 
 def test_grouped_gemms_compile_for_hopper(tmp_path):
-    """Both grouped GEMMs compile for sm_90 (bf16 and fp8) with the bundled ptxas, no GPU needed."""
+    """Both grouped GEMMs (bf16 and fp8), the alignment, the summing pass and the one-launch
+    router + alignment compile for sm_90 with the bundled ptxas, no GPU needed."""
     from test_rmsnorm import compile_for_hopper
     ptr = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*bf16", "w_scale_ptr": "*fp32",
            "ws_ptr": "*bf16", "ws_scale_ptr": "*fp32", "h_ptr": "*bf16", "h_scale_ptr": "*fp32",
@@ -390,8 +445,14 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
             "out_ptr": "*fp32"}
     jobs.append(["m3serve.kernels.fused_moe", "_moe_sum_kernel", summ,
                  {"BLOCK_H": 2048, "HAS_SHARED": True, "HAS_EXTRA": True}, 4])
+    route = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "bias_ptr": "*fp32",
+             "weights_ptr": "*fp32", "ids_ptr": "*i32", "counter_ptr": "*i32", "scale": "fp32",
+             **{k: "*i32" for k in ("sorted_ids_ptr", "block_expert_ptr", "num_post_ptr", "cursor_ptr")}}
+    jobs.append(["m3serve.kernels.fused_moe", "_route_align_kernel", route,
+                 {"BLOCK_T": 1, "BLOCK_E": 16, "BLOCK_K": 128, "E": 128, "SPLITS": 24, "TOP_K": 4,
+                  "HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32}, 4])
     lines = compile_for_hopper(jobs, tmp_path)
-    assert len(lines) == 10
+    assert len(lines) == 11
     # the prefill tiles run on wgmma (the 16-row decode tiles are below its 64 rows)
     assert all(line.endswith("True") for line in lines[4:8])
 
