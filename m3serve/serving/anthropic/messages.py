@@ -143,7 +143,7 @@ class Generation:
         if not (closed or out_of_budget):
             return                      # the end of the output (eos, a stop sequence, max_tokens)
         written = "\n" if closed else _CLOSE_THINKING
-        yield (THINK_CLOSE + "\n") if closed else written
+        yield THINK_CLOSE + "\n"        # for the parsers: the thinking ends here
         # the model's tokens (a closing tag it wrote ends them) and what the server wrote
         ids = (self.prompt.token_ids + first.token_ids
                + self.ctx.engine.tokenizer.encode(written, add_special_tokens=False).ids)
