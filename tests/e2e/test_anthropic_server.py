@@ -391,3 +391,19 @@ def test_live_forced_tool_choice_makes_a_valid_call(server, choice, thinking, to
             assert call.name == "lock_door" and isinstance(call.input["locked"], bool)
     if thinking["type"] == "enabled":
         assert out.content[0].type == "thinking"
+
+
+def test_chat_completions_passes_reasoning_back_too(scripted_server):
+    """The same continuity on /v1/chat/completions: an assistant turn's reasoning_content (with
+    its tool call) is rendered back into the next prompt."""
+    r = httpx.post(scripted_server.url + "/v1/chat/completions/render", timeout=30, json={
+        "model": MODEL_NAME, "chat_template_kwargs": {"thinking_mode": "enabled"},
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}],
+        "messages": [*ASK, {"role": "assistant", "content": None, "reasoning_content": "need the tool",
+                            "tool_calls": [{"id": "c1", "type": "function", "function": {
+                                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    assert "]~b]ai\n<mm:think>\nneed the tool\n</mm:think>\n" + f"{NS}<tool_call>" in prompt
+    assert prompt.endswith("]~b]ai\n<mm:think>\n")

@@ -262,7 +262,7 @@ async def _events(ctx: ServerContext, request: MessagesRequest, run: Generation,
 
 def log_ignored(request, beta: str | None) -> None:
     """What Claude Code and newer SDKs send that does not apply here, at debug level."""
-    if request.model_extra:
-        logger.debug("messages: ignoring fields %s", sorted(request.model_extra))
+    if request.not_applicable():
+        logger.debug("messages: ignoring fields that do not apply here: %s", request.not_applicable())
     if beta:
         logger.debug("messages: anthropic-beta %s (accepted; no beta behaviour applies)", beta)

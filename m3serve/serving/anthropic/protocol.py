@@ -31,6 +31,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+# Fields Anthropic's API defines that do not apply to a local model: accepted, logged at debug
+# level, otherwise ignored (Claude Code sends several of them on every request).
+NOT_APPLICABLE = ("context_management", "service_tier", "container", "mcp_servers", "output_config",
+                  "betas", "inference_geo")
+
+
 class CountTokensRequest(_Body):
     """`POST /v1/messages/count_tokens`: what the prompt of a Messages request would hold."""
 
@@ -40,6 +46,17 @@ class CountTokensRequest(_Body):
     tools: list[Any] | None = None
     tool_choice: Any = None
     thinking: Any = None
+    context_management: Any = None
+    service_tier: Any = None
+    container: Any = None
+    mcp_servers: Any = None
+    output_config: Any = None
+    betas: Any = None
+    inference_geo: Any = None
+
+    def not_applicable(self) -> list[str]:
+        """The NOT_APPLICABLE fields this request set."""
+        return [name for name in NOT_APPLICABLE if getattr(self, name) is not None]
 
 
 class MessagesRequest(CountTokensRequest):
