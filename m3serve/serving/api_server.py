@@ -64,7 +64,8 @@ class _BearerAuth:
             bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
             key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
             if not (bearer_ok or key_ok):
-                message = "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')"
+                message = ("invalid or missing API key "
+                           "(send 'Authorization: Bearer <key>' or 'x-api-key: <key>')")
                 if scope["path"].startswith(_ANTHROPIC_PREFIX):
                     reply = anthropic_routes.error_response(401, message)
                 else:

@@ -92,3 +92,19 @@ def test_api_key_by_bearer_or_x_api_key():
             r = await client.get("/v1/models", headers={"x-api-key": "wrong"})
             assert r.status_code == 401 and r.json()["error"]["code"] == 401     # OpenAI's shape there
     asyncio.run(check())
+
+
+def test_draining_refusal_has_each_api_shape():
+    from m3serve.serving.lifecycle import Drain
+
+    drain = Drain(1.0, 1, client=None)
+    drain.draining = True
+    app = drain.middleware(_auth_app())
+
+    async def check():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            r = await client.post("/v1/messages")
+            assert r.status_code == 503 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+            r = await client.post("/v1/chat/completions")
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    asyncio.run(check())
