@@ -41,6 +41,18 @@ def test_tool_input_streams_one_piece_per_argument_and_parses_to_the_input():
             assert pieces[0] == '{"a": 1' and len(pieces) == 3     # a, b, then the closing brace
 
 
+def test_each_argument_is_sent_as_soon_as_it_is_complete():
+    call = (f"{NS}<tool_call>\n{NS}<invoke name=\"f\">\n{NS}<a>1{NS}</a>\n{NS}<b>x y{NS}</b>\n"
+            f"{NS}</invoke>\n{NS}</tool_call>")
+    builder = BlockBuilder("minimax_m3", None, "minimax_m3", TOOLS, "auto")
+    sent_at = {}
+    for end in range(1, len(call) + 1):
+        for piece in _input_pieces(builder.feed(call[end - 1])):
+            sent_at[piece] = end
+    assert sent_at['{"a": 1'] == call.index(f"{NS}</a>") + len(f"{NS}</a>")   # before b's tag begins
+    assert sent_at[', "b": "x y"'] == call.index(f"{NS}</b>") + len(f"{NS}</b>")
+
+
 def test_repeated_argument_still_parses_to_the_final_input():
     """A name repeated in the markup becomes a list at the call's close; what was streamed
     before must still parse to that final input."""
