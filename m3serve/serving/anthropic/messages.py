@@ -108,6 +108,7 @@ class Generation:
             first = _params(request, ctx, self.max_tokens, self.stops, self._grammar(prompt.thinking_mode))
         self._first_params = first
         self._stream = None
+        self._seq = None                # the last leg's final SequenceState
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None
         self.num_output_tokens = 0
