@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
+from m3serve.serving.anthropic import routes as anthropic_routes
 from m3serve.serving.chat_template import load_chat_template
 from m3serve.serving.lifecycle import Drain, DrainingServer, describe_engine, raise_fd_limit
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -42,6 +43,7 @@ TINY_MODEL_NAME = "minimax-m3-tiny"
 # Behind --api-key: the API and its documentation; open: /health, /ready, /metrics, /version,
 # /get_load (probes of orchestrators, routers and monitoring).
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
+_ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def _error(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
@@ -49,19 +51,26 @@ def _error(status: int, message: str, param: str | None = None, headers=None) ->
 
 
 class _BearerAuth:
-    """Pure ASGI middleware (streams and disconnects pass through untouched): the OpenAI routes
-    need `Authorization: Bearer <api key>`."""
+    """Pure ASGI middleware (streams and disconnects pass through untouched): the API routes
+    need `Authorization: Bearer <api key>` or, as Anthropic clients send it, `x-api-key: <key>`."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
         # vllm-router's P/D legs carry `Bearer $OPENAI_API_KEY` of the router's environment
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            headers = dict(scope["headers"])
+            bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            if not (bearer_ok or key_ok):
+                message = ("invalid or missing API key "
+                           "(send 'Authorization: Bearer <key>' or 'x-api-key: <key>')")
+                if scope["path"].startswith(_ANTHROPIC_PREFIX):
+                    reply = anthropic_routes.error_response(401, message)
+                else:
+                    reply = _error(401, message, headers={"WWW-Authenticate": "Bearer"})
+                await reply(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -272,6 +281,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
         arrival = time.perf_counter()
         body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
         return await chat.create_chat_completion(ctx(), body, arrival, request.is_disconnected)
+
+    anthropic_routes.register(app, ctx, _read_body, config.max_request_body_bytes, config.retry_after_s)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -18,6 +18,7 @@ import time
 import uvicorn
 from fastapi.responses import JSONResponse
 
+from m3serve.serving.anthropic.protocol import error_body as anthropic_error_body
 from m3serve.serving.openai.protocol import error_body
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,9 @@ class Drain:
             if scope["type"] != "http" or scope["path"].startswith(_OPEN_WHILE_DRAINING):
                 return await app(scope, receive, send)
             if self.draining:
-                body = error_body(503, "the server is shutting down; send this request elsewhere")
+                message = "the server is shutting down; send this request elsewhere"
+                body = (anthropic_error_body(503, message) if scope["path"].startswith("/v1/messages")
+                        else error_body(503, message))
                 return await JSONResponse(body, status_code=503, headers={
                     "Retry-After": str(self.retry_after_s), "Connection": "close"})(scope, receive, send)
             self.in_flight += 1

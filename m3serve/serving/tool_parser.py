@@ -591,10 +591,21 @@ class MiniMaxM3ToolParser:
         self._open_elements.clear()
         out.tool_call_deltas.append({"index": call.index, "function": {"arguments": self._arguments(call)}})
 
-    def _arguments(self, call: _Call) -> str:
+    def open_call_arguments(self) -> tuple[int, dict] | None:
+        """(index, typed arguments completed so far) of the call being parsed, None when no
+        invoke is open: lets a stream send each argument as it completes. A later element
+        of a name already seen turns that name's value into a list, as at the call's close."""
+        if self._current is None:
+            return None
+        return self._current.index, self._argument_object(self._current)
+
+    def _argument_object(self, call: _Call) -> dict:
         schema = self._schemas.get(call.name)
         kind = schema if schema is not None and schema.kind == "object" else None
-        return json.dumps(_object_from(call.elements, kind), ensure_ascii=False)
+        return _object_from(call.elements, kind)
+
+    def _arguments(self, call: _Call) -> str:
+        return json.dumps(self._argument_object(call), ensure_ascii=False)
 
     def _emit_content(self, out: StreamDelta, text: str) -> None:
         if text:

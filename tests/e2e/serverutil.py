@@ -114,6 +114,7 @@ class ScriptedEngineClient:
                                 vocab_size=vocab_size, eos_token_id=eos_token_id)
         self.stats = EngineStats()
         self.script = ""
+        self.scripts: list[str] = []    # when not empty, each request emits the next of these instead
         self.tokens_per_output = 1
         self.requests = []  # EngineCoreRequests received
         self.aborted: list[str] = []
@@ -132,7 +133,8 @@ class ScriptedEngineClient:
 
     async def add_requests(self, parent_id, requests):
         queue: asyncio.Queue = asyncio.Queue()
-        ids = self.tokenizer.encode(self.script, add_special_tokens=False).ids
+        script = self.scripts.pop(0) if self.scripts else self.script
+        ids = self.tokenizer.encode(script, add_special_tokens=False).ids
         for request in requests:
             self.requests.append(request)
             asyncio.get_running_loop().create_task(self._emit(queue, request, ids))

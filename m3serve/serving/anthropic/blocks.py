@@ -1,0 +1,145 @@
+"""The model's text → Anthropic content blocks, as stream events and as the final `content` list.
+
+One `BlockBuilder` per response. It runs M3's reasoning parser, then the tool-call parser on the
+content, and turns what they produce into `content_block_start` / `content_block_delta` /
+`content_block_stop` events: `thinking` blocks (closed with a `signature_delta`), `text` blocks
+(whitespace at a block's ends dropped, so no whitespace-only text block is ever sent) and
+`tool_use` blocks whose input is streamed as `input_json_delta` pieces, one per argument as the
+parser completes it. Streaming and non-streaming responses are built from the same events, so
+they carry the same blocks.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import uuid
+
+from m3serve.serving.reasoning import get_reasoning_parser
+from m3serve.serving.tool_parser import get_tool_parser
+
+
+def thinking_signature(thinking: str) -> str:
+    """The `signature` of a thinking block: a digest of its text. Clients pass it back
+    unchanged; this server renders passed-back thinking as given and does not verify it."""
+    return base64.b64encode(hashlib.sha256(thinking.encode("utf-8")).digest()).decode("ascii")
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+class BlockBuilder:
+    """Feeds the model's text in (`feed`), hands Anthropic events out, and keeps the finished
+    `content` list and whether a tool was called."""
+
+    def __init__(self, reasoning_parser: str, thinking_mode: str | None, tool_parser: str | None,
+                 tools: list[dict] | None, tool_choice):
+        self.reasoning = get_reasoning_parser(reasoning_parser)(thinking_mode)
+        self.tools = get_tool_parser(tool_parser)(tools, tool_choice) if tool_parser else None
+        self.content: list[dict] = []
+        self._open: str | None = None      # "thinking" | "text" | "tool_use"
+        self._space = ""                    # whitespace held back at the end of a text block
+        self._calls: dict[int, dict] = {}   # tool parser's call index -> our block and what was sent
+
+    @property
+    def has_tool_use(self) -> bool:
+        return any(block["type"] == "tool_use" for block in self.content)
+
+    def feed(self, text: str, finished: bool = False) -> list[dict]:
+        """Events for `text`, the next piece of the output; `finished` ends the output (every
+        open block is closed)."""
+        events: list[dict] = []
+        reasoning, content = self.reasoning.stream(text)
+        if finished:
+            tail_reasoning, tail_content = self.reasoning.finish()
+            reasoning = (reasoning or "") + (tail_reasoning or "")
+            content = (content or "") + (tail_content or "")
+        if reasoning:
+            self._thinking(reasoning, events)
+        if self.tools is None:
+            self._text(content or "", events)
+        else:
+            parsed = self.tools.stream(content or "")
+            pieces = [parsed]
+            if finished:
+                pieces.append(self.tools.finish())
+            for piece in pieces:
+                self._text(piece.content or "", events)
+                for delta in piece.tool_call_deltas:
+                    self._tool_delta(delta, events)
+            if not finished:
+                opened = self.tools.open_call_arguments()
+                if opened is not None and opened[0] in self._calls:
+                    self._send_arguments(self._calls[opened[0]], opened[1], events)
+        if finished:
+            self._close(events)
+        return events
+
+    def _start(self, block: dict, events: list[dict]) -> None:
+        self._close(events)
+        self.content.append(block)
+        self._open = block["type"]
+        events.append({"type": "content_block_start", "index": len(self.content) - 1,
+                       "content_block": dict(block)})
+
+    def _delta(self, delta: dict, events: list[dict]) -> None:
+        events.append({"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta})
+
+    def _close(self, events: list[dict]) -> None:
+        if self._open is None:
+            return
+        block, index = self.content[-1], len(self.content) - 1
+        if self._open == "thinking":
+            block["signature"] = thinking_signature(block["thinking"])
+            self._delta({"type": "signature_delta", "signature": block["signature"]}, events)
+        self._open, self._space = None, ""
+        events.append({"type": "content_block_stop", "index": index})
+
+    def _thinking(self, text: str, events: list[dict]) -> None:
+        if self._open != "thinking":
+            self._start({"type": "thinking", "thinking": "", "signature": ""}, events)
+        self.content[-1]["thinking"] += text
+        self._delta({"type": "thinking_delta", "thinking": text}, events)
+
+    def _text(self, text: str, events: list[dict]) -> None:
+        if self._open != "text":
+            text = text.lstrip()
+            if not text:
+                return
+            self._start({"type": "text", "text": ""}, events)
+        held = self._space + text
+        body = held.rstrip()
+        self._space = held[len(body):]
+        if body:
+            self.content[-1]["text"] += body
+            self._delta({"type": "text_delta", "text": body}, events)
+
+    def _tool_delta(self, delta: dict, events: list[dict]) -> None:
+        index = delta["index"]
+        function = delta.get("function", {})
+        if "id" in delta:       # a call opens
+            block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": function["name"],
+                     "input": {}}
+            self._start(block, events)
+            self._calls[index] = {"block": block, "sent": {}}
+            return
+        call = self._calls[index]
+        arguments = json.loads(function["arguments"])
+        self._send_arguments(call, arguments, events)
+        self._delta({"type": "input_json_delta", "partial_json": "}" if call["sent"] else "{}"}, events)
+        call["block"]["input"] = arguments
+        self._close(events)
+
+    def _send_arguments(self, call: dict, arguments: dict, events: list[dict]) -> None:
+        """One `input_json_delta` per argument not sent yet (or whose value changed: a name
+        repeated in the markup becomes a list). The pieces concatenate to a JSON object whose
+        later duplicate keys carry the final values, which JSON parsers keep."""
+        sent = call["sent"]
+        for name, value in arguments.items():
+            text = _dumps(value)
+            if sent.get(name) == text:
+                continue
+            piece = ("{" if not sent else ", ") + _dumps(name) + ": " + text
+            sent[name] = text
+            self._delta({"type": "input_json_delta", "partial_json": piece}, events)

@@ -1,0 +1,263 @@
+"""Anthropic request → the chat form the template renders: messages, tools, tool_choice and the
+thinking mode.
+
+Every block is checked here and a problem is a ValueError whose message starts with the block's
+path (`messages.1.content.0.input: ...`). What maps where:
+- `system` (string or text blocks) → a leading system message;
+- `text` blocks → message content; `thinking` blocks of assistant turns → `reasoning_content`,
+  which M3's template renders back as `<mm:think>…</mm:think>` on every earlier turn;
+  `redacted_thinking` holds no readable text and is skipped; `tool_use` → `tool_calls` (input as
+  the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it);
+- `image` / `document` blocks → a 400 until vision lands;
+- `cache_control` on any block or tool is accepted (prefix caching is automatic).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Claude Code sends roles outside Anthropic's two for context it injects; they are user turns.
+_USER_ROLES = ("user", "ctx", "msg")
+_NOT_YET = ("image", "document")
+_TOOL_ERROR_PREFIX = "Error: "
+
+
+@dataclass
+class ChatForm:
+    """What the chat template and the generation need from a Messages request."""
+
+    messages: list[dict]
+    tools: list[dict] | None              # OpenAI shape, for the template and the tool parser
+    tool_choice: object                   # "auto" | "none" | "required" | {"type": "function", ...}
+    thinking_mode: str | None             # the template's; None = the server's default
+    budget_tokens: int | None             # thinking budget (thinking.type "enabled")
+
+
+def _fail(path: str, message: str):
+    raise ValueError(f"{path}: {message}")
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _obj(value, path: str) -> dict:
+    if not isinstance(value, dict):
+        _fail(path, f"must be an object, got {_kind(value)}")
+    return value
+
+
+def _string(block: dict, key: str, path: str, required: bool = True) -> str | None:
+    value = block.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        _fail(f"{path}.{key}", f"must be a string, got {_kind(value)}")
+    return value
+
+
+def _block_type(block: dict, path: str) -> str:
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        _fail(f"{path}.type", f"must be a string naming the block type, got {_kind(kind)}")
+    if kind in _NOT_YET:
+        _fail(f"{path}.type", f"{kind!r} blocks are not supported by this server yet (vision is not enabled)")
+    return kind
+
+
+def _texts(content, path: str) -> str:
+    """A system prompt or tool result: a string, or a list of text blocks (joined)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        _fail(path, f"must be a string or a list of text blocks, got {_kind(content)}")
+    parts = []
+    for i, block in enumerate(content):
+        block = _obj(block, f"{path}.{i}")
+        kind = _block_type(block, f"{path}.{i}")
+        if kind != "text":
+            _fail(f"{path}.{i}.type", f"expected 'text', got {kind!r}")
+        parts.append(_string(block, "text", f"{path}.{i}"))
+    return "\n".join(parts)
+
+
+def _tool_result(block: dict, path: str) -> dict:
+    tool_use_id = _string(block, "tool_use_id", path)
+    content = block.get("content")
+    text = "" if content is None else _texts(content, f"{path}.content")
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        _fail(f"{path}.is_error", f"must be a boolean, got {_kind(is_error)}")
+    if is_error:
+        text = _TOOL_ERROR_PREFIX + text
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
+
+
+def _user_messages(content: list, path: str) -> list[dict]:
+    """A user turn: runs of text become user messages, each tool_result a tool message, in order."""
+    out: list[dict] = []
+    texts: list[str] = []
+    for i, block in enumerate(content):
+        where = f"{path}.{i}"
+        block = _obj(block, where)
+        kind = _block_type(block, where)
+        if kind == "text":
+            texts.append(_string(block, "text", where))
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            out.append(_tool_result(block, where))
+        else:
+            _fail(f"{where}.type", f"{kind!r} is not a user content block (expected text or tool_result)")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_message(content: list, path: str) -> dict:
+    texts, thoughts, calls = [], [], []
+    for i, block in enumerate(content):
+        where = f"{path}.{i}"
+        block = _obj(block, where)
+        kind = _block_type(block, where)
+        if kind == "text":
+            texts.append(_string(block, "text", where))
+        elif kind == "thinking":
+            thoughts.append(_string(block, "thinking", where))
+            _string(block, "signature", where, required=False)
+        elif kind == "redacted_thinking":
+            _string(block, "data", where)        # opaque to this server: nothing to render
+        elif kind == "tool_use":
+            call_id, name = _string(block, "id", where), _string(block, "name", where)
+            if not name:
+                _fail(f"{where}.name", "must not be empty")
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                _fail(f"{where}.input", f"must be an object, got {_kind(arguments)}")
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+        else:
+            _fail(f"{where}.type", f"{kind!r} is not an assistant content block "
+                                   "(expected text, thinking, redacted_thinking or tool_use)")
+    message = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def messages_of(system, messages: list) -> list[dict]:
+    """The chat messages of `system` plus Anthropic `messages`."""
+    out = []
+    if system is not None:
+        text = _texts(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    for index, message in enumerate(messages):
+        path = f"messages.{index}"
+        message = _obj(message, path)
+        role = message.get("role")
+        if role not in (*_USER_ROLES, "assistant"):
+            _fail(f"{path}.role", f"must be 'user' or 'assistant', got {role!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        elif not isinstance(content, list):
+            _fail(f"{path}.content", f"must be a string or a list of content blocks, got {_kind(content)}")
+        if role == "assistant":
+            out.append(_assistant_message(content, f"{path}.content"))
+        else:
+            out.extend(_user_messages(content, f"{path}.content"))
+    return out
+
+
+def tools_of(tools: list | None) -> list[dict] | None:
+    """Anthropic client tools (`name`, `description`, `input_schema`) in OpenAI function shape."""
+    if tools is None:
+        return None
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        path = f"tools.{i}"
+        tool = _obj(tool, path)
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            _fail(f"{path}.type", f"{kind!r}: Anthropic server tools are not available here; "
+                                  "define the tool with a name and an input_schema")
+        name = _string(tool, "name", path)
+        if not name:
+            _fail(f"{path}.name", "must not be empty")
+        if name in seen:
+            _fail(f"{path}.name", f"{name!r} is defined twice")
+        seen.add(name)
+        description = _string(tool, "description", path, required=False)
+        schema = _obj(tool.get("input_schema"), f"{path}.input_schema")
+        schema_type = schema.get("type", "object")
+        if schema_type != "object":
+            _fail(f"{path}.input_schema.type", f"must be 'object', got {schema_type!r}")
+        properties = schema.get("properties")
+        if properties is not None and not isinstance(properties, dict):
+            _fail(f"{path}.input_schema.properties", f"must be an object, got {_kind(properties)}")
+        required = schema.get("required")
+        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            _fail(f"{path}.input_schema.required", "must be a list of property names")
+        function = {"name": name, "parameters": {**schema, "type": "object"}}
+        if description is not None:
+            function["description"] = description
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def tool_choice_of(choice, tools: list[dict] | None):
+    """Anthropic `tool_choice` in chat form: auto → "auto", any → "required", tool → named,
+    none → "none". Without tools only auto and none are allowed."""
+    if choice is None:
+        return "auto" if tools else "none"
+    choice = _obj(choice, "tool_choice")
+    kind = choice.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        _fail("tool_choice.type", f"must be one of 'auto', 'any', 'tool', 'none', got {kind!r}")
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None and not isinstance(parallel, bool):
+        _fail("tool_choice.disable_parallel_tool_use", f"must be a boolean, got {_kind(parallel)}")
+    if kind == "none" or (kind == "auto" and not tools):
+        return "none"
+    if not tools:
+        _fail("tool_choice.type", f"{kind!r} needs a non-empty tools list")
+    if kind == "auto":
+        return "auto"
+    if kind == "any":
+        return "required"
+    name = _string(choice, "name", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
+        _fail("tool_choice.name", f"{name!r} is not one of the tools {names}")
+    return {"type": "function", "function": {"name": name}}
+
+
+def thinking_of(thinking) -> tuple[str | None, int | None]:
+    """(M3 thinking mode, budget) of `thinking`: enabled → ("enabled", budget_tokens),
+    disabled → ("disabled", None), adaptive → ("adaptive", None), absent → (None, None)."""
+    if thinking is None:
+        return None, None
+    thinking = _obj(thinking, "thinking")
+    kind = thinking.get("type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if type(budget) is not int or budget < 1:
+            _fail("thinking.budget_tokens", f"must be a positive integer, got {budget!r}")
+        return "enabled", budget
+    if kind in ("disabled", "adaptive"):
+        return kind, None
+    _fail("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+
+
+def chat_form(request) -> ChatForm:
+    """The chat form of a MessagesRequest or CountTokensRequest (ValueError naming the field)."""
+    messages = messages_of(request.system, request.messages)
+    tools = tools_of(request.tools)
+    tool_choice = tool_choice_of(request.tool_choice, tools)
+    mode, budget = thinking_of(request.thinking)
+    return ChatForm(messages, tools, tool_choice, mode, budget)
