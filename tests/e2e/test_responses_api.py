@@ -226,3 +226,13 @@ def test_huge_and_bad_schema_inputs_then_still_serving(scripted, responses_serve
                    timeout=60)
     assert r.status_code == 400 and "too long" in r.json()["error"]["message"], r.text[:300]
     assert scripted("fine").responses.create(model=MODEL_NAME, input="still there?").output_text == "fine"
+
+
+def test_streaming_hits_max_output_tokens(scripted):
+    client = scripted(ANSWER)
+    events = list(client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 3
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
