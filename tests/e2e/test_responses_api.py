@@ -201,6 +201,7 @@ HOSTILE = [
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"input": "hi", "include": ["everything"]}, "include[0]"),
+    ({"input": "hi", "reasoning": {"effort": "high"}, "text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"input": "hi", "stream": "yes"}, "stream"),
     ({}, "input"),
 ]

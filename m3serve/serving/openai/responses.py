@@ -199,12 +199,20 @@ class ResponsesAPI:
         effort = request.reasoning.effort if request.reasoning else None
         if effort is not None and "thinking_mode" not in kwargs:
             kwargs["thinking_mode"] = EFFORT_TO_THINKING_MODE[effort]
+        fmt = response_format(request.text.format if request.text else None)
+        if fmt is not None and kwargs.get("thinking_mode", ctx.default_chat_template_kwargs.get("thinking_mode")) \
+                == "enabled":
+            # the grammar holds from the first output token, so an opened thinking block would
+            # hold the JSON and the answer would be empty
+            why = f"reasoning.effort {effort!r}" if effort else "the thinking_mode"
+            raise APIError(400, f"text.format: a structured output cannot follow forced thinking ({why} -> "
+                                f"thinking_mode enabled); use reasoning.effort minimal, low or medium", "text.format")
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         fields = {"model": request.model, "messages": system + messages, "max_tokens": request.max_output_tokens,
                   "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
                   "seed": request.seed, "tools": chat_tools(request.tools) or None,
                   "tool_choice": chat_tool_choice(request.tool_choice),
-                  "response_format": response_format(request.text.format if request.text else None),
+                  "response_format": fmt,
                   "chat_template_kwargs": kwargs, "cache_salt": request.cache_salt}
         try:
             chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
