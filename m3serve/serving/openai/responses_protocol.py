@@ -10,8 +10,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-# OpenAI's reasoning.effort levels (the SDK's `ReasoningEffort`).
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # `include` values OpenAI defines; only reasoning.encrypted_content changes what m3serve returns.
 KNOWN_INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs", "web_search_call.results",
                   "web_search_call.action.sources", "code_interpreter_call.outputs",
