@@ -162,7 +162,9 @@ def capacity(p: Plan, cfg: M3Config, gpu_memory_bytes: int, gpu_memory_utilizati
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="checkpoint directory or hub id (only config.json is read)")
+    parser.add_argument("model", help="checkpoint directory or hub id (only config.json is read; the configs of "
+                                      "MiniMaxAI/MiniMax-M3, MiniMax-M3-MXFP8 and MiniMax-M3.1-Flash ship with "
+                                      "m3serve, so those ids need no network)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
@@ -179,11 +181,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def main(args) -> dict:
-    from m3serve.model.config import load_config
-    from m3serve.model.files import resolve_model_dir
+def _read_config(model: str) -> tuple[dict, str, str | None]:
+    """(config.json dict, where it came from, a note on its quantization): a local directory's
+    file; a known hub id's copy shipped with m3serve (no network); else the hub's file."""
+    from pathlib import Path
 
-    cfg = load_config(resolve_model_dir(args.model, config_only=True))
+    from m3serve.model.config import read_config_json
+    from m3serve.model.files import resolve_model_dir
+    from m3serve.model.known_configs import known_config
+
+    known = None if Path(model).is_dir() else known_config(model)
+    if known is not None:
+        raw = known.load()
+        source = f"m3serve's shipped copy of {known.repo_id}'s config.json, offline: {known.label}"
+    else:
+        directory = resolve_model_dir(model, config_only=True)
+        raw, source = read_config_json(directory), f"{Path(directory) / 'config.json'}"
+    quant = raw.get("quantization_config") if isinstance(raw.get("quantization_config"), dict) else {}
+    given = ", ".join(f"{k} {quant[k]}" for k in ("quant_method", "moe_quant_algo") if k in quant)
+    note = (f"the checkpoint's quantization_config ({given}) is not modelled here: weights count as BF16 "
+            f"unless --quantization is given" if given else None)
+    return raw, source, note
+
+
+def main(args) -> dict:
+    from m3serve.model.config import parse_config
+
+    raw, source, quant_note = _read_config(args.model)
+    cfg = parse_config(raw)
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                               data_parallel_size=args.data_parallel_size,
                               enable_expert_parallel=args.enable_expert_parallel)
@@ -201,6 +226,7 @@ def main(args) -> dict:
               "kv_bytes_per_token_per_gpu": p.total_kv_bytes_per_token,
               "kv_bytes_per_token_per_gpu_by_cache": p.kv_bytes_per_token,
               "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
+              "config_source": source, "quantization_note": None if args.quantization else quant_note,
               **fit}
     if args.json:
         print(json.dumps(result))
@@ -213,7 +239,10 @@ def _render(r: dict, cfg: M3Config) -> str:
     ep = ", expert parallel" if r["enable_expert_parallel"] else ""
     lines = [f"{r['model']}: TP {r['tensor_parallel_size']} x DP {r['data_parallel_size']}{ep} "
              f"= {r['gpus']} GPUs, weights {r['quantization'] or 'as stored'}, KV {r['kv_cache_dtype']}",
-             f"  weights per GPU: {r['weights_per_gpu_bytes'] / GIB:.2f} GiB"]
+             f"  config: {r['config_source']}"]
+    if r["quantization_note"]:
+        lines.append(f"  note: {r['quantization_note']}")
+    lines += [f"  weights per GPU: {r['weights_per_gpu_bytes'] / GIB:.2f} GiB"]
     for part, n in r["weights_per_gpu"].items():
         if n:
             lines.append(f"    {part:<15} {n / GIB:8.3f} GiB")

@@ -19,6 +19,8 @@ import socket
 import sys
 import tempfile
 import time
+import types
+from contextlib import contextmanager
 
 from m3serve.config import EngineConfig
 from m3serve.protocol import EngineDead, EngineReady, EngineStats
@@ -62,6 +64,23 @@ class EngineEndpoints:
             self._dir = None
 
 
+@contextmanager
+def _without_user_main():
+    """Spawned children re-run the parent's `__main__` (the user's script) before their target,
+    unless it has neither a path nor a module name. An engine process needs nothing from it (its
+    target and arguments are m3serve's), and re-running it is what breaks a script without an
+    `if __name__ == "__main__":` guard (the child would build the engine again, mid-bootstrap)
+    or a script read from standard input (`python -`: no file to re-run). So while the engine
+    processes start, `__main__` is a blank module."""
+    user_main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if user_main is not None:
+            sys.modules["__main__"] = user_main
+
+
 class EngineProcesses:
     """The engine processes (replica leaders) this host starts."""
 
@@ -81,7 +100,8 @@ class EngineProcesses:
             proc = ctx.Process(target=run_engine_process, name=f"m3serve-engine{d}",
                                args=(self.config, self.endpoints.inputs[d], self.endpoints.output, d,
                                      self.endpoints.master_port))
-            proc.start()
+            with _without_user_main():
+                proc.start()
             self.procs[d] = proc
 
     def dead_reason(self) -> str | None:

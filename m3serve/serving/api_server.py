@@ -28,6 +28,7 @@ from m3serve.serving.chat_template import load_chat_template
 from m3serve.serving.lifecycle import Drain, DrainingServer, describe_engine, raise_fd_limit
 from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
 from m3serve.serving.openai import chat, completions
+from m3serve.serving.openai import responses as responses_api
 from m3serve.serving.openai import tokenize as tokenize_api
 from m3serve.serving.openai.common import ClientDisconnected, ServerContext, internal_error
 from m3serve.version import package_version
@@ -35,6 +36,8 @@ from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest,
                                              DetokenizeRequest, TokenizeRequest, check_json, error_body,
                                              param_of, validation_message)
+from m3serve.serving.openai.responses_input import ReasoningSigner, ResponseStore
+from m3serve.serving.openai.responses_protocol import ResponsesRequest
 from m3serve.serving.server_args import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -155,8 +158,10 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
         app.add_middleware(_BearerAuth, api_key=config.api_key)
     drain = app.state.drain = Drain(config.shutdown_timeout_s, config.retry_after_s, client)
     app.add_middleware(drain.middleware)
-    fields = {f for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
-              for f in m.model_fields}
+    fields = {f for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          ResponsesRequest) for f in m.model_fields}
+    responses = responses_api.ResponsesAPI(ResponseStore() if config.enable_response_store else None,
+                                           ReasoningSigner(config.responses_signing_key))
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -283,6 +288,16 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
         return await chat.create_chat_completion(ctx(), body, arrival, request.is_disconnected)
 
     anthropic_routes.register(app, ctx, _read_body, config.max_request_body_bytes, config.retry_after_s)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        arrival = time.perf_counter()
+        body = await _read_body(request, ResponsesRequest, config.max_request_body_bytes)
+        return await responses.create(ctx(), body, arrival, request.is_disconnected)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return responses.retrieve(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -47,6 +47,8 @@ class ServerConfig:
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     metric_names: str = "both"          # /metrics: m3serve:*, vllm:* (vLLM's names) or both
     stream_interval: int = 1            # a streamed chunk waits for this many new tokens
+    enable_response_store: bool = False  # /v1/responses: keep responses for previous_response_id
+    responses_signing_key: str | None = None  # HMAC key of reasoning blobs (None: random per process)
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -106,6 +108,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stream-interval", type=int, default=1,
                        help="tokens per streamed chunk: a chunk is sent once this many new tokens are "
                             "ready (and at the end)")
+    group.add_argument("--enable-response-store", action="store_true",
+                       help="/v1/responses: keep responses in a bounded in-memory store so that "
+                            "previous_response_id works (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
+    group.add_argument("--responses-signing-key", default=None, metavar="KEY",
+                       help="/v1/responses: the key that signs reasoning returned as encrypted_content; "
+                            "give every replica behind a router the same key (default: a random key per "
+                            "process, so blobs do not survive a restart)")
     compat = parser.add_argument_group(
         "accepted from vLLM command lines, not applicable to m3serve (each one given is logged)")
     for flag, why in NOT_APPLICABLE_FLAGS.items():
@@ -138,7 +147,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_request_body_bytes=args.max_request_body_bytes, uvicorn_log_level=args.uvicorn_log_level,
         engine_ready_timeout_s=args.engine_ready_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s,
         disable_fastapi_docs=args.disable_fastapi_docs, metric_names=args.metric_names,
-        stream_interval=args.stream_interval)
+        stream_interval=args.stream_interval, enable_response_store=args.enable_response_store,
+        responses_signing_key=args.responses_signing_key)
 
 
 def not_applicable_given(args: argparse.Namespace) -> list[str]:

@@ -1,0 +1,311 @@
+"""What a Responses API request means in chat terms: `input` items -> chat messages (with the
+earlier reasoning on assistant turns, so the chat template renders it back into the prompt),
+function tools and `tool_choice` -> the chat shapes, `text.format` -> `response_format`,
+`reasoning.effort` -> M3's thinking mode; plus the signed reasoning blob
+(`encrypted_content`) and the bounded store behind `previous_response_id`.
+
+Every malformed item is an `APIError(400)` whose `param` names the item and field.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from m3serve.serving.openai.protocol import APIError
+
+# reasoning.effort -> M3's chat-template thinking_mode. M3 has no graded effort: the lowest
+# levels turn thinking off, the middle ones let the model decide (M3's own default), the highest
+# ones always think.
+EFFORT_TO_THINKING_MODE = {"none": "disabled", "minimal": "disabled", "low": "adaptive", "medium": "adaptive",
+                           "high": "enabled", "xhigh": "enabled", "max": "enabled"}
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ROLES = ("user", "system", "developer", "assistant")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class ReasoningSigner:
+    """Reasoning text <-> `encrypted_content` blob. The blob is signed (HMAC-SHA256 with a
+    server key), not encrypted: its text is readable, but a changed blob, or one signed with
+    another key, is refused. Servers given the same key read each other's blobs."""
+
+    PREFIX = "m3r1."
+
+    def __init__(self, key: str | bytes | None = None):
+        if isinstance(key, str):
+            key = key.encode("utf-8")
+        self._key = hashlib.sha256(key).digest() if key else os.urandom(32)
+
+    def _mac(self, body: str) -> str:
+        digest = hmac.new(self._key, body.encode("ascii"), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode("ascii").rstrip("=")
+
+    def sign(self, text: str) -> str:
+        payload = base64.urlsafe_b64encode(json.dumps({"text": text}, ensure_ascii=False).encode("utf-8"))
+        body = self.PREFIX + payload.decode("ascii").rstrip("=")
+        return f"{body}.{self._mac(body)}"
+
+    def open(self, blob: str, param: str) -> str:
+        """The reasoning text of a blob this server (or one sharing its key) issued."""
+        body, _, mac = blob.rpartition(".")
+        if not body.startswith(self.PREFIX) or not body.isascii() or not mac.isascii() or \
+                not hmac.compare_digest(self._mac(body), mac):
+            raise _bad(param, "not an encrypted_content blob issued by this server (altered, truncated, or "
+                              "signed with another key; see --responses-signing-key)")
+        payload = body[len(self.PREFIX):]
+        try:
+            text = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["text"]
+        except (ValueError, KeyError, TypeError, binascii.Error):
+            raise _bad(param, "encrypted_content payload is malformed") from None
+        if not isinstance(text, str):
+            raise _bad(param, "encrypted_content payload is malformed")
+        return text
+
+
+class ResponseStore:
+    """Stored responses for `previous_response_id`: id -> (response body, the conversation as
+    chat messages including the response's own output). Bounded by count and by the characters
+    held; the oldest entries go first."""
+
+    def __init__(self, max_entries: int = 1000, max_chars: int = 64 << 20):
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, response: dict, messages: list[dict]) -> None:
+        size = len(json.dumps(messages, ensure_ascii=False)) + len(json.dumps(response, ensure_ascii=False))
+        if size > self.max_chars:
+            return
+        with self._lock:
+            self._entries[response_id] = (response, messages, size)
+            self._chars += size
+            while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self._chars -= dropped
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is None:
+                return None
+            self._entries.move_to_end(response_id)
+            return entry[0], entry[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _text_of_parts(content: Any, param: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str:
+    """A string, or a list of text parts joined; anything else is a 400 naming the part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(param, f"must be a string or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(where, f"must be an object, got {_shown(part)}")
+        kind = part.get("type")
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        if kind not in kinds:
+            raise _bad(f"{where}.type", f"{_shown(kind)} is not supported (m3serve takes text only: "
+                                        f"{', '.join(kinds)})")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{where}.text", f"must be a string, got {_shown(part.get('text'))}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _reasoning_text(item: dict, param: str, signer: ReasoningSigner) -> str:
+    blob = item.get("encrypted_content")
+    if blob is not None:
+        if not isinstance(blob, str):
+            raise _bad(f"{param}.encrypted_content", f"must be a string, got {type(blob).__name__}")
+        return signer.open(blob, f"{param}.encrypted_content")
+    for field, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(field)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise _bad(f"{param}.{field}", f"must be a list, got {type(parts).__name__}")
+        if parts:
+            return "\n".join(_text_of_parts([p], f"{param}.{field}", (kind, "text")) for p in parts)
+    return ""
+
+
+def _known_call_ids(messages: list[dict]) -> set[str]:
+    return {call.get("id") for m in messages for call in (m.get("tool_calls") or []) if isinstance(call, dict)}
+
+
+def _string_field(item: dict, name: str, param: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{param}.{name}", f"must be a non-empty string, got {_shown(value)}")
+    return value
+
+
+def input_messages(items: Any, prior: list[dict], signer: ReasoningSigner) -> list[dict]:
+    """The chat messages of `input` (a string, or a list of items) following `prior` (the
+    stored conversation of previous_response_id). Consecutive reasoning, assistant message and
+    function_call items form one assistant turn, as the model produced them."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    known = _known_call_ids(prior)
+    turn: dict | None = None       # the assistant turn items are still being added to
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(param, f"must be an object, got {_shown(item)}")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind not in _ITEM_TYPES:
+            raise _bad(f"{param}.type", f"{_shown(kind)} is not supported; the item types are "
+                                        f"{', '.join(_ITEM_TYPES)}")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise _bad(f"{param}.role", f"must be one of {', '.join(_ROLES)}, got {_shown(role)}")
+            if "content" not in item:
+                raise _bad(f"{param}.content", "is required")
+            text = _text_of_parts(item["content"], f"{param}.content")
+            if role == "assistant":
+                if turn is not None and not turn["content"] and not turn.get("tool_calls"):
+                    turn["content"] = text
+                else:
+                    turn = {"role": "assistant", "content": text}
+                    out.append(turn)
+            else:
+                turn = None
+                out.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, param, signer)
+            if turn is not None and not turn["content"] and not turn.get("tool_calls"):
+                turn["reasoning_content"] = "\n".join(t for t in (turn.get("reasoning_content"), text) if t)
+            else:
+                turn = {"role": "assistant", "content": "", "reasoning_content": text}
+                out.append(turn)
+        elif kind == "function_call":
+            call_id = _string_field(item, "call_id", param)
+            name = _string_field(item, "name", param)
+            arguments = item.get("arguments", "{}")
+            if not isinstance(arguments, str):
+                raise _bad(f"{param}.arguments", f"must be a JSON string, got {type(arguments).__name__}")
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                raise _bad(f"{param}.arguments", f"is not valid JSON ({e})") from None
+            if not isinstance(parsed, dict):
+                raise _bad(f"{param}.arguments", f"must be a JSON object, got {_shown(arguments)}")
+            if turn is None:
+                turn = {"role": "assistant", "content": ""}
+                out.append(turn)
+            turn.setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}})
+            known.add(call_id)
+        else:   # function_call_output
+            call_id = _string_field(item, "call_id", param)
+            if call_id not in known:
+                raise _bad(f"{param}.call_id", f"no function_call with call_id {call_id!r} comes before it")
+            if "output" not in item:
+                raise _bad(f"{param}.output", "is required")
+            turn = None
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _text_of_parts(item["output"], f"{param}.output")})
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Responses function tools ({type, name, description, parameters, strict}) in chat shape."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _bad(param, f"must be an object, got {_shown(tool)}")
+        kind = tool.get("type")
+        if kind != "function":
+            raise _bad(f"{param}.type", f"{_shown(kind)} is not supported: m3serve runs no hosted tools, "
+                                        f"only type 'function'")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{param}.name", f"must be a non-empty string, got {_shown(name)}")
+        parameters = tool.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _bad(f"{param}.parameters", f"must be a JSON schema object, got {_shown(parameters)}")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _bad(f"{param}.description", f"must be a string, got {_shown(description)}")
+        function = {"name": name, **({"description": description} if description else {}),
+                    **({"parameters": parameters} if parameters is not None else {})}
+        out.append({"type": "function", "function": function})
+    names = [t["function"]["name"] for t in out]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise _bad("tools", f"function name {duplicate!r} appears more than once")
+    return out
+
+
+def chat_tool_choice(tool_choice: str | dict | None):
+    """Responses tool_choice -> chat's: strings pass; {type: function, name} -> the named form."""
+    if tool_choice is None or isinstance(tool_choice, str):
+        if tool_choice not in (None, "auto", "none", "required"):
+            raise _bad("tool_choice", f"must be auto, none, required or {{'type': 'function', 'name': ...}}, "
+                                      f"got {_shown(tool_choice)}")
+        return tool_choice
+    if tool_choice.get("type") != "function" or not isinstance(tool_choice.get("name"), str):
+        raise _bad("tool_choice", f"must be auto, none, required or {{'type': 'function', 'name': ...}}, "
+                                  f"got {_shown(tool_choice)}")
+    return {"type": "function", "function": {"name": tool_choice["name"]}}
+
+
+def response_format(fmt: dict | None) -> dict | None:
+    """text.format -> chat's response_format (json_schema goes through xgrammar)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise _bad("text.format.schema", f"must be a JSON schema object, got {_shown(schema)}")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema}}
+    raise _bad("text.format.type", f"must be text, json_object or json_schema, got {_shown(kind)}")
+
+
+def output_messages(output: list[dict]) -> list[dict]:
+    """A response's output items as the chat messages a later turn renders (one assistant turn)."""
+    turn: dict = {"role": "assistant", "content": ""}
+    for item in output:
+        if item["type"] == "reasoning":
+            turn["reasoning_content"] = item["content"][0]["text"] if item["content"] else ""
+        elif item["type"] == "message":
+            turn["content"] += "".join(part["text"] for part in item["content"])
+        elif item["type"] == "function_call":
+            turn.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": json.loads(item["arguments"] or "{}")}})
+    return [turn]
