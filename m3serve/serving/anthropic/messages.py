@@ -26,7 +26,7 @@ from m3serve.serving.anthropic.blocks import BlockBuilder
 from m3serve.serving.anthropic.convert import ChatForm, chat_form
 from m3serve.serving.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
 from m3serve.serving.chat_template import render_chat
-from m3serve.serving.openai.common import ClientDisconnected, ServerContext, admit, internal_error
+from m3serve.serving.openai.common import ServerContext, admit, internal_error, run_unless_disconnected
 from m3serve.serving.reasoning import THINK_CLOSE
 from m3serve.serving.tool_grammar import tool_call_grammar
 from m3serve.serving.tool_parser import get_tool_parser
@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 # plain-text form of either): without the server flags these parsers are used.
 DEFAULT_PARSER = "minimax_m3"
 _CLOSE_THINKING = "\n" + THINK_CLOSE + "\n"
-_DISCONNECT_POLL_S = 0.5
 
 
 @dataclass
@@ -209,19 +208,7 @@ async def _complete(run: Generation, builder: BlockBuilder, is_disconnected) -> 
                 builder.feed(text)
         builder.feed("", finished=True)
 
-    task = asyncio.create_task(consume())
-    try:
-        while True:
-            done, _ = await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
-            if done:
-                task.result()
-                return
-            if await is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    await run_unless_disconnected(consume(), is_disconnected)
 
 
 def _event(data: dict) -> str:

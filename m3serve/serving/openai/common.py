@@ -117,13 +117,21 @@ async def collect(streams: list[AsyncIterator[RequestState]], is_disconnected) -
         async for index, state in merge(streams):
             final[index] = state
 
-    task = asyncio.create_task(run())
+    await run_unless_disconnected(run(), is_disconnected)
+    return [final[i] for i in sorted(final)]
+
+
+async def run_unless_disconnected(work, is_disconnected) -> None:
+    """Await the coroutine `work` while polling `is_disconnected` (an async callable); when the
+    client has gone, `work` is cancelled (closing its streams aborts their requests) and
+    ClientDisconnected is raised. `work`'s own exception propagates."""
+    task = asyncio.create_task(work)
     try:
         while True:
             finished, _ = await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
             if finished:
                 task.result()
-                return [final[i] for i in sorted(final)]
+                return
             if await is_disconnected():
                 raise ClientDisconnected()
     finally:
