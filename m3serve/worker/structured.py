@@ -154,6 +154,7 @@ class GrammarCompiles:
         self.tokenizer_dir, self.vocab_size, self.timeout_s = str(tokenizer_dir), vocab_size, timeout_s
         self._pool = ThreadPoolExecutor(MAX_COMPILE_THREADS, thread_name_prefix="m3serve-grammar")
         self._jobs: dict[str, tuple[Future, float]] = {}     # request id -> (compilation, deadline)
+        self._running: dict[tuple, Future] = {}    # grammar key -> its compilation (shared by n > 1)
         self.warm = self._pool.submit(_warm_up, self.tokenizer_dir, vocab_size, eos_token_id)
 
     @property
@@ -161,13 +162,18 @@ class GrammarCompiles:
         return len(self._jobs)
 
     def submit(self, request_id: str, params) -> None:
-        future = self._pool.submit(compile_grammar, params, self.tokenizer_dir, self.vocab_size)
+        key = (params.structured_outputs.key(), tuple(sorted(params.all_stop_token_ids)))
+        future = self._running.get(key)
+        if future is None or future.done():
+            future = self._running[key] = self._pool.submit(compile_grammar, params, self.tokenizer_dir,
+                                                            self.vocab_size)
         self._jobs[request_id] = (future, time.monotonic() + self.timeout_s)
 
     def poll(self) -> list[tuple[str, str | None, bool]]:
         """(request id, error or None, whether the error is the client's) of the compilations
         that are over since the last call."""
         now, over = time.monotonic(), []
+        self._running = {key: future for key, future in self._running.items() if not future.done()}
         for request_id, (future, deadline) in list(self._jobs.items()):
             if future.done():
                 del self._jobs[request_id]
@@ -183,7 +189,8 @@ class GrammarCompiles:
                                  False))
             elif now > deadline:
                 del self._jobs[request_id]
-                future.cancel()          # still queued: it never starts
+                if not any(f is future for f, _ in self._jobs.values()):
+                    future.cancel()      # still queued and wanted by no one else: it never starts
                 over.append((request_id, f"its structured_outputs grammar did not compile within "
                                          f"{self.timeout_s:g} s (--grammar-compile-timeout-seconds): "
                                          f"simplify the schema or grammar", True))

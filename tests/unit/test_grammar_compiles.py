@@ -43,19 +43,23 @@ def make_loop(tiny_dir):
 def slow_compiles(monkeypatch):
     """The grammar SLOW takes SLOW_S seconds to compile (a sleep: no CPU spent); others compile."""
     real = structured.compile_grammar
+    calls = []
 
     def compile_grammar(params, tokenizer_dir, vocab_size):
+        calls.append(params.structured_outputs.grammar)
         if params.structured_outputs.grammar == SLOW:
             time.sleep(SLOW_S)
         return real(params, tokenizer_dir, vocab_size)
     monkeypatch.setattr(structured, "compile_grammar", compile_grammar)
+    return calls
 
 
-def _add(loop, rid: str, grammar: str | None = None, max_tokens: int = 3):
+def _add(loop, rid: str, grammar: str | None = None, max_tokens: int = 3, n: int = 1):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                             structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else None)
     params.add_eos_token_ids([loop.core.executor.model_config.eos_token_id])
-    message = AddRequests(rid, [EngineCoreRequest(rid, [5, 6, 7, 8], params, None, 0.0)])
+    ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+    message = AddRequests(rid, [EngineCoreRequest(i, [5, 6, 7, 8], params.clone(), None, 0.0) for i in ids])
     return loop.add(protocol.decode_input(protocol.encode(message)))
 
 
@@ -137,3 +141,12 @@ def test_the_compiler_is_warm_before_the_first_request(make_loop):
     params.add_eos_token_ids([eos])
     structured.compile_grammar(params, loop.core.executor.model_dir, loop.core.executor.model_config.vocab_size)
     assert structured._compiler.cache_info().misses == misses      # the warm compiler served it
+
+
+def test_the_children_of_one_request_share_one_compilation(make_loop, slow_compiles):
+    loop = make_loop()
+    assert _add(loop, "n", SLOW, n=3).kind == "ok"
+    finished = _run_until(loop, lambda f: len(f) == 3, timeout_s=30)
+    assert [f[1] for f in finished.values()] == [None] * 3
+    assert slow_compiles.count(SLOW) == 1
+    _check_clean(loop)
