@@ -449,6 +449,18 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    # A request whose grammar (response_format, structured_outputs, forced tool_choice) is not
+    # compiled this long after it arrived fails with a 400; other requests never wait for it.
+    grammar_compile_timeout_seconds: float = 30.0
+
+    def __post_init__(self):
+        timeout = self.grammar_compile_timeout_seconds
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_seconds must be a positive number of seconds, got {timeout!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -458,6 +470,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self):
         if self.kv_transfer.enabled and self.speculative.enabled:

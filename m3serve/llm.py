@@ -118,6 +118,8 @@ class LLMEngine:
         stopped = []
         for out in self.front.step():
             if getattr(out, "finish_reason", None) == "error":
+                if getattr(out, "error_is_client", False):      # e.g. its grammar did not compile
+                    raise ValueError(f"request {out.request_id}: {out.error}")
                 raise RuntimeError(f"the engine failed request {out.request_id}: {out.error}")
             entry = self._children.get(out.request_id)
             if entry is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 
 from m3serve.config import EngineConfig
 from m3serve.core.kv_cache.manager import KVCacheManager
@@ -49,24 +50,27 @@ class EngineCore:
             connector = KVTransferScheduler(config.kv_transfer, executor.block_size, executor.num_blocks,
                                             executor.kv_rank_metadata())
         async_on = async_scheduling_applies(config)
+        from m3serve.worker.structured import GrammarCompiles
+        # compiled off the loop (and warmed now), so that no grammar holds up a step
+        self.grammars = GrammarCompiles(executor.model_dir, cfg.vocab_size, cfg.eos_token_id,
+                                        config.structured_outputs.grammar_compile_timeout_seconds)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    config.speculative.num_speculative_tokens, connector,
                                    async_scheduling=async_on,
-                                   defer_sampling=async_on and config.parallel.world_size == 1)
+                                   defer_sampling=async_on and config.parallel.world_size == 1,
+                                   grammars=self.grammars)
         self.num_steps = 0
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
 
     def add_request(self, request: Request) -> None:
-        structured = request.sampling_params.structured_outputs
-        if structured is not None:      # compiled now: a bad grammar is the client's 400
-            if self.config.speculative.enabled:
-                raise ValueError("structured outputs (response_format, structured_outputs, guided_*, "
-                                 "tool_choice 'required' or named) cannot be combined with speculative "
-                                 "decoding yet")
-            from m3serve.worker.structured import compile_grammar
-            compile_grammar(request.sampling_params, self.executor.model_dir, self.executor.model_config.vocab_size)
+        """Queue a request (ValueError: refused). A request with structured outputs waits for
+        its grammar, compiled off this thread; a grammar that fails finishes its request with
+        a client error."""
+        if request.sampling_params.structured_outputs is not None:
+            from m3serve.worker.structured import check_request
+            check_request(request.sampling_params, self.config.speculative.enabled)
         self.scheduler.add_request(request)
 
     def add_requests(self, requests) -> None:
@@ -88,9 +92,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
-                or self.scheduler.has_kv_transfer_work)
+                or self.scheduler.has_kv_transfer_work or self.scheduler.has_grammar_work)
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
 
@@ -98,7 +103,10 @@ class EngineCore:
         """One step. With async scheduling a deferred step's outputs come with the next call:
         that call schedules and launches its own step first, then applies the deferred one."""
         self.num_steps += 1
-        return self.execute(self.scheduler.schedule())
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.grammar_waiting:
+            time.sleep(0.001)     # only grammars are pending: leave the CPU to their compilation
+        return self.execute(scheduler_output)
 
     def abandon_deferred(self) -> list[str]:
         """After a failed step: the deferred step's output will never come. Returns its

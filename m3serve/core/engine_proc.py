@@ -33,6 +33,7 @@ _IDLE_POLL_MS = 100    # wait for input this long when there is nothing to step
 _LOCKSTEP_IDLE_POLL_MS = 10   # ... when idle replicas must still meet the others
 _KV_PULL_POLL_MS = 1   # ... when a pull is under way (claim, read, admission: it is all TTFT)
 _KV_HOLD_POLL_MS = 20  # ... when KV is held for, or claimed from, another worker
+_GRAMMAR_POLL_MS = 2   # ... when requests wait for their grammars (compiled on other threads)
 
 
 class EngineLoop:
@@ -68,8 +69,10 @@ class EngineLoop:
     def idle_poll_ms(self, lockstep: bool) -> int:
         """How long to wait for input before the next step when no request can run now."""
         scheduler = self.core.scheduler
-        if scheduler.num_running or scheduler.num_waiting or scheduler.has_finished_requests():
+        if scheduler.num_running or scheduler.waiting or scheduler.has_finished_requests():
             return 0
+        if scheduler.has_grammar_work:
+            return _GRAMMAR_POLL_MS
         if scheduler.has_kv_transfer_work:
             return _KV_PULL_POLL_MS if scheduler.connector.pulls_in_flight else _KV_HOLD_POLL_MS
         return _LOCKSTEP_IDLE_POLL_MS if lockstep else _IDLE_POLL_MS

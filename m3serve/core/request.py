@@ -16,9 +16,10 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     WAITING_FOR_REMOTE_KV = 3   # holds its blocks while a prefill worker's KV is pulled into them
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
+    WAITING_FOR_GRAMMAR = 4     # no blocks; its structured-outputs grammar is being compiled
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
 
     @property
     def is_finished(self) -> bool:

@@ -51,7 +51,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
-                 async_scheduling: bool = False, defer_sampling: bool = False):
+                 async_scheduling: bool = False, defer_sampling: bool = False, grammars=None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -75,6 +75,10 @@ class Scheduler:
         self.remote_waiting: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self._failed_outputs: list[EngineCoreOutput] = []
+        # Structured outputs (worker.structured.GrammarCompiles, or None: no compiling here):
+        # requests whose grammar is being compiled wait here, outside the queue, holding nothing.
+        self.grammars = grammars
+        self.grammar_waiting: dict[str, Request] = {}
         # --long-prefill-token-threshold: no request computes more tokens than this in one step
         # (a long prompt is chunked, so the decodes sharing its steps wait less); drafts fit
         threshold = scheduler_config.effective_long_prefill_threshold(max_model_len)
@@ -116,8 +120,13 @@ class Scheduler:
                 f"blocks of {self.kv_manager.block_size} tokens, but the KV pool has only "
                 f"{self.kv_manager.num_usable_blocks} blocks")
         self._check_kv_transfer(request)
-        request.status = RequestStatus.WAITING
         self.requests[req_id] = request
+        if self.grammars is not None and request.sampling_params.structured_outputs is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.grammar_waiting[req_id] = request
+            self.grammars.submit(req_id, request.sampling_params)
+            return
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def _check_kv_transfer(self, request: Request) -> None:
@@ -145,6 +154,7 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if r.request_id not in to_abort)
         for rid in to_abort:
             request = self.requests[rid]
+            self.grammar_waiting.pop(rid, None)
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 # a pull may still write into its blocks: they are freed when it is over
                 self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
@@ -157,6 +167,8 @@ class Scheduler:
         request.status = status
         if free:
             self.kv_manager.free(request)
+        if self.grammars is not None and request.sampling_params.structured_outputs is not None:
+            self.grammars.release(request.request_id)
         del self.requests[request.request_id]
         self._num_tokens_sent.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
@@ -179,10 +191,16 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not running yet: queued, or waiting for their grammar."""
+        return len(self.waiting) + len(self.grammar_waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.remote_waiting)
+        return len(self.running) + self.num_waiting + len(self.remote_waiting)
+
+    @property
+    def has_grammar_work(self) -> bool:
+        """Grammars are being compiled, or a failed one is still to be reported."""
+        return bool(self.grammar_waiting) or bool(self._failed_outputs)
 
     @property
     def has_kv_transfer_work(self) -> bool:
@@ -206,6 +224,8 @@ class Scheduler:
         """
         if self.connector is not None:
             self._connector_events()
+        if self.grammar_waiting:
+            self._grammar_events()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -399,6 +419,21 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
 
+    def _grammar_events(self) -> None:
+        """Requests whose grammar is compiled join the queue; one that failed (invalid, or past
+        its time bound) finishes with its error, reported by the next update."""
+        for req_id, error, is_client in self.grammars.poll():
+            request = self.grammar_waiting.pop(req_id, None)
+            if request is None:
+                continue                 # aborted meanwhile
+            if error is None:
+                request.status = RequestStatus.WAITING
+                self.waiting.append(request)
+                continue
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._failed_outputs.append(EngineCoreOutput(req_id, [], "error", None, error=error,
+                                                         error_is_client=is_client))
+
     def _add_cached(self, cached: CachedRequestData, request: Request, new_block_ids: list[int],
                     resumed: bool) -> None:
         num_sent = self._num_tokens_sent[request.request_id]
@@ -416,11 +451,10 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, cache full blocks, free finished requests."""
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
-        outputs: list[EngineCoreOutput] = []
-        if self.connector is not None:
-            if model_runner_output.kv_connector_output is not None:
-                self.connector.update(model_runner_output.kv_connector_output)
-            outputs, self._failed_outputs = self._failed_outputs, []
+        if self.connector is not None and model_runner_output.kv_connector_output is not None:
+            self.connector.update(model_runner_output.kv_connector_output)
+        outputs: list[EngineCoreOutput]
+        outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
         sampled_ids = set(scheduler_output.sampled_req_ids)
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -533,11 +567,16 @@ class Scheduler:
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
         pulling = [rid for rid, r in self.remote_waiting.items() if not r.is_finished]
-        if len(set(running_ids + waiting_ids + pulling)) != len(running_ids) + len(waiting_ids) + len(pulling):
+        compiling = list(self.grammar_waiting)
+        everyone = running_ids + waiting_ids + pulling + compiling
+        if len(set(everyone)) != len(everyone):
             problems.append(f"a request is queued twice: running={running_ids} waiting={waiting_ids} "
-                            f"pulling={pulling}")
-        if set(running_ids + waiting_ids + pulling) != set(self.requests):
-            problems.append("running + waiting + pulling differ from the known requests")
+                            f"pulling={pulling} compiling={compiling}")
+        if set(everyone) != set(self.requests):
+            problems.append("running + waiting + pulling + compiling differ from the known requests")
+        for r in self.grammar_waiting.values():
+            if r.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                problems.append(f"{r!r} is waiting for its grammar")
         if len(self.running) > self.config.max_num_seqs:
             problems.append(f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}")
         for r in self.running:

@@ -364,13 +364,20 @@ class MiniMaxM3ToolParser:
     choice itself is enforced at generation, not here).
 
     Behaviour: text before the first `<tool_call>` is content, verbatim (its trailing whitespace
-    included); tool markup never reaches content. Each `<invoke>` is one call whose arguments are
-    emitted once, at its `</invoke>`. Text after `</tool_call>` is dropped, but a further
-    `<tool_call>` block is still parsed. A malformed element (wrong closing tag, stray text or
-    bare namespace marker where a tag belongs, nesting past 128) ends its invoke: earlier
-    arguments are kept and the text up to `</invoke>` (or `</tool_call>`) is skipped. An invoke
-    cut off by the end of output keeps its completed arguments. A header without a name yields
-    no call.
+    included), except that whitespace alone before a call is no content (None, as vLLM); tool
+    markup never reaches content. Each `<invoke>` is one call whose arguments are emitted once,
+    at its `</invoke>`. Text after `</tool_call>` is dropped, but a further `<tool_call>` block
+    is still parsed. A malformed element (wrong closing tag, stray text or bare namespace marker
+    where a tag belongs, nesting past 128) ends its invoke: earlier arguments are kept and the
+    text up to `</invoke>` (or `</tool_call>`) is skipped.
+
+    Output cut off (max_tokens) inside markup: an invoke whose header is complete is a call with
+    the arguments completed before the cut (valid JSON, never a half-written value); a cut-off
+    header yields no call; a cut-off `<tool_call>` opener is dropped, with the whitespace before
+    it. The opener counts as cut off when the held tail starts with the namespace marker (one
+    token of M3's vocabulary, so plain text rarely holds it) or, with a forced choice, whatever
+    its length (the grammar admits nothing else there); a shorter tail under "auto" (`]`, `]<`)
+    stays content.
 
     One instance parses one output: `extract` for a whole text, or `stream` per delta then
     `finish`. The streamed deltas assemble to the `extract` result whatever the chunk
@@ -389,6 +396,10 @@ class MiniMaxM3ToolParser:
         self._current: _Call | None = None
         self._open_elements: list[_OpenElement] = []  # the argument being parsed, outermost first
         self._finished = False
+        self._forced = self._choice in ("required", "named")
+        # Content is whitespace only so far: held, and dropped if a call follows it.
+        self._held_space = ""
+        self._sent_text = False
 
     def extract(self, text: str) -> ToolParseResult:
         """Whole-output parse; leaves this instance's streaming state untouched."""
@@ -417,8 +428,16 @@ class MiniMaxM3ToolParser:
         """Ends the output: flushes held text and closes a call cut off mid-invoke."""
         self._finished = True
         out = StreamDelta()
-        if self._mode in (_TEXT, _OFF):
-            self._emit_content(out, self._pending[self._pos:])
+        tail = self._pending[self._pos:]
+        if self._mode == _OFF:
+            self._emit_content(out, tail)
+        elif self._mode == _TEXT:
+            if tail and (self._forced or tail.startswith(NAMESPACE)):
+                self._held_space = ""       # a cut-off <tool_call> opener: markup, not content
+            else:
+                self._emit_text(out, tail)
+            self._emit_content(out, self._held_space)   # no call followed the whitespace
+            self._held_space = ""
         elif self._current is not None:
             self._close_call(out)
         self._pending, self._pos = "", 0
@@ -453,12 +472,13 @@ class MiniMaxM3ToolParser:
         text, pos = self._pending, self._pos
         index = text.find(TOOL_CALL_START, pos)
         if index >= 0:
-            self._emit_content(out, text[pos:index])       # verbatim, trailing whitespace included
+            self._emit_text(out, text[pos:index])       # verbatim, trailing whitespace included
+            self._held_space = ""                       # ... but whitespace alone is no content
             self._pos = index + len(TOOL_CALL_START)
             self._mode = _BLOCK
             return True
         safe = _safe_end(text, pos, TOOL_CALL_START)
-        self._emit_content(out, text[pos:safe])
+        self._emit_text(out, text[pos:safe])
         self._pos = safe
         return False
 
@@ -606,6 +626,16 @@ class MiniMaxM3ToolParser:
 
     def _arguments(self, call: _Call) -> str:
         return json.dumps(self._argument_object(call), ensure_ascii=False)
+
+    def _emit_text(self, out: StreamDelta, text: str) -> None:
+        """Content before any call: whitespace is held until other text comes (then sent with
+        it) or a call opens (then dropped)."""
+        if not self._sent_text:
+            if not text or text.isspace():
+                self._held_space += text
+                return
+            text, self._held_space, self._sent_text = self._held_space + text, "", True
+        self._emit_content(out, text)
 
     def _emit_content(self, out: StreamDelta, text: str) -> None:
         if text:

@@ -2,20 +2,36 @@
 backend) from the tokenizer's vocabulary, one matcher per constrained request, and the token
 mask applied to its logits before every sampled token.
 
-`compile_grammar` is also what the engine calls when a request arrives, so an invalid schema,
-regex or grammar is refused there (ValueError naming it) and never reaches a step. Compiled
-grammars are cached per process by the request's `StructuredOutputsParams.key()`.
+`GrammarCompiles` compiles the grammars of arriving requests on threads of its own, never on
+the engine loop: a request waits for its grammar in the scheduler while the others run, and an
+invalid, oversized or too slow grammar fails that request only. The compiled grammar is handed
+to the `GrammarBook` of the same process (the engine process is the sampling rank). Compiled
+grammars are also cached per process by the request's `StructuredOutputsParams.key()`.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from m3serve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# A grammar whose normalized EBNF text is longer than this is refused before it is compiled:
+# compile time and memory grow with the grammar's positions times the vocabulary, and a thread
+# that compiles cannot be stopped.
+MAX_GRAMMAR_CHARS = 1 << 18
+# Threads that compile at once (past the bound, compilations queue; each request's time bound
+# counts from its arrival).
+MAX_COMPILE_THREADS = 8
 
 
 def _xgr():
@@ -45,49 +61,168 @@ def _compiler(tokenizer_dir: str, vocab_size: int, stop_ids: tuple[int, ...]):
 def compile_grammar(params, tokenizer_dir, vocab_size: int):
     """The compiled grammar of a request's `structured_outputs` (its stop tokens end it);
     ValueError naming what is wrong with it."""
-    stop_ids = tuple(sorted(params.all_stop_token_ids))
-    if not stop_ids:
-        raise ValueError("structured_outputs needs a stop token to end the output: not with ignore_eos "
-                         "and no stop_token_ids")
-    if params.min_tokens > 0:
-        raise ValueError("structured_outputs cannot be combined with min_tokens: the grammar decides "
-                         "where the output ends (its stop token cannot wait for min_tokens)")
-    return _compile(params.structured_outputs, str(tokenizer_dir), vocab_size, stop_ids)
+    check_request(params, speculative=False)
+    return _compile(params.structured_outputs, str(tokenizer_dir), vocab_size,
+                    tuple(sorted(params.all_stop_token_ids)))
 
 
 _CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
 
 
-def _compile(spec: StructuredOutputsParams, tokenizer_dir: str, vocab_size: int, stop_ids: tuple[int, ...]):
-    key = (spec.key(), tokenizer_dir, vocab_size, stop_ids)
-    if key in _CACHE:
-        return _CACHE[key]
-    compiler = _compiler(tokenizer_dir, vocab_size, stop_ids)
+def parse_constraint(spec: StructuredOutputsParams):
+    """The constraint as an xgrammar `Grammar` (parsed, not compiled: quick, and independent of
+    the vocabulary); ValueError naming the field when it is invalid or larger than
+    MAX_GRAMMAR_CHARS."""
+    xgr = _xgr()
     any_ws = not spec.disable_any_whitespace
     try:
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
             json.loads(schema)
-            grammar = compiler.compile_json_schema(schema, any_whitespace=any_ws)
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_ws)
         elif spec.json_object:               # any JSON object (an array or a number is not one)
-            grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws)
         elif spec.regex is not None:
-            grammar = compiler.compile_regex(spec.regex)
+            grammar = xgr.Grammar.from_regex(spec.regex)
         elif spec.choice is not None:
-            grammar = compiler.compile_regex("|".join(f"({re.escape(c)})" for c in spec.choice))
+            grammar = xgr.Grammar.from_regex("|".join(f"({re.escape(c)})" for c in spec.choice))
         else:
-            grammar = compiler.compile_grammar(spec.grammar)
+            grammar = xgr.Grammar.from_ebnf(spec.grammar)
     except Exception as e:      # xgrammar's parse errors are RuntimeErrors of several kinds
-        what = _constraint_name(spec)
         detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip().splitlines()[0])   # no C++ source path
-        raise ValueError(f"structured_outputs.{what} is not valid: {detail[:300]}") from None
+        raise ValueError(f"structured_outputs.{_constraint_name(spec)} is not valid: {detail[:300]}") from None
+    size = len(str(grammar))
+    if size > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"structured_outputs.{_constraint_name(spec)} is too large to compile: its grammar "
+                         f"has {size} characters, the limit is {MAX_GRAMMAR_CHARS}")
+    return grammar
+
+
+def _compile(spec: StructuredOutputsParams, tokenizer_dir: str, vocab_size: int, stop_ids: tuple[int, ...]):
+    key = (spec.key(), tokenizer_dir, vocab_size, stop_ids)
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    grammar = parse_constraint(spec)
+    compiler = _compiler(tokenizer_dir, vocab_size, stop_ids)
+    try:
+        grammar = compiler.compile_grammar(grammar)
+    except Exception as e:
+        raise ValueError(f"structured_outputs.{_constraint_name(spec)} could not be compiled: "
+                         f"{str(e).strip()[:300]}") from None
     if not _allows_a_first_token(grammar, vocab_size):
         raise ValueError(f"structured_outputs.{_constraint_name(spec)} matches no output: not even its "
                          f"first token can be sampled")
-    if len(_CACHE) > 256:
-        _CACHE.clear()
-    _CACHE[key] = grammar
+    with _CACHE_LOCK:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        _CACHE[key] = grammar
     return grammar
+
+
+def check_request(params, speculative: bool) -> None:
+    """What can be refused at once, before any compiling (ValueError naming it)."""
+    if speculative:
+        raise ValueError("structured outputs (response_format, structured_outputs, guided_*, "
+                         "tool_choice 'required' or named) cannot be combined with speculative "
+                         "decoding yet")
+    if not params.all_stop_token_ids:
+        raise ValueError("structured_outputs needs a stop token to end the output: not with ignore_eos "
+                         "and no stop_token_ids")
+    if params.min_tokens > 0:
+        raise ValueError("structured_outputs cannot be combined with min_tokens: the grammar decides "
+                         "where the output ends (its stop token cannot wait for min_tokens)")
+
+
+# Request id -> its compiled grammar, from GrammarCompiles to the GrammarBook of this process.
+_READY: dict = {}
+
+
+class GrammarCompiles:
+    """The grammars of arriving requests, compiled on up to MAX_COMPILE_THREADS threads
+    (xgrammar releases the GIL while it compiles, so the engine loop keeps stepping).
+
+    `submit` starts one; `poll` reports the ones that are over: ready (handed to the
+    GrammarBook), invalid, or not compiled within `timeout_s` of their arrival. A thread that
+    compiles cannot be stopped: a request past its bound fails, its compilation finishes in the
+    background, and MAX_GRAMMAR_CHARS bounds what it costs. At start-up the xgrammar import
+    (which pulls in transformers: seconds on a busy host), the compiler over the vocabulary and
+    a tool-call grammar's shared parts are warmed on the same threads."""
+
+    def __init__(self, tokenizer_dir, vocab_size: int, eos_token_id: int | None, timeout_s: float):
+        self.tokenizer_dir, self.vocab_size, self.timeout_s = str(tokenizer_dir), vocab_size, timeout_s
+        self._pool = ThreadPoolExecutor(MAX_COMPILE_THREADS, thread_name_prefix="m3serve-grammar")
+        self._jobs: dict[str, tuple[Future, float]] = {}     # request id -> (compilation, deadline)
+        self._running: dict[tuple, Future] = {}    # grammar key -> its compilation (shared by n > 1)
+        self.warm = self._pool.submit(_warm_up, self.tokenizer_dir, vocab_size, eos_token_id)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, request_id: str, params) -> None:
+        key = (params.structured_outputs.key(), tuple(sorted(params.all_stop_token_ids)))
+        future = self._running.get(key)
+        if future is None or future.done():
+            future = self._running[key] = self._pool.submit(compile_grammar, params, self.tokenizer_dir,
+                                                            self.vocab_size)
+        self._jobs[request_id] = (future, time.monotonic() + self.timeout_s)
+
+    def poll(self) -> list[tuple[str, str | None, bool]]:
+        """(request id, error or None, whether the error is the client's) of the compilations
+        that are over since the last call."""
+        now, over = time.monotonic(), []
+        self._running = {key: future for key, future in self._running.items() if not future.done()}
+        for request_id, (future, deadline) in list(self._jobs.items()):
+            if future.done():
+                del self._jobs[request_id]
+                error = future.exception()
+                if error is None:
+                    _READY[request_id] = future.result()
+                    over.append((request_id, None, True))
+                elif isinstance(error, ValueError):
+                    over.append((request_id, str(error), True))
+                else:
+                    logger.error("compiling the grammar of request %s failed: %r", request_id, error)
+                    over.append((request_id, f"compiling its grammar failed: {type(error).__name__}: {error}",
+                                 False))
+            elif now > deadline:
+                del self._jobs[request_id]
+                if not any(f is future for f, _ in self._jobs.values()):
+                    future.cancel()      # still queued and wanted by no one else: it never starts
+                over.append((request_id, f"its structured_outputs grammar did not compile within "
+                                         f"{self.timeout_s:g} s (--grammar-compile-timeout-seconds): "
+                                         f"simplify the schema or grammar", True))
+        return over
+
+    def release(self, request_id: str) -> None:
+        """The request is over (aborted or finished): forget it."""
+        self._jobs.pop(request_id, None)
+        _READY.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _warm_up(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> None:
+    """Import xgrammar, build the compiler for the default stop token and compile a tool-call
+    grammar, so that the first constrained request pays none of it."""
+    from m3serve.serving.tool_grammar import tool_call_grammar
+
+    started = time.monotonic()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}
+    if eos_token_id is None:
+        return
+    try:
+        spec = StructuredOutputsParams(grammar=tool_call_grammar([tool], "required", None))
+        _compile(spec, tokenizer_dir, vocab_size, (eos_token_id,))
+    except Exception:
+        logger.exception("warming the grammar compiler failed (the first constrained request will "
+                         "compile from cold)")
+        return
+    logger.debug("grammar compiler warm in %.2f s", time.monotonic() - started)
 
 
 def _constraint_name(spec: StructuredOutputsParams) -> str:
@@ -111,6 +246,19 @@ class GrammarBook:
     def __init__(self, tokenizer_dir, vocab_size: int):
         self.tokenizer_dir, self.vocab_size = str(tokenizer_dir), vocab_size
         self._matchers: dict = {}
+
+    def warm_up(self, device: torch.device) -> None:
+        """Apply one mask on a GPU now: xgrammar compiles its kernel on first use, which would
+        otherwise stall the step of the first constrained request."""
+        if device.type != "cuda":
+            return
+        try:
+            xgr = _xgr()
+            logits = torch.zeros(1, self.vocab_size, device=device)          # [1, V]
+            xgr.apply_token_bitmask_inplace(logits, xgr.allocate_token_bitmask(1, self.vocab_size).to(device))
+        except Exception:
+            logger.warning("warming the grammar mask kernel failed; the first constrained step compiles it",
+                           exc_info=True)
 
     def mask(self, logits: torch.Tensor, req_ids: list[str], params: list) -> None:
         """logits [R, V] fp32 of the rows being sampled: tokens a row's grammar forbids get -inf."""
@@ -136,10 +284,13 @@ class GrammarBook:
 
     def drop(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
+        _READY.pop(req_id, None)
 
     def _matcher(self, req_id: str, params):
         matcher = self._matchers.get(req_id)
         if matcher is None:
-            grammar = compile_grammar(params, self.tokenizer_dir, self.vocab_size)
+            grammar = _READY.pop(req_id, None)
+            if grammar is None:     # not compiled by GrammarCompiles (a runner driven directly)
+                grammar = compile_grammar(params, self.tokenizer_dir, self.vocab_size)
             matcher = self._matchers[req_id] = _xgr().GrammarMatcher(grammar)
         return matcher

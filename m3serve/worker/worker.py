@@ -100,6 +100,7 @@ class Worker:
         if self.is_driver and self.proposer is None:
             from m3serve.worker.structured import GrammarBook
             self.runner.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
+            self.runner.grammars.warm_up(self.device)
         if self.proposer is not None:
             from m3serve.spec.rejection import RejectionSampler
             spec = config.speculative

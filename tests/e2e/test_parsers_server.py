@@ -120,3 +120,45 @@ def test_stream_stop_string_aborts_in_engine(scripted, scripted_server):
     text = "".join(c.choices[0].text for c in stream if c.choices)
     assert text == "alpha beta "
     assert len(scripted_server.client.aborted) == before + 1  # the engine is told to stop and free
+
+
+def _tokens_of(scripted_server, text: str) -> int:
+    return len(scripted_server.client.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_cut_by_max_tokens_leaks_no_markup(scripted, scripted_server, tool_choice):
+    """max_tokens inside the call's markup: never markup in content (whole or in any streamed
+    delta), finish_reason "length"; a call only once its header is whole, with the arguments
+    completed before the cut."""
+    client = scripted(CALL)
+    header = f"{NS}<tool_call>\n{NS}<invoke name=\"get_weather\">"
+    after_city = CALL[:CALL.index("</city>") + len("</city>")]
+    opener = _tokens_of(scripted_server, f"{NS}<tool_call>")
+    cases = [(n, []) for n in range(1, opener + 1)]
+    cases += [(_tokens_of(scripted_server, header) + 1, [{}]), (_tokens_of(scripted_server, after_city) + 1,
+                                                                [{"city": "Paris"}])]
+    for max_tokens, want in cases:
+        kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                      max_tokens=max_tokens, extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}})
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.content is None, (max_tokens, choice.message.content)
+        assert [json.loads(c.function.arguments) for c in choice.message.tool_calls or []] == want, max_tokens
+        assert choice.finish_reason == "length"
+        _, content, calls, finish = _collect_stream(client.chat.completions.create(**kwargs, stream=True))
+        assert content == "" and finish == "length", (max_tokens, content)
+        assert [json.loads(c["arguments"]) for c in calls.values()] == want
+
+
+@pytest.mark.parametrize("script, thinking", [("\n\n  " + CALL, "disabled"),
+                                              ("I should look it up.</mm:think>\n\n" + CALL, "enabled")])
+def test_whitespace_before_a_call_is_null_content(scripted, script, thinking):
+    """As vLLM: whitespace alone before the call block is no content, whether the model wrote
+    it or it follows an enabled reasoning block."""
+    client = scripted(script)
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=500,
+                  extra_body={"chat_template_kwargs": {"thinking_mode": thinking}})
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.content is None and [c.function.name for c in message.tool_calls] == ["get_weather"]
+    _, content, calls, finish = _collect_stream(client.chat.completions.create(**kwargs, stream=True))
+    assert content == "" and finish == "tool_calls" and calls[0]["name"] == "get_weather"

@@ -187,3 +187,35 @@ def test_required_tool_choice_is_enforced_streaming(server):
         assert complete, f"no complete tool call: {calls}"
         for call in complete:
             check_call(call)
+
+
+def test_a_slow_grammar_does_not_hold_up_a_forced_tool_call(server):
+    """Two requests whose grammars take seconds to compile (long literal sequences, just under
+    the size limit) are in the engine; a simple forced tool call sent after them is answered
+    before either of them, within a bound. (The engine used to compile in its loop, so the
+    tool call waited for both compilations.)"""
+    import concurrent.futures
+    import time
+
+    slow = "root ::= " + " ".join(f'"s{i}"' for i in range(20000))
+    tool_call = {"tools": [DOOR], "tool_choice": "required", "max_tokens": 2, "chat_template_kwargs": NO_THINKING}
+    assert chat(server, **tool_call).status_code == 200        # its grammar cached: what is left is ours
+    done: dict = {}
+
+    def timed(name, **fields):
+        r = chat(server, **fields)
+        done[name] = time.monotonic()
+        return r
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        slow_calls = [pool.submit(timed, f"slow{k}", max_tokens=2, structured_outputs={"grammar": slow + f' "{k}"'})
+                      for k in range(2)]
+        time.sleep(0.5)                                          # both are compiling now
+        sent = time.monotonic()
+        r = timed("tool", **tool_call)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["tool_calls"] or r.json()["choices"][0]["finish_reason"] == "length"
+        for future in slow_calls:
+            assert future.result().status_code == 200, future.result().text
+    assert done["tool"] < min(done["slow0"], done["slow1"]), done
+    assert done["tool"] - sent < 10.0

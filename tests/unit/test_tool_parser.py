@@ -175,8 +175,51 @@ def test_leaves_without_a_schema_type_stay_raw_strings():
 
 
 def test_content_before_the_call_is_verbatim():
-    for before in ("Sure:  \n\n", "\t", "a \n b  ", "   "):
+    for before in ("Sure:  \n\n", "a \n b  ", "\n\n  x"):
         check(before + block(invoke("ping")), before, [("ping", {})])
+
+
+@pytest.mark.parametrize("before", ["\t", "   ", "\n\n  ", "\n"])
+def test_whitespace_alone_before_a_call_is_no_content(before):
+    """vLLM's parser answers null there: the blank line a model (or the template, after a
+    reasoning block) puts before its tool call is not an answer."""
+    check(before + block(invoke("ping")), None, [("ping", {})])
+    check(before + f"{NS}<tool_call>\n{NS}<invoke name=\"ping\">", None, [("ping", {})])   # cut off too
+    check(before, before, [])                           # no call: the text as it came
+
+
+FORCED = ["required", {"type": "function", "function": {"name": "get_weather"}}]
+CALL = block(invoke("get_weather", el("city", "Paris")))
+
+
+@pytest.mark.parametrize("tool_choice", ["auto"] + FORCED)
+@pytest.mark.parametrize("cut", range(len(NS), len(NS) + len("<tool_call>")))
+def test_an_opener_cut_by_max_tokens_is_not_content(tool_choice, cut):
+    """`]<]minimax[>[<tool_c` at the end of an output is the start of a call, not text."""
+    for before in ("", "\n\n"):
+        check(before + CALL[:cut], None, [], tool_choice=tool_choice)
+    check("Sure." + CALL[:cut], "Sure.", [], tool_choice=tool_choice)
+
+
+@pytest.mark.parametrize("tool_choice", FORCED)
+def test_a_forced_call_cut_anywhere_leaks_no_markup(tool_choice):
+    """Every prefix of a forced call (the grammar admits only markup): no content at all; a
+    call once its header is whole, with the arguments completed before the cut."""
+    header_end = CALL.index('">') + 2
+    city_end = CALL.index("</city>") + len("</city>")
+    for cut in range(1, len(CALL) + 1):
+        result = MiniMaxM3ToolParser(TOOLS, tool_choice).extract(CALL[:cut])
+        assert result.content is None, CALL[:cut]
+        want = [] if cut < header_end else [("get_weather", {} if cut < city_end else {"city": "Paris"})]
+        assert [(n, json.loads(a)) for n, a in named(result.tool_calls)] == want, CALL[:cut]
+    check(CALL[:len(NS) - 3], None, [], tool_choice=tool_choice)    # a bit of the marker itself
+
+
+def test_a_short_marker_tail_under_auto_stays_content():
+    """Under "auto" only a tail holding the whole namespace marker (one token in M3's vocabulary)
+    counts as markup: text that merely ends in `]` or `]<` keeps it."""
+    check("see a[0]", "see a[0]", [])
+    check("x ]<", "x ]<", [])
 
 
 def test_enum_without_type_takes_the_type_of_its_values():

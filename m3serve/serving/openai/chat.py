@@ -57,7 +57,11 @@ class _Choice:
         return None if self.forced and not (text or "").strip() else text
 
     def finish_reason(self, seq: SequenceState) -> str | None:
-        """OpenAI's: "tool_calls" when calls were made, except for a named tool_choice ("stop")."""
+        """OpenAI's: "tool_calls" when calls were made, except for a named tool_choice ("stop");
+        "length" whenever max_tokens (or the context) cut the output, calls or not, so that a
+        client never runs a call that may be incomplete believing it whole."""
+        if seq.finish_reason == "length":
+            return "length"
         return "tool_calls" if self.made_calls and not self.named else seq.finish_reason
 
     def whole(self, text: str) -> dict:
