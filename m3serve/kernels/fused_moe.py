@@ -347,7 +347,10 @@ def moe_route_align(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tens
     (weights [T, K] fp32, ids [T, K] int32, (sorted_ids, expert_ids_per_block,
     num_tokens_post_pad, block_m)): the same weights and ids as `moe_route` (the same sums in
     the same order) and an alignment under `moe_align`'s contract. Launches on one device must
-    not overlap (they share one counter, which the last program resets)."""
+    not overlap (they share one counter, which the last program resets).
+    Not yet used by the MoE layer: checked under the interpreter and compiled for sm_90 on CPU,
+    but its hand-off between programs has not run on a GPU (tests/kernels/test_fused_moe.py
+    test_route_align_one_launch_real_shapes); `layers/moe.py` takes it once that test passed."""
     num_tokens, hidden = x.shape
     num_all = gate_weight.shape[0]
     if not route_align_eligible(x, num_all, top_k):

@@ -174,17 +174,9 @@ class MoE(nn.Module):
         this rank's partial sum."""
         cfg = self.cfg
         if use_triton("moe", x):
-            from m3serve.kernels.fused_moe import (decode_block_m, fused_moe, moe_route,
-                                                   moe_route_align, route_align_eligible)
-            gate, bias, ex = self.gate.weight, self.gate.e_score_correction_bias, self.experts
-            if route_align_eligible(x, cfg.num_local_experts, cfg.num_experts_per_tok):
-                # decode: the router and the pairs' alignment in one launch
-                block_m = decode_block_m(x.shape[0], cfg.num_experts_per_tok, ex.num_local, ex.w13.dtype)
-                weights, ids, alignment = moe_route_align(
-                    x, gate, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor, ex.num_local,
-                    block_m, first_expert=ex.first, shared_expert=fold_shared)
-                return self._fused(fused_moe, x, weights, ids, fold_shared, alignment=alignment)
-            weights, ids = moe_route(x, gate, bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+            from m3serve.kernels.fused_moe import fused_moe, moe_route
+            weights, ids = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
+                                     cfg.num_experts_per_tok, cfg.routed_scaling_factor)
             return self._fused(fused_moe, x, weights, ids, fold_shared)
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
@@ -197,7 +189,7 @@ class MoE(nn.Module):
         return out + self.shared_experts(x).float() if fold_shared else out
 
     def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               fold_shared: bool, **align) -> torch.Tensor:
+               fold_shared: bool) -> torch.Tensor:
         """Routed experts (+ the shared expert) in one fused call (bf16 or FP8 weights)."""
         cfg, ex, sh = self.cfg, self.experts, self.shared_experts
         self.last_expert_ids = ids
@@ -211,5 +203,5 @@ class MoE(nn.Module):
                 shared += (sh.gate_up_proj.weight_scale, sh.down_proj.weight_scale)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         moe_fn(x, ex.w13, ex.w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-               shared=shared, out=out, first_expert=ex.first, **scales, **align)
+               shared=shared, out=out, first_expert=ex.first, **scales)
         return out
