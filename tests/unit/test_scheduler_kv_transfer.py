@@ -295,7 +295,7 @@ def test_producer_books_keep_nothing_per_request(caplog):
             if i % 3 == 0:                       # the decode worker pulls the KV, then releases it
                 ds.add_request(decode_request(f"d{i}", prompt, params, max_tokens=1))
                 d = Worker(ds, dr, source=pr)
-                d.run_until(lambda: any(o.finished for o in d.outputs))
+                d.run_until(lambda d=d: any(o.finished for o in d.outputs))
             elif i % 3 == 1:                     # released unpulled (the consumer had a prefix hit)
                 assert ps.connector._handle(Release(ps.connector.engine_id, [f"p{i}"])).ok
             else:
