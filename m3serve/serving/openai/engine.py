@@ -55,7 +55,7 @@ class ServingEngine:
         # Tokenization and chat templates run off the event loop on this one thread, never on
         # asyncio's default pool: the tokenizer holds the GIL while it encodes (more threads buy
         # no parallelism), and its native code keeps memory per thread that calls it, which
-        # grew the process by ~200 bytes per request as a pool of threads took turns.
+        # grew the process by ~350 bytes per request as a pool of threads took turns.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="m3serve-tokenizer")
 
     async def off_loop(self, fn, *args):
