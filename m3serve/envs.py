@@ -6,6 +6,16 @@ from pathlib import Path
 # Force the PyTorch reference ops even on a GPU (to bisect a kernel problem).
 FORCE_REFERENCE_OPS = os.environ.get("M3SERVE_FORCE_REFERENCE_OPS", "0") == "1"
 
+
+def debug_tracemalloc_frames() -> int:
+    """M3SERVE_DEBUG_TRACEMALLOC=N (a leak hunt; tracing slows allocation down): the API process
+    and the engine processes trace Python allocations with tracemalloc, N frames each, and the
+    API process answers GET /debug/tracemalloc (docs/serving.md). 0 or unset: off."""
+    value = os.environ.get("M3SERVE_DEBUG_TRACEMALLOC", "0") or "0"
+    if not value.isdigit():
+        raise ValueError(f"M3SERVE_DEBUG_TRACEMALLOC must be a number of frames (0 = off), got {value!r}")
+    return int(value)
+
 # Where the embedded tiny model is built.
 CACHE_DIR = os.environ.get("M3SERVE_CACHE", str(Path.home() / ".cache" / "m3serve"))
 

@@ -157,6 +157,7 @@ class EngineState(msgspec.Struct, tag="state"):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     num_deferred_steps: int = 0      # async scheduling: steps whose tokens stayed on the device
+    traced_bytes: int = 0            # M3SERVE_DEBUG_TRACEMALLOC: Python bytes held (memtrace)
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

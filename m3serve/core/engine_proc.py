@@ -21,7 +21,7 @@ import traceback
 import msgspec
 import zmq
 
-from m3serve import envs
+from m3serve import envs, memtrace
 from m3serve import protocol
 from m3serve.config import EngineConfig
 from m3serve.core.engine_core import EngineCore
@@ -137,7 +137,7 @@ class EngineLoop:
             prefix_cache_hits=kv.prefix_cache_hits, spec_num_drafts=scheduler.spec_stats.num_drafts,
             spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
-            num_deferred_steps=scheduler.num_deferred_steps)
+            num_deferred_steps=scheduler.num_deferred_steps, traced_bytes=memtrace.traced_bytes())
 
 
 def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:
@@ -234,6 +234,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     `Shutdown`, a fatal failure, or the end of the process that started it."""
     logging.basicConfig(level=envs.log_level(), format=f"%(levelname)s engine{dp_rank} %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's to handle
+    memtrace.start(envs.debug_tracemalloc_frames())
     from m3serve.executor.supervisor import start_heartbeat
     start_heartbeat()                             # exits with the process that started us
     context = zmq.Context()

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
+from m3serve import envs, memtrace
 from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
 from m3serve.serving.anthropic import routes as anthropic_routes
 from m3serve.serving.chat_template import load_chat_template
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 TINY_MODEL_NAME = "minimax-m3-tiny"
 # Behind --api-key: the API and its documentation; open: /health, /ready, /metrics, /version,
 # /get_load (probes of orchestrators, routers and monitoring).
-_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json", "/debug")
 _ANTHROPIC_PREFIX = "/v1/messages"
 
 
@@ -150,6 +151,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
         try:
             yield
         finally:
+            holder["ctx"].engine.close()
             client.shutdown()
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -265,14 +267,14 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def render_completion(request: Request):
         body = await _read_body(request, CompletionRequest, config.max_request_body_bytes)
         ctx().check_model(body.model)
-        prompts = await asyncio.to_thread(completions.prompts_of, ctx(), body)
+        prompts = await ctx().engine.off_loop(completions.prompts_of, ctx(), body)
         return [{"prompt": text, "token_ids": ids} for text, ids in prompts]
 
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(request: Request):
         body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
         ctx().check_model(body.model)
-        prompt, ids, _, _ = await asyncio.to_thread(chat.render_request, ctx(), body)
+        prompt, ids, _, _ = await ctx().engine.off_loop(chat.render_request, ctx(), body)
         return {"prompt": prompt, "token_ids": ids}
 
     @app.post("/v1/completions")
@@ -302,12 +304,21 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _read_body(request, TokenizeRequest, config.max_request_body_bytes)
-        return await asyncio.to_thread(tokenize_api.tokenize, ctx(), body)
+        return await ctx().engine.off_loop(tokenize_api.tokenize, ctx(), body)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await _read_body(request, DetokenizeRequest, config.max_request_body_bytes)
         return tokenize_api.detokenize(ctx(), body)
+
+    if memtrace.start(envs.debug_tracemalloc_frames()):
+        @app.get("/debug/tracemalloc")
+        async def debug_tracemalloc(top: int = 0, group: str = "lineno"):
+            """M3SERVE_DEBUG_TRACEMALLOC only: this process's memtrace reading (`top` largest
+            allocation sites) and each engine replica's traced bytes."""
+            api = memtrace.reading(top, group)
+            engine = [s.traced_bytes for s in await client.get_state()] if "ctx" in holder else []
+            return {"api": api, "engine_traced_bytes": engine}
 
     return app
 

@@ -7,7 +7,9 @@ released, claimed or timed out; failures fall back to recomputing (or fail the r
 kv_load_failure_policy "fail"); aborts at every stage free blocks on both sides only when
 nothing can still write into them; the books stay consistent at every step.
 """
+import gc
 import json
+import logging
 import time
 
 import pytest
@@ -270,3 +272,56 @@ def test_a_finished_prefill_that_stopped_early_is_not_held(pair):
     w.run_until(lambda: any(o.finished for o in w.outputs))
     assert w.outputs[-1].kv_transfer_params is None and not ps.held
     assert ps.kv_manager.num_free_blocks == NB - 1
+
+
+def test_producer_books_keep_nothing_per_request(caplog):
+    """Many prefills held for a decode worker, each then pulled and released, released without
+    a pull, or left to expire: the producer's books (held requests, holds, releases) empty out
+    and the Python memory they use (tracemalloc, side-channel thread included) does not grow
+    by more than a few dozen bytes per request between two checkpoints after a warm-up; a
+    record kept per request (~200 bytes, as the API-process soak of issue 32 measured) fails."""
+    import tracemalloc
+
+    from m3serve.disagg.messages import Release
+
+    ps, pr = node("kv_producer", abort_request_timeout=0.3)
+    ds, dr = node("kv_consumer")
+    prompt = list(range(1, 14))
+
+    def cycle(start: int, count: int) -> None:
+        expiring = []
+        for i in range(start, start + count):
+            params = prefill(ps, pr, f"p{i}", prompt)
+            if i % 3 == 0:                       # the decode worker pulls the KV, then releases it
+                ds.add_request(decode_request(f"d{i}", prompt, params, max_tokens=1))
+                d = Worker(ds, dr, source=pr)
+                d.run_until(lambda d=d: any(o.finished for o in d.outputs))
+            elif i % 3 == 1:                     # released unpulled (the consumer had a prefix hit)
+                assert ps.connector._handle(Release(ps.connector.engine_id, [f"p{i}"])).ok
+            else:
+                expiring.append(f"p{i}")         # nobody comes: the hold timeout frees it
+        Worker(ps, pr).run_until(lambda: not ps.held, timeout=10)
+        Worker(ds, dr).run_until(lambda: not ds.has_kv_transfer_work, timeout=10)
+
+    # pytest keeps every log record it captures: the expiry warnings would read as growth
+    caplog.set_level(logging.ERROR, logger="m3serve.disagg.connector")
+    try:
+        tracemalloc.start()
+        cycle(0, 30)                             # warm-up
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        num_requests = 150
+        cycle(30, num_requests)
+        gc.collect()
+        growth = (tracemalloc.get_traced_memory()[0] - before) / num_requests
+        print(f"producer books: {growth:.1f} bytes per request over {num_requests} requests")
+        connector = ps.connector
+        assert not ps.held and not ps.requests and not connector._holds and not connector._released
+        assert connector.stats.held_requests == 0 and connector.stats.held_blocks == 0
+        assert connector.stats.holds_expired == 60 and connector.stats.holds_released == 120
+        assert ps.kv_manager.num_free_blocks == NB - 1 and ds.kv_manager.num_free_blocks == NB - 1
+        assert growth < 64, f"{growth:.0f} bytes per request"
+    finally:
+        tracemalloc.stop()
+        ps.connector.shutdown()
+        ds.connector.shutdown()

@@ -4,7 +4,6 @@ as SSE deltas or returned as one message, with `reasoning_content` (and `reasoni
 """
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -132,7 +131,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         raise ValueError("top_logprobs requires logprobs to be true")
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
         raise ValueError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}")
-    prompt, ids, (tools, tool_choice, use_tools), kwargs = await asyncio.to_thread(render_request, ctx, request)
+    prompt, ids, (tools, tool_choice, use_tools), kwargs = await ctx.engine.off_loop(render_request, ctx, request)
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")   # checked though unused
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

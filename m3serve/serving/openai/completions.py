@@ -3,7 +3,6 @@ streamed as SSE chunks or returned whole, with OpenAI-shaped logprobs and usage.
 """
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -92,7 +91,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
     if request.best_of is not None and request.best_of != request.n:
         raise ValueError(f"best_of must equal n ({request.n}) when set, got {request.best_of}")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = await asyncio.to_thread(prompts_of, ctx, request)     # long prompts: off the event loop
+    prompts = await ctx.engine.off_loop(prompts_of, ctx, request)     # long prompts: off the event loop
     kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids for _, ids in prompts], request.n)
     # echo: each choice's text starts with its prompt (token-id prompts are decoded)
     echoed = [(text if text is not None else ctx.engine.tokenizer.decode(ids, skip_special_tokens=False))

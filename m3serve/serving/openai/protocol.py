@@ -207,10 +207,13 @@ class _SamplingRequest(_Strict):
                 raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
         if self.structured_outputs is not None:
             given["structured_outputs"] = dict(self.structured_outputs)
-        for name in ("json", "regex", "choice", "grammar"):
-            value = getattr(self, "guided_" + name)
+        for name, field in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                            ("grammar", "guided_grammar")):
+            # constant names: CPython's type-attribute cache holds on to (up to 4096) name strings,
+            # which a memory-growth check would read as growth
+            value = getattr(self, field)
             if value is not None:
-                given["guided_" + name] = {name: value}
+                given[field] = {name: value}
         if not given:
             return None
         if len(given) > 1:
