@@ -10,7 +10,6 @@ prefix, so the second one's prefill is mostly a prefix-cache hit.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -67,7 +66,7 @@ def render(ctx: ServerContext, request: CountTokensRequest) -> Prompt:
 
 async def count_tokens(ctx: ServerContext, request: CountTokensRequest) -> dict:
     ctx.check_model(request.model)
-    prompt = await asyncio.to_thread(render, ctx, request)
+    prompt = await ctx.engine.off_loop(render, ctx, request)
     return {"input_tokens": len(prompt.token_ids)}
 
 
@@ -186,7 +185,7 @@ def _builder(prompt: Prompt, ctx: ServerContext) -> BlockBuilder:
 
 async def create_message(ctx: ServerContext, request: MessagesRequest, arrival_time: float, is_disconnected):
     ctx.check_model(request.model)
-    prompt = await asyncio.to_thread(render, ctx, request)
+    prompt = await ctx.engine.off_loop(render, ctx, request)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     run = Generation(ctx, request, prompt, message_id, arrival_time)
     await run.start()

@@ -5,7 +5,6 @@ overloaded (with Retry-After), 503 engine not running, 500 a bug of this server.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -75,6 +74,6 @@ def register(app: FastAPI, ctx, read_body, body_limit: int, retry_after_s: int) 
             body = await body_of(request, CountTokensRequest)
             c = ctx()
             c.check_model(body.model)
-            prompt = await asyncio.to_thread(messages.render, c, body)
+            prompt = await c.engine.off_loop(messages.render, c, body)
             return {"prompt": prompt.text, "token_ids": prompt.token_ids}
         return await _answer(work, retry_after_s)

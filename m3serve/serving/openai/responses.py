@@ -9,7 +9,6 @@ a stored conversation.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -224,7 +223,7 @@ class ResponsesAPI:
     async def create(self, ctx: ServerContext, request: ResponsesRequest, arrival_time: float, is_disconnected):
         ctx.check_model(request.model)
         chat, messages = self._prepare(ctx, request)
-        prompt, ids, (tools, tool_choice, use_tools), kwargs = await asyncio.to_thread(render_request, ctx, chat)
+        prompt, ids, (tools, tool_choice, use_tools), kwargs = await ctx.engine.off_loop(render_request, ctx, chat)
         max_tokens = ctx.engine.resolve_max_tokens(len(ids), chat.max_tokens)
         params = chat.sampling_params(max_tokens, None, ctx.engine.sampling_defaults)
         if use_tools and tool_choice != "auto":
