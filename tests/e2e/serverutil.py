@@ -84,11 +84,13 @@ class LiveServer:
         return out
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
-        """Metrics once no sequence runs and no KV block is held."""
+        """Metrics once no sequence runs or waits and no KV block is held (a moment with
+        nothing running can still hold waiting requests whose aborts have not landed yet)."""
         deadline = time.time() + timeout_s
         while True:
             metrics = self.metrics()
-            if metrics["m3serve:num_requests_running"] == 0 and metrics["m3serve:kv_cache_usage_perc"] == 0:
+            if (metrics["m3serve:num_requests_running"] == 0 and metrics["m3serve:num_requests_waiting"] == 0
+                    and metrics["m3serve:kv_cache_usage_perc"] == 0):
                 return metrics
             assert time.time() < deadline, metrics
             time.sleep(0.1)
