@@ -10,8 +10,8 @@ import json
 
 import httpx
 import pytest
-from pdutil import (HEADERS, KEY, assert_clean, chat_body, completion_body, decode_leg, greedy_reference, kv_flags,
-                    post, prefill_leg, sse_text, text_of)
+from pdutil import (HEADERS, KEY, assert_clean, chat_body, completion_body, decode_leg, greedy_gaps, greedy_reference,
+                    kv_flags, post, prefill_leg, sse_text, text_of)
 from serverutil import LiveServer
 
 ROUTES = [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)]
@@ -166,3 +166,25 @@ def test_missing_index_cache_changes_the_output(pd, tiny_dir, tmp_path):
     finally:
         broken.stop()
     assert_clean(P)
+
+
+def test_near_tied_references_are_refused(pd):
+    """The guard of the comparisons above: the prompt of test_pd_faults before it had one (seed
+    300, which failed there once) has greedy steps whose winner leads by one bf16 ulp."""
+    with pytest.raises(AssertionError, match="near-ties"):
+        greedy_reference(pd["P"], "/v1/completions", completion_body(seed=300))
+
+
+def test_greedy_gaps_in_both_formats():
+    chat = {"choices": [{"logprobs": {"content": [
+        {"logprob": -0.5, "top_logprobs": [{"logprob": -0.5}, {"logprob": -0.75}, {"logprob": -2.0}]},
+        {"logprob": -1.0, "top_logprobs": [{"logprob": -1.0}, {"logprob": -1.0}]}]}}]}
+    assert greedy_gaps("/v1/chat/completions", chat) == [0.25, 0.0]
+    five = {"a": -0.5, "b": -1.25, "c": -2.0, "d": -3.0, "e": -4.0}
+    cmpl = {"choices": [{"logprobs": {
+        "tokens": ["a", "a", "\ufffd", "\ufffd"], "token_logprobs": [-0.5, -0.5, -1.0, -1.0],
+        "top_logprobs": [five,
+                         {"a": -0.5, "b": -1.25, "c": -2.0},            # c merged d and e: not into "a"
+                         {"\ufffd": -1.0, "x": -2.0, "y": -3.0},        # merged, maybe the runner-up
+                         {"\ufffd": -1.0, "x": -1.5, "y": -3.0, "z": -4.0, "w": -5.0}]}}]}
+    assert greedy_gaps("/v1/completions", cmpl) == [0.75, 0.75, 0.0, 0.5]
