@@ -1,5 +1,6 @@
 """Helpers of the P/D tests: flags, prompts long enough that sparse block selection matters,
-the two-leg protocol as the routers run it, and the leak check through /metrics."""
+greedy references without near-ties, the two-leg protocol as the routers run it, and the leak
+check through /metrics."""
 import json
 import random
 import time
@@ -32,6 +33,55 @@ def completion_body(seed: int, max_tokens: int = 12, **kw) -> dict:
 def chat_body(seed: int, max_tokens: int = 12, **kw) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": long_prompt(seed)}],
             "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+# The tiny random model's bf16 logits tie or nearly tie often (about 3 % of greedy steps tie
+# exactly, a fifth are within 4 ulps), so two computations of one prompt that round anything
+# differently can pick different tokens at such a step and diverge from there. A test comparing
+# greedy text across computations uses prompts whose every greedy step leads its runner-up by a
+# margin (in logits, = logprobs) that rounding cannot cross, and checks it on the reference, so
+# a tie can neither fail the test by chance nor let a real difference pass as one. (Batching
+# alone changes last bits of the float32 model's logprobs, and TP layouts round differently.)
+BF16_MARGIN = 0.25       # 4 bf16 ulps at the tiny model's logits (|logit| ~ 8..16)
+F32_MARGIN = 0.01        # float32 servers: TP 1 and TP 2 logprobs differ by < 3e-6 here
+_TOP = 5
+
+
+def greedy_gaps(route: str, response_json: dict) -> list[float]:
+    """Per output token: its logprob minus the best other token's (from a response that asked
+    for top-5 logprobs). The completions format keys alternatives by text, merging tokens that
+    decode to one string (keeping the best logprob); only a chosen token whose text is not
+    its own bytes' (a partial character, U+FFFD, or an empty special token) can hide the
+    runner-up that way, so where such a token's list lost entries the position counts as 0:
+    its runner-up is unknown."""
+    choice = response_json["choices"][0]
+    gaps = []
+    if route.endswith("/chat/completions"):
+        for pos in choice["logprobs"]["content"]:
+            top = pos["top_logprobs"]
+            assert top[0]["logprob"] == pos["logprob"], pos     # greedy picked the best token
+            gaps.append(top[0]["logprob"] - top[1]["logprob"])
+        return gaps
+    lp = choice["logprobs"]
+    for token, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert chosen == max(top.values()), top
+        others = [v for t, v in top.items() if t != token]
+        known = len(top) == _TOP or (token and "\ufffd" not in token)      # nothing merged, or not into it
+        gaps.append(chosen - max(others) if known else 0.0)
+    return gaps
+
+
+def greedy_reference(server, route: str, body: dict, margin: float = BF16_MARGIN) -> str:
+    """The server's greedy text for `body`, after checking that no step of it is a near-tie
+    (see BF16_MARGIN); a prompt that has one is the test's mistake: pick another seed."""
+    assert body.get("temperature") == 0, body
+    extra = {"logprobs": True, "top_logprobs": _TOP} if route.endswith("/chat/completions") else {"logprobs": _TOP}
+    r = post(server, route, {**body, **extra, "stream": False})
+    assert r.status_code == 200, r.text
+    gaps = greedy_gaps(route, r.json())
+    near = [(i, g) for i, g in enumerate(gaps) if g < margin]
+    assert not near, f"the reference has near-ties (step, logit gap) {near} below {margin}: choose another prompt"
+    return text_of(r.json())
 
 
 def post(server, route: str, body: dict, headers=HEADERS, timeout: float = 120) -> httpx.Response:

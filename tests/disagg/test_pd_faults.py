@@ -2,7 +2,8 @@
 client), no KV block leaked on either side (checked through /metrics) and both sides serving:
 pulls that fail inside NIXL, pulls that stall past their timeout, a client that goes away while
 its KV is being pulled or decoded, a prefill worker that is gone before the decode leg, and a
-decode worker killed in the middle of a pull (the producer frees the held KV on its timeout)."""
+decode worker killed in the middle of a pull (the producer frees the held KV on its timeout).
+Outputs are compared only on prompts whose greedy steps have no near-tie (pdutil.BF16_MARGIN)."""
 import os
 import signal
 import threading
@@ -10,8 +11,8 @@ import time
 
 import httpx
 import pytest
-from pdutil import (HEADERS, KEY, assert_clean, completion_body, decode_leg, kv_flags, post, prefill_leg,
-                    sse_text, text_of)
+from pdutil import (HEADERS, KEY, assert_clean, completion_body, decode_leg, greedy_reference, kv_flags, post,
+                    prefill_leg, sse_text, text_of)
 from serverutil import LiveServer
 
 
@@ -34,8 +35,8 @@ def _count(server, name):
 @pytest.mark.parametrize("stream", [False, True])
 def test_failed_pulls_are_recomputed(pd, faulty, stream):
     P, D = pd["P"], faulty["fail"]
-    body = completion_body(seed=300 + stream)
-    want = text_of(post(P, "/v1/completions", body).json())
+    body = completion_body(seed=35 if stream else 21)
+    want = greedy_reference(P, "/v1/completions", body)
     before = (_count(D, "kv_transfer_fallbacks_total"), _count(D, "kv_transfer_failed_pulls_total"))
     params = prefill_leg(P, "/v1/completions", body)["kv_transfer_params"]
     r = decode_leg(D, "/v1/completions", {**body, "stream": stream}, params)
@@ -50,8 +51,8 @@ def test_failed_pulls_are_recomputed(pd, faulty, stream):
 
 def test_stalled_pull_times_out_and_is_recomputed(pd, faulty):
     P, D = pd["P"], faulty["stall"]
-    body = completion_body(seed=310)
-    want = text_of(post(P, "/v1/completions", body).json())
+    body = completion_body(seed=95)
+    want = greedy_reference(P, "/v1/completions", body)
     params = prefill_leg(P, "/v1/completions", body)["kv_transfer_params"]
     start = time.time()
     r = decode_leg(D, "/v1/completions", body, params)
@@ -89,8 +90,8 @@ def test_client_gone_while_decoding(pd):
 
 def test_prefill_worker_gone_before_the_decode_leg(pd, faulty):
     P2, D = faulty["P2"], faulty["fail"]
-    body = completion_body(seed=340)
-    want = text_of(post(P2, "/v1/completions", body).json())
+    body = completion_body(seed=110)
+    want = greedy_reference(P2, "/v1/completions", body)
     params = prefill_leg(P2, "/v1/completions", body)["kv_transfer_params"]
     P2.stop()
     r = decode_leg(D, "/v1/completions", body, params)

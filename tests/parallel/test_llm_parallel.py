@@ -9,7 +9,7 @@ import pytest
 
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
-from workload import LAYOUTS, check_ranks, engine_flags, layout_sizes, run
+from workload import LAYOUTS, assert_no_near_ties, check_ranks, engine_flags, layout_sizes, run
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +17,7 @@ def reference(tiny_dir):
     llm = LLM(str(tiny_dir), **engine_flags())
     out = run(llm)
     assert llm.engine.core.scheduler.num_preemptions > 0
+    assert_no_near_ties(llm)
     return out
 
 

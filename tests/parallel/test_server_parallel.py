@@ -14,7 +14,7 @@ import pytest
 
 from m3serve.llm import LLM
 from serverutil import REPO_ROOT, LiveServer, free_port
-from workload import LAYOUTS, engine_flags, layout_sizes, run, run_http
+from workload import LAYOUTS, assert_no_near_ties, engine_flags, layout_sizes, run, run_http
 
 
 def _server_flags(tp: int, num_blocks: int) -> list[str]:
@@ -34,7 +34,9 @@ def _layout_flags(flags: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_texts(tiny_dir):
-    run(LLM(str(tiny_dir), **engine_flags()))
+    llm = LLM(str(tiny_dir), **engine_flags())
+    run(llm)
+    assert_no_near_ties(llm)
     return run.texts
 
 

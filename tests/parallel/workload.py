@@ -53,6 +53,19 @@ def waves() -> list[list[tuple[list[int], SamplingParams]]]:
     return [[(p, greedy) for p in prompts()], wave2, [(shared + prompts((21,), seed=6)[0], greedy)]]
 
 
+def assert_no_near_ties(llm, margin: float = 0.01) -> None:
+    """The waves' greedy requests lead their runner-up by `margin` (in logits) at every step,
+    so comparing their tokens across layouts, chunkings and batchings, which move the float32
+    logits only in their last bits (~1e-6 here), can never flip on rounding."""
+    greedy = [(p, q) for wave in waves() for p, q in wave if q.temperature == 0]
+    params = [SamplingParams(temperature=0, max_tokens=q.max_tokens, ignore_eos=True, logprobs=2) for _, q in greedy]
+    for out in llm.generate([{"prompt_token_ids": p} for p, _ in greedy], params, use_tqdm=False):
+        c = out.outputs[0]
+        gaps = [pos[t].logprob - max(v.logprob for k, v in pos.items() if k != t)
+                for t, pos in zip(c.token_ids, c.logprobs)]
+        assert min(gaps) >= margin, f"a greedy prompt of the workload has a near-tie: {gaps}"
+
+
 def run(llm) -> list[list[int]]:
     """The waves through the offline API -> token ids per request."""
     outs = []
