@@ -107,6 +107,7 @@ class ParallelConfig:
     master_port: int | None = None          # None: a free port on one node, 29500 across nodes
     data_parallel_rpc_port: int = 29550     # API <-> engine sockets across nodes use this and up
     distributed_timeout_seconds: int = 600  # a collective that waits longer fails the engine
+    disable_custom_all_reduce: bool = False  # NCCL for every TP all-reduce (no one-shot IPC kernel)
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):

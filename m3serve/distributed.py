@@ -29,6 +29,8 @@ class GroupInfo:
     rank: int = 0
     size: int = 1
     group: object = field(default=None, compare=False, repr=False)  # a torch ProcessGroup
+    # small-message all-reduce (kernels/allreduce.OneShotAllReduce) tried before `group`'s
+    fast: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -39,9 +41,13 @@ class GroupInfo:
         return self.size > 1 and self.group is not None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the group in place (no-op for one rank or no group)."""
+        """Sum `x` over the group in place (no-op for one rank or no group): through the
+        one-shot IPC kernel when this message fits it, else the group's backend (NCCL, gloo)."""
         if self.active:
-            dist.all_reduce(x, group=self.group)
+            if self.fast is not None and self.fast.accepts(x):
+                self.fast(x)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,11 +103,75 @@ class RankGroups:
         return self.rank % self.layout.tp == 0
 
 
+# Messages up to this size take the one-shot kernel: decode's all-reduces ([T, 6144] bf16
+# after attention, fp32 after the MoE) up to 85 / 42 tokens.
+CUSTOM_ALL_REDUCE_MAX_BYTES = 1 << 20
+CUSTOM_ALL_REDUCE_MAX_RANKS = 8
+
+
+def custom_all_reduce_refusal(device: torch.device, size: int, disabled: bool) -> str | None:
+    """Why a group of `size` ranks on `device` uses its backend alone for all-reduces (None:
+    it tries the one-shot IPC kernel first)."""
+    if disabled:
+        return "--disable-custom-all-reduce"
+    if device.type != "cuda":
+        return f"the one-shot all-reduce needs CUDA devices, not {device.type}"
+    if size < 2:
+        return "one rank: nothing to reduce"
+    if size > CUSTOM_ALL_REDUCE_MAX_RANKS:
+        return f"{size} ranks (the one-shot all-reduce takes at most {CUSTOM_ALL_REDUCE_MAX_RANKS})"
+    return None
+
+
+def build_fast_all_reduce(group_cpu, rank: int, size: int, device: torch.device, disabled: bool,
+                          max_bytes: int = CUSTOM_ALL_REDUCE_MAX_BYTES):
+    """A `OneShotAllReduce` over the ranks of `group_cpu` (a gloo group, used once to swap
+    the IPC handles), or None where `custom_all_reduce_refusal` says so or the peers' buffers
+    cannot be mapped (no peer access between the GPUs): then every message goes to NCCL.
+    Every rank of the group calls this together, and agrees on the outcome."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    reason = custom_all_reduce_refusal(device, size, disabled)
+    if reason is not None:
+        if size > 1:
+            log.info("TP all-reduce: NCCL only (%s)", reason)
+        return None
+    from m3serve.kernels.allreduce import IpcBuffers, OneShotAllReduce
+
+    def exchange(obj):
+        out = [None] * size
+        dist.all_gather_object(out, obj, group=group_cpu)
+        return out
+
+    def attempt(step):
+        """Run `step` on every rank; every rank learns whether any failed (no rank may skip a
+        collective the others are in)."""
+        try:
+            result, error = step(), None
+        except (RuntimeError, OSError) as e:      # CUDA OOM, IPC refused (no peer access)
+            result, error = None, f"{type(e).__name__}: {e}"
+        failed = [f for f in exchange(error) if f is not None]
+        return result, (failed[0] if failed else None)
+
+    buffers, error = attempt(lambda: IpcBuffers(rank, size, max_bytes, device))
+    if error is None:
+        handles = exchange(buffers.handles())
+        _, error = attempt(lambda: buffers.map(handles))
+    if error is not None:
+        log.warning("TP all-reduce: NCCL only (the one-shot kernel's buffers could not be "
+                    "shared: %s)", error)
+        return None
+    log.info("TP all-reduce: one-shot IPC kernel up to %d bytes, NCCL above", max_bytes)
+    return OneShotAllReduce(buffers)
+
+
 def init_rank_groups(layout: RankLayout, rank: int, master_addr: str, master_port: int,
                      device: torch.device, enable_expert_parallel: bool,
-                     timeout_s: float) -> RankGroups:
+                     timeout_s: float, disable_custom_all_reduce: bool = False) -> RankGroups:
     """Join the world (NCCL on CUDA, gloo on CPU) and create the explicit groups. Every rank
-    creates every group in the same order, as torch.distributed requires."""
+    creates every group in the same order, as torch.distributed requires. TP groups on CUDA get
+    the one-shot all-reduce for small messages (`build_fast_all_reduce`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -124,8 +194,10 @@ def init_rank_groups(layout: RankLayout, rank: int, master_addr: str, master_por
     if rank in leaders:
         dp_cpu = g
     world_cpu = dist.new_group(list(range(layout.world_size)), backend="gloo", timeout=timeout)
+    fast = build_fast_all_reduce(tp_cpu, layout.tp_rank(rank), layout.tp, device,
+                                 disable_custom_all_reduce)
     parallel = ParallelInfo(
-        tp=GroupInfo(layout.tp_rank(rank), layout.tp, tp_group),
+        tp=GroupInfo(layout.tp_rank(rank), layout.tp, tp_group, fast),
         dp=GroupInfo(layout.dp_rank(rank), layout.dp, dp_group),
         enable_expert_parallel=enable_expert_parallel)
     if device.type == "cuda":   # create the NCCL communicators now, before any graph capture

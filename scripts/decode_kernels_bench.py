@@ -20,6 +20,7 @@
          widths (decode rows), against the tables and cuBLAS.
 `PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample]`"""
 import sys
+import time
 
 import torch
 import triton
@@ -788,6 +789,52 @@ def rank_gemv() -> None:
                       f"{t_table:.1f} ({ideal / t_table:.0%}), fp8 _scaled_mm {t_fp8:.1f} "
                       f"(ideal {ideal / 2:.1f}); best " + ", ".join(f"{c} {t:.1f}" for t, c in res[:4]),
                       flush=True)
+
+
+def allreduce() -> None:
+    """The one-shot all-reduce kernel, 2 / 4 / 8 ranks as streams of one process on the one
+    GPU (no NVLink: a floor for the kernel's own cost, with peers' reads from local HBM), at
+    decode message sizes: per-call time of graphed back-to-back calls, every rank's graph
+    on its own stream."""
+    from m3serve.kernels import allreduce as ar
+    for world in (2, 4, 8):
+        bufs = [ar.IpcBuffers(r, world, 1 << 20, torch.device("cuda")) for r in range(world)]
+        ptrs = torch.tensor([b.staging.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
+        flags = torch.tensor([b.flags.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
+        for b in bufs:
+            b.buf_ptrs, b.flag_ptrs = ptrs, flags
+        ranks = [ar.OneShotAllReduce(b, max_spins=1 << 22) for b in bufs]
+        streams = [torch.cuda.Stream() for _ in range(world)]
+        for tokens, dtype in ((1, torch.bfloat16), (4, torch.bfloat16), (16, torch.bfloat16),
+                              (64, torch.bfloat16), (16, torch.float32), (42, torch.float32)):
+            xs = [torch.randn(tokens * 6144, device="cuda").to(dtype) for _ in range(world)]
+
+            for r in range(world):          # compile, and step every rank's counter together
+                with torch.cuda.stream(streams[r]):
+                    ranks[r](xs[r])
+            torch.cuda.synchronize()
+            graphs = []
+            for r in range(world):          # 100 calls per rank in one graph: no host in the loop
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=streams[r]):
+                    for _ in range(100):
+                        ranks[r](xs[r])
+                graphs.append(graph)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for r in range(world):
+                    with torch.cuda.stream(streams[r]):
+                        graphs[r].replay()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) / 100 * 1e6)
+            us = sorted(times)[len(times) // 2]
+            for r in ranks:
+                r.check()
+            print(f"allreduce world {world} {tokens} tokens {str(dtype)[6:]} "
+                  f"({xs[0].numel() * xs[0].element_size() // 1024} KiB): {us:.1f} us per call "
+                  f"(median of 5 replays of 100 graphed calls per rank)", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def join_world(config: EngineConfig, rank: int, master_port: int) -> tuple[RankG
         torch.cuda.set_device(device)
     p = config.parallel
     groups = init_rank_groups(layout, rank, p.master_addr, master_port, device,
-                              p.enable_expert_parallel, p.distributed_timeout_seconds)
+                              p.enable_expert_parallel, p.distributed_timeout_seconds,
+                              p.disable_custom_all_reduce)
     return groups, device
 
 

@@ -174,10 +174,18 @@ class MoE(nn.Module):
         this rank's partial sum."""
         cfg = self.cfg
         if use_triton("moe", x):
-            from m3serve.kernels.fused_moe import fused_moe, moe_route
-            weights, ids = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias,
-                                     cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-            return self._fused(fused_moe, x, weights, ids, fold_shared)
+            from m3serve.kernels import fused_moe as fm
+            gate, bias, top_k = self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok
+            alignment = None
+            if fm.route_align_eligible(x, gate.shape[0], top_k):   # decode: one launch for all three
+                ex = self.experts
+                block_m = fm.decode_block_m(x.shape[0], top_k, ex.num_local, ex.w13.dtype)
+                weights, ids, alignment = fm.moe_route_align(
+                    x, gate, bias, top_k, cfg.routed_scaling_factor, ex.num_local, block_m,
+                    first_expert=ex.first, shared_expert=fold_shared)
+            else:
+                weights, ids = fm.moe_route(x, gate, bias, top_k, cfg.routed_scaling_factor)
+            return self._fused(fm.fused_moe, x, weights, ids, fold_shared, alignment)
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         if hasattr(self.experts, "w13_scale"):      # FP8 experts: the fused kernel's PyTorch twin
@@ -189,8 +197,9 @@ class MoE(nn.Module):
         return out + self.shared_experts(x).float() if fold_shared else out
 
     def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               fold_shared: bool) -> torch.Tensor:
-        """Routed experts (+ the shared expert) in one fused call (bf16 or FP8 weights)."""
+               fold_shared: bool, alignment: tuple | None = None) -> torch.Tensor:
+        """Routed experts (+ the shared expert) in one fused call (bf16 or FP8 weights);
+        `alignment`: `moe_route_align`'s, for the Triton kernel."""
         cfg, ex, sh = self.cfg, self.experts, self.shared_experts
         self.last_expert_ids = ids
         scales = {}
@@ -203,5 +212,6 @@ class MoE(nn.Module):
                 shared += (sh.gate_up_proj.weight_scale, sh.down_proj.weight_scale)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         moe_fn(x, ex.w13, ex.w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-               shared=shared, out=out, first_expert=ex.first, **scales)
+               shared=shared, out=out, first_expert=ex.first,
+               **scales, **({"alignment": alignment} if alignment is not None else {}))
         return out
