@@ -121,6 +121,36 @@ def route() -> None:
         print(line + "; best tiles " + ", ".join(f"{n} {v:.1f}" for v, n in row[:5]), flush=True)
 
 
+def route_align() -> None:
+    """Router + top-k + MoE alignment at decode sizes (128 experts, top 4 + the shared expert,
+    BLOCK_M 16): `moe_route` then `moe_align` (two launches) against `moe_route_align` (one),
+    and the whole MoE (narrow TP 8 rank experts, I = 384) each way."""
+    import m3serve.kernels.fused_moe as fm
+    E, H, I = 128, 6144, 384
+    gate = torch.randn(E, H, device="cuda") * H ** -0.5
+    bias = torch.randn(E, device="cuda") * 0.05
+    w13, w2, shared = _moe_weights(E, H, I)
+    for t in (1, 2, 4, 8, 12, 16):
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(t, H, device="cuda", dtype=torch.float32)
+        bm = fm.decode_block_m(t, 4, E, w13.dtype)
+
+        def two():
+            w, ids = fm.moe_route(x, gate, bias, 4, 2.0)
+            return fm.moe_align(ids, E, bm, shared_expert=True)
+
+        def moe_two():
+            w, ids = fm.moe_route(x, gate, bias, 4, 2.0)
+            fm.fused_moe(x, w13, w2, w, ids, shared=shared, out=out)
+
+        def moe_one():
+            w, ids, al = fm.moe_route_align(x, gate, bias, 4, 2.0, E, bm, shared_expert=True)
+            fm.fused_moe(x, w13, w2, w, ids, shared=shared, out=out, alignment=al)
+        one = lambda: fm.moe_route_align(x, gate, bias, 4, 2.0, E, bm, shared_expert=True)  # noqa: E731
+        print(f"route_align T={t}: route+align {bench(two):.1f} us, one launch {bench(one):.1f} us; "
+              f"whole MoE {bench(moe_two):.1f} vs {bench(moe_one):.1f} us", flush=True)
+
+
 def _moe_weights(E: int, H: int, I: int):
     """Random bf16 expert stacks w13 [E, 2I, H], w2 [E, H, I] and a shared expert."""
     def w(*shape):
