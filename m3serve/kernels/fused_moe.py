@@ -332,8 +332,15 @@ def _route_align_kernel(x_ptr, w_ptr, part_ptr, bias_ptr, weights_ptr, ids_ptr, 
 _counters: dict = {}
 
 
+# The one-launch route + align hands the top-k of every token and the alignment plan to one
+# program, serially: on an H200 (128 experts, top 4 + shared, hidden 6144) it beat the two
+# launches at 1 token (10.5 vs 11.9 us; the whole TP 8 rank MoE 38.5 vs 40.8 us) and lost from 2
+# (13.2 vs 12.6 us; 55.0 vs 27.4 us at 16): scripts/decode_kernels_bench.py route_align.
+ROUTE_ALIGN_MAX_TOKENS = 1
+
+
 def route_align_eligible(x: torch.Tensor, num_experts: int, top_k: int) -> bool:
-    """Decode-sized batches (one token tile of the router) that `moe_route` routes in kernels."""
+    """Batches `moe_route_align` takes (at most 16 tokens, one token tile of the router)."""
     return ((x.is_cuda or _INTERPRET) and 0 < x.shape[0] <= 16 and x.stride(1) == 1
             and num_experts == triton.next_power_of_2(num_experts) and num_experts <= 256
             and top_k == triton.next_power_of_2(top_k) and 0 < top_k <= num_experts)
@@ -348,9 +355,7 @@ def moe_route_align(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tens
     num_tokens_post_pad, block_m)): the same weights and ids as `moe_route` (the same sums in
     the same order) and an alignment under `moe_align`'s contract. Launches on one device must
     not overlap (they share one counter, which the last program resets).
-    Not yet used by the MoE layer: checked under the interpreter and compiled for sm_90 on CPU,
-    but its hand-off between programs has not run on a GPU (tests/kernels/test_fused_moe.py
-    test_route_align_one_launch_real_shapes); `layers/moe.py` takes it once that test passed."""
+    The MoE layer takes it for batches of up to `ROUTE_ALIGN_MAX_TOKENS` tokens."""
     num_tokens, hidden = x.shape
     num_all = gate_weight.shape[0]
     if not route_align_eligible(x, num_all, top_k):

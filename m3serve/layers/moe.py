@@ -177,7 +177,8 @@ class MoE(nn.Module):
             from m3serve.kernels import fused_moe as fm
             gate, bias, top_k = self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok
             alignment = None
-            if fm.route_align_eligible(x, gate.shape[0], top_k):   # decode: one launch for all three
+            if (x.shape[0] <= fm.ROUTE_ALIGN_MAX_TOKENS       # one decode row: one launch for all three
+                    and fm.route_align_eligible(x, gate.shape[0], top_k)):
                 ex = self.experts
                 block_m = fm.decode_block_m(x.shape[0], top_k, ex.num_local, ex.w13.dtype)
                 weights, ids, alignment = fm.moe_route_align(
