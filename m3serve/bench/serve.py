@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from m3serve.bench.agentic import SyntheticConfig
 from m3serve.bench.datasets import (RANGE_RATIO_MODES, SampleRequest, TokenizerView,
                                     load_tokenizer, sample_random_requests)
 from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRecord,
@@ -29,6 +30,8 @@ from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRec
                                    parse_percentiles, percentile_key)
 
 ENDPOINT_TYPES = ("completions", "chat")
+DATASET_NAMES = ("random", "agentic", "agentic-trace")
+AGENTIC_DATASETS = ("agentic", "agentic-trace")
 _DEFAULT_ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # vLLM's names for the two request formats, kept in the result JSON for comparability.
 _BACKEND_NAMES = {"completions": "openai", "chat": "openai-chat"}
@@ -49,7 +52,8 @@ def _build_payload(endpoint_type: str, model: str, request: SampleRequest, ignor
         "stream_options": {"include_usage": True},
     }
     if endpoint_type == "chat":
-        payload["messages"] = [{"role": "user", "content": request.prompt}]
+        payload["messages"] = (request.messages if request.messages is not None
+                               else [{"role": "user", "content": request.prompt}])
         payload["max_completion_tokens"] = request.expected_output_len
     else:
         payload["prompt"] = request.prompt
@@ -210,6 +214,9 @@ async def send_request(target: Target, request: SampleRequest) -> RequestRecord:
                     completion_tokens = int(usage["completion_tokens"])
                 if usage and usage.get("prompt_tokens") is not None:
                     prompt_tokens = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        record.cached_tokens = int(details["cached_tokens"])
     except Exception as exc:  # noqa: BLE001 -- one bad request must not stop the benchmark
         record.error = str(exc) if isinstance(exc, HTTPStatusError) else (
             f"{type(exc).__name__}: {exc}")
@@ -444,7 +451,13 @@ def add_common_args(parser: argparse.ArgumentParser, inferencex: bool = False) -
     parser.add_argument("--tokenizer", default=None,
                         help="directory with tokenizer.json (or the file, or a hub id) used to build "
                              "prompts; default: --model, else the model directory the server reports")
-    parser.add_argument("--dataset-name", choices=("random",), default="random")
+    parser.add_argument("--dataset-name", choices=DATASET_NAMES, default="random",
+                        help="random: independent random prompts; agentic: synthetic multi-turn "
+                             "sessions (--agentic-*); agentic-trace: sessions replayed from the "
+                             "JSONL trace at --dataset-path")
+    parser.add_argument("--dataset-path", default=None,
+                        help="JSONL trace for --dataset-name agentic-trace (m3serve sessions or "
+                             "InferenceX AgentX / Weka traces; docs/benchmarks.md)")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=None,
@@ -454,9 +467,10 @@ def add_common_args(parser: argparse.ArgumentParser, inferencex: bool = False) -
                         default="inferencex" if inferencex else "vllm",
                         help="vllm: lengths uniform in [L*(1-r), L*(1+r)]; "
                              "inferencex: uniform in [floor(r*L), L]")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=inferencex,
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction,
+                        default=True if inferencex else None,
                         help="ask the server to generate exactly max_tokens (default: "
-                             f"{'on, as InferenceX' if inferencex else 'off, as vllm bench serve'})")
+                             f"{'on, as InferenceX' if inferencex else 'off, as vllm bench serve; on for the agentic datasets, as AgentX'})")
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature of every request (default: 0, greedy)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -497,6 +511,35 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="gamma shape of arrival gaps; 1 = Poisson")
     parser.add_argument("--num-warmups", type=int, default=0,
                         help="warm-up requests, sent first and not counted")
+    add_agentic_args(parser)
+
+
+def add_agentic_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the agentic datasets (defaults and their sources: docs/benchmarks.md §8)."""
+    d = SyntheticConfig()
+    g = parser.add_argument_group("agentic multi-turn sessions (--dataset-name agentic | agentic-trace); "
+                                  "--max-concurrency caps live sessions, --request-rate is "
+                                  "the session arrival rate")
+    g.add_argument("--agentic-sessions", type=int, default=None,
+                   help=f"sessions to play (synthetic default {d.num_sessions}; trace: the first N, "
+                        "default all)")
+    g.add_argument("--agentic-turns", type=int, default=None,
+                   help=f"turns per session (synthetic default {d.num_turns}; trace: at most N)")
+    g.add_argument("--agentic-min-turns", type=int, default=None,
+                   help="synthetic: turns per session uniform in [this, --agentic-turns]")
+    g.add_argument("--agentic-first-input-len", type=int, default=d.first_input_len,
+                   help="tokens of a session's first turn (system + tools + first request)")
+    g.add_argument("--agentic-new-tokens", type=float, default=d.new_tokens_median,
+                   help="median user/tool tokens appended per later turn (lognormal)")
+    g.add_argument("--agentic-new-tokens-sigma", type=float, default=d.new_tokens_sigma)
+    g.add_argument("--agentic-output-len", type=float, default=d.output_len_median,
+                   help="median output tokens per turn (lognormal; max_tokens)")
+    g.add_argument("--agentic-output-len-sigma", type=float, default=d.output_len_sigma)
+    g.add_argument("--agentic-think-time", type=float, default=d.think_time_median_s,
+                   help="median seconds between a reply's end and the next turn (lognormal)")
+    g.add_argument("--agentic-think-time-sigma", type=float, default=d.think_time_sigma)
+    g.add_argument("--agentic-max-think-time", type=float, default=d.max_think_time_s,
+                   help="cap on think times, synthetic and replayed (AgentX: 10 s)")
 
 
 def resolve_urls(args: argparse.Namespace) -> tuple[str, str, str]:
@@ -591,6 +634,19 @@ def make_requests(args: argparse.Namespace, view: TokenizerView, num_prompts: in
     return requests, warmups
 
 
+def check_dataset_args(args: argparse.Namespace) -> None:
+    """Reject dataset flags that do not fit together, before anything is sent; resolve the
+    --ignore-eos default (on for the agentic datasets, as AgentX locks it; else off)."""
+    name = getattr(args, "dataset_name", "random")
+    path = getattr(args, "dataset_path", None)
+    if name == "agentic-trace" and not path:
+        raise ValueError("--dataset-name agentic-trace needs --dataset-path FILE.jsonl")
+    if path and name != "agentic-trace":
+        raise ValueError(f"--dataset-path is read only by --dataset-name agentic-trace, not {name!r}")
+    if getattr(args, "ignore_eos", None) is None:
+        args.ignore_eos = name in AGENTIC_DATASETS
+
+
 def config_record(args: argparse.Namespace, model: str, tokenizer_path: str,
                   endpoint_type: str) -> dict:
     """The run's configuration, written ahead of the metrics in the result JSON."""
@@ -610,6 +666,7 @@ def config_record(args: argparse.Namespace, model: str, tokenizer_path: str,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
         "sampling": sampling_of(args),
+        **({"dataset_path": args.dataset_path} if getattr(args, "dataset_path", None) else {}),
     }
 
 
@@ -657,18 +714,24 @@ async def resolve_setup(args: argparse.Namespace) -> Setup:
 
 async def main_async(args: argparse.Namespace) -> dict:
     """`m3serve bench serve` without the event loop: returns the full result dict."""
+    check_dataset_args(args)
     setup = await resolve_setup(args)
     api_url, endpoint_type, model, view = setup.api_url, setup.endpoint_type, setup.model, setup.view
     percentiles, percentile_metrics, goodput = setup.percentiles, setup.percentile_metrics, setup.goodput
     tokenizer_path = setup.tokenizer_path
-    requests, warmups = make_requests(args, view, args.num_prompts, args.num_warmups)
-    metrics = await benchmark(
-        api_url=api_url, model=model, requests=requests, endpoint_type=endpoint_type,
-        warmup_requests=warmups, max_concurrency=args.max_concurrency,
-        request_rate=args.request_rate, burstiness=args.burstiness, ignore_eos=args.ignore_eos,
-        percentiles=percentiles, percentile_metrics=percentile_metrics, goodput=goodput,
-        num_gpus=args.num_gpus, seed=args.seed, extra_body=args.extra_body,
-        headers=auth_headers(args), disable_tqdm=args.disable_tqdm, sampling=sampling_of(args))
+    if args.dataset_name in AGENTIC_DATASETS:
+        from m3serve.bench.agentic_serve import run_from_args
+
+        metrics = await run_from_args(args, setup)
+    else:
+        requests, warmups = make_requests(args, view, args.num_prompts, args.num_warmups)
+        metrics = await benchmark(
+            api_url=api_url, model=model, requests=requests, endpoint_type=endpoint_type,
+            warmup_requests=warmups, max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate, burstiness=args.burstiness, ignore_eos=args.ignore_eos,
+            percentiles=percentiles, percentile_metrics=percentile_metrics, goodput=goodput,
+            num_gpus=args.num_gpus, seed=args.seed, extra_body=args.extra_body,
+            headers=auth_headers(args), disable_tqdm=args.disable_tqdm, sampling=sampling_of(args))
     result = {**config_record(args, model, tokenizer_path, endpoint_type), **metrics}
     if args.save_result:
         label = args.label or result["backend"]

@@ -97,6 +97,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 async def main_async(args: argparse.Namespace) -> dict:
     """Run the sweep; returns the combined result (configuration + one summary per point)."""
+    if getattr(args, "dataset_name", "random") != "random":
+        raise ValueError("bench sweep runs the random dataset; run the agentic datasets with "
+                         "bench serve, one --max-concurrency per run")
     concurrencies = parse_concurrencies(args.concurrencies)
     if args.prompts_per_concurrency < 1:
         raise ValueError(
