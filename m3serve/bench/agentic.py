@@ -159,9 +159,8 @@ def _session_from_ours(obj: dict, index: int, cap_s: float) -> SessionSpec:
         reset = turn.get("reset", False)
         if not isinstance(reset, bool):
             raise ValueError(f"{where}: reset must be true or false, got {reset!r}")
-        turns.append(TurnSpec(new, out, 0.0 if k == 0 else
-                              _think_time(turn.get("think_time_s"), f"{where}: think_time_s", cap_s),
-                              reset, text))
+        think = _think_time(turn.get("think_time_s"), f"{where}: think_time_s", cap_s)
+        turns.append(TurnSpec(new, out, 0.0 if k == 0 else think, reset, text))
     session_id = obj.get("session_id", f"session-{index}")
     return SessionSpec(str(session_id), tuple(turns))
 
@@ -195,8 +194,8 @@ def _turns_from_weka(requests: list, block: int, cap_s: float, where: str) -> li
             else:
                 reset = n_in < p_in
             new = n_in if reset else max(n_in - p_in - p_out, 1)
-        think = 0.0 if k == 0 else _think_time(req.get("think_time"), f"{w}: think_time", cap_s)
-        turns.append(TurnSpec(new, n_out, think, reset))
+        think = _think_time(req.get("think_time"), f"{w}: think_time", cap_s)
+        turns.append(TurnSpec(new, n_out, 0.0 if k == 0 else think, reset))
         prev = (n_in, n_out, hashes)
     return turns
 
@@ -272,10 +271,12 @@ def load_trace(path: str | os.PathLike, max_think_time_s: float = AGENTX_THINK_T
 
 # ---- the conversation ----------------------------------------------------------------------
 
-def turn_texts(view: TokenizerView, sessions: list[SessionSpec], seed: int = 0) -> list[list[str]]:
+def turn_texts(tokenizer, sessions: list[SessionSpec], seed: int = 0) -> list[list[str]]:
     """The user/tool text of every turn: the trace's own text, else random tokens of the turn's
-    length. Seeded per session, so a session's texts do not depend on the others'; every
-    session's first text differs, so sessions never share a cached prefix."""
+    length (from a TokenizerView or any tokenizer it can wrap). Seeded per session, so a
+    session's texts do not depend on the others'; every session's first text differs, so
+    sessions never share a cached prefix (AgentX's cache-busting does the same per session)."""
+    view = tokenizer if isinstance(tokenizer, TokenizerView) else TokenizerView(tokenizer)
     texts = []
     for s, session in enumerate(sessions):
         rng = np.random.default_rng([seed, 32, s])

@@ -13,16 +13,15 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from m3serve.bench.agentic import Conversation, SessionSpec
 from m3serve.bench.metrics import DEFAULT_PERCENTILES, METRIC_NAMES, RequestRecord, compute_metrics, percentile_key
-from m3serve.bench.serve import Target, arrival_offsets, print_summary, send_request
+from m3serve.bench.serve import (Target, arrival_offsets, metric_lines, metrics_text, print_summary,
+                                 send_request)
 
-_METRIC_PREFIXES = ("m3serve:", "vllm:")
-# counter name (after the prefix, without _total) -> key in the snapshot
+# counter name (without prefix and _total) -> key in the snapshot
 _PREFIX_CACHE_COUNTERS = {
     "prefix_cache_queries": "gpu_queries",
     "prefix_cache_hits": "gpu_hits",
@@ -35,35 +34,23 @@ def parse_prefix_cache_counters(text: str) -> dict[str, float] | None:
     """The prefix-cache counters of a Prometheus text exposition, summed over label sets.
 
     Keys: gpu_queries, gpu_hits and, when the server has a CPU/external tier, cpu_queries and
-    cpu_hits. Accepts `m3serve:` and `vllm:` names, with or without the `_total` suffix. None
-    when the text has no GPU prefix-cache counters (prefix caching off, or another server).
+    cpu_hits. Accepts `m3serve:` and `vllm:` names (one family, see `metric_lines`), with or
+    without the `_total` suffix. None when the text has no GPU prefix-cache counters (prefix
+    caching off, or another server).
     """
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(_METRIC_PREFIXES):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0].split(":", 1)[1]
-        if name.endswith("_created"):
-            continue
+    for name, _, value in metric_lines(text):
         key = _PREFIX_CACHE_COUNTERS.get(name.removesuffix("_total"))
         if key is not None:
-            out[key] = out.get(key, 0.0) + float(value)
+            out[key] = out.get(key, 0.0) + value
     return out if "gpu_queries" in out and "gpu_hits" in out else None
 
 
 async def prefix_cache_counters(api_url: str, headers: dict) -> dict[str, float] | None:
     """The server's prefix-cache counters now (see parse_prefix_cache_counters); None when it
     has no /metrics or no such counters."""
-    import httpx
-
-    parts = urlsplit(api_url)
-    try:
-        async with httpx.AsyncClient(timeout=10) as client:
-            response = await client.get(f"{parts.scheme}://{parts.netloc}/metrics", headers=headers)
-    except httpx.HTTPError:
-        return None
-    return parse_prefix_cache_counters(response.text) if response.status_code == 200 else None
+    text = await metrics_text(api_url, headers)
+    return None if text is None else parse_prefix_cache_counters(text)
 
 
 @dataclass

@@ -329,35 +329,66 @@ async def benchmark(*, api_url: str, model: str, requests: list[SampleRequest],
     return result
 
 
-_SPEC_PREFIXES = ("m3serve:spec_decode_", "vllm:spec_decode_")
+METRIC_PREFIXES = ("m3serve:", "vllm:")
 
 
-async def spec_decode_counters(api_url: str, headers: dict) -> dict | None:
-    """The server's spec-decode counters from its Prometheus /metrics (our names or vLLM's),
-    summed over label sets; per-position counts under "per_pos". None when the server reports
-    none (speculation off) or has no /metrics."""
+def metric_lines(text: str) -> list[tuple[str, str, float]]:
+    """(name without prefix, labels, value) of every sample of a Prometheus text exposition
+    in one naming family: `m3serve:` when the server has any such sample, else `vllm:`.
+    (m3serve exposes each metric under both prefixes; counting both would double it.)"""
+    samples = []
+    for line in text.splitlines():
+        if line.startswith(METRIC_PREFIXES):
+            name_labels, _, value = line.rpartition(" ")
+            prefix, _, rest = name_labels.partition(":")
+            name, _, labels = rest.partition("{")
+            samples.append((prefix, name, labels, value))
+    family = "m3serve" if any(p == "m3serve" for p, *_ in samples) else "vllm"
+    out = []
+    for prefix, name, labels, value in samples:
+        if prefix == family:
+            try:
+                out.append((name, labels, float(value)))
+            except ValueError:
+                continue
+    return out
+
+
+async def metrics_text(api_url: str, headers: dict) -> str | None:
+    """The text of the server's Prometheus /metrics (same host as `api_url`); None when it
+    cannot be read."""
     import httpx
-
-    from urllib.parse import urlsplit
 
     parts = urlsplit(api_url)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
-            text = (await client.get(f"{parts.scheme}://{parts.netloc}/metrics", headers=headers)).text
+            response = await client.get(f"{parts.scheme}://{parts.netloc}/metrics", headers=headers)
     except httpx.HTTPError:
         return None
+    return response.text if response.status_code == 200 else None
+
+
+def parse_spec_decode_counters(text: str) -> dict | None:
+    """Spec-decode counters of a /metrics text (our names or vLLM's), summed over label sets;
+    per-position counts under "per_pos". None when there are none (speculation off)."""
     out: dict = {"per_pos": {}}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(_SPEC_PREFIXES):
+    for name, labels, value in metric_lines(text):
+        if not name.startswith("spec_decode_") or name.endswith("_created"):
             continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0].split("spec_decode_", 1)[1].removesuffix("_total")
+        name = name.removeprefix("spec_decode_").removesuffix("_total")
         if name == "num_accepted_tokens_per_pos":
-            pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
-            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+            pos = int(labels.split('position="', 1)[1].split('"', 1)[0])
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + value
         else:
-            out[name] = out.get(name, 0.0) + float(value)
+            out[name] = out.get(name, 0.0) + value
     return out if "num_drafts" in out else None
+
+
+async def spec_decode_counters(api_url: str, headers: dict) -> dict | None:
+    """The server's spec-decode counters now (see parse_spec_decode_counters); None when it
+    reports none or has no /metrics."""
+    text = await metrics_text(api_url, headers)
+    return None if text is None else parse_spec_decode_counters(text)
 
 
 def spec_decode_summary(before: dict, after: dict) -> dict:
