@@ -235,6 +235,8 @@ async def benchmark_agentic(*, api_url: str, model: str, sessions: list[SessionS
         "burstiness": burstiness,
         "turn_indices": [t.turn for t in turns],
         "session_ids": [t.session_id for t in turns],
+        "cached_tokens": [t.record.cached_tokens for t in turns],
+        "new_context_tokens": [t.new_context_tokens for t in turns],
         "per_turn": per_turn_stats(turns, percentiles),
         **prefix_cache_summary(turns, before, after),
     })
