@@ -27,6 +27,7 @@ _PREFIX_CACHE_COUNTERS = {
     "prefix_cache_hits": "gpu_hits",
     "external_prefix_cache_queries": "cpu_queries",
     "external_prefix_cache_hits": "cpu_hits",
+    "num_preemptions": "preemptions",
 }
 
 
@@ -160,15 +161,22 @@ def prefix_cache_summary(turns: list[TurnRecord], before: dict | None, after: di
     usage.prompt_tokens of the successful turns; `reprefilled_tokens` = sent − GPU hits − CPU
     hits; `ideal_prefill_tokens` sums each turn's new context (what a cache that never evicts
     would still prefill), and `excess_reprefilled_tokens` is what the run prefilled beyond it.
+    The same from the requests' usage: `usage_cached_tokens` (Σ cached_tokens, counted once per
+    request) and `usage_reprefilled_tokens`; plus the server's preemptions in the run and
+    `prefix_cache_lookups_per_prompt_token` (GPU queries / sent; above 1 the server counted
+    repeated lookups, and its hits are then not all prefill saved).
     """
     ok = [t for t in turns if t.record.success]
     sent = sum(t.record.prompt_len for t in ok)
     ideal = sum(t.new_context_tokens for t in ok)
     cached = [t.record.cached_tokens for t in ok]
+    usage_cached = sum(cached) if ok and all(c is not None for c in cached) else None
     out: dict = {"prompt_tokens_sent": sent, "ideal_prefill_tokens": ideal,
-                 "usage_cached_tokens": (sum(cached) if ok and all(c is not None for c in cached)
-                                         else None)}
+                 "usage_cached_tokens": usage_cached,
+                 "usage_reprefilled_tokens": None if usage_cached is None else sent - usage_cached}
     have = before is not None and after is not None
+    out["num_preemptions"] = (int(after["preemptions"] - before.get("preemptions", 0.0))
+                              if have and "preemptions" in after else None)
     for tier in ("gpu", "cpu"):
         present = have and f"{tier}_queries" in after and f"{tier}_hits" in after
         queries = after[f"{tier}_queries"] - before.get(f"{tier}_queries", 0.0) if present else None
@@ -183,9 +191,14 @@ def prefix_cache_summary(turns: list[TurnRecord], before: dict | None, after: di
         out["reprefilled_tokens"] = sent - hits
         out["reprefilled_fraction"] = (sent - hits) / sent if sent else 0.0
         out["excess_reprefilled_tokens"] = sent - hits - ideal
+        # > 1 when the server looked prompts up more than once (admission retried for want of
+        # blocks, preemption): its hit counters then overstate the hits that saved prefill
+        out["prefix_cache_lookups_per_prompt_token"] = (out["prefix_cache_queries_gpu"] / sent
+                                                        if sent else None)
     else:
         for key in ("prefix_cache_hit_tokens", "prefix_cache_hit_rate", "reprefilled_tokens",
-                    "reprefilled_fraction", "excess_reprefilled_tokens"):
+                    "reprefilled_fraction", "excess_reprefilled_tokens",
+                    "prefix_cache_lookups_per_prompt_token"):
             out[key] = None
     return out
 
@@ -259,7 +272,14 @@ def print_agentic_summary(result: dict) -> None:
     row("GPU prefix-cache hit rate:", result["prefix_cache_hit_rate_gpu"], ".3f")
     row("CPU prefix-cache hit rate:", result["prefix_cache_hit_rate_cpu"], ".3f")
     row("Re-prefilled tokens:", result["reprefilled_tokens"], "")
+    row("Re-prefilled tokens (usage):", result["usage_reprefilled_tokens"], "")
     row("Ideal prefill tokens (no eviction):", result["ideal_prefill_tokens"], "")
+    row("Preemptions:", result["num_preemptions"], "")
+    lookups = result.get("prefix_cache_lookups_per_prompt_token")
+    if lookups is not None and lookups > 1.001:
+        print(f"note: the server looked prompts up {lookups:.2f} times per token sent (admissions "
+              "retried, preemptions); its hit counters overstate the hits that saved prefill, "
+              "see the usage figures")
     print(f"{'turn':>4} {'n':>5} {'mean TTFT':>10} {'med TTFT':>9} {'P90 TTFT':>9} "
           f"{'prompt':>8} {'new ctx':>8} {'re-prefill':>10}")
     for t in result["per_turn"]:

@@ -46,8 +46,12 @@ def test_agentic_sessions_hit_the_prefix_cache_as_the_server_counts(server, tiny
     assert result["reprefilled_tokens"] == sent - hits
     assert result["prefix_cache_hit_rate_gpu"] == hits / sent
     assert result["prefix_cache_hits_cpu"] is None          # this server has no CPU tier
-    # what each request's usage says was cached adds up to the same hits
+    # what each request's usage says was cached adds up to the same hits (no memory pressure
+    # here: one lookup per prompt token, no preemption)
     assert sum(result["cached_tokens"]) == hits
+    assert result["usage_reprefilled_tokens"] == result["reprefilled_tokens"]
+    assert result["num_preemptions"] == _delta(before, after, "num_preemptions_total") == 0
+    assert result["prefix_cache_lookups_per_prompt_token"] == 1.0
 
     per_turn = {t["turn"]: t for t in result["per_turn"]}
     assert sorted(per_turn) == [0, 1, 2] and all(t["num_requests"] == 3 for t in per_turn.values())

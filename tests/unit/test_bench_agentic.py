@@ -282,6 +282,7 @@ m3serve:prefix_cache_hits_total{model_name="m"} 600.0
 m3serve:prefix_cache_hit_rate{model_name="m"} 0.4
 m3serve:external_prefix_cache_queries_total{model_name="m"} 900.0
 m3serve:external_prefix_cache_hits_total{model_name="m"} 300.0
+m3serve:num_preemptions_total{model_name="m"} 4.0
 m3serve:spec_decode_num_drafts_total{model_name="m"} 10.0
 m3serve:spec_decode_num_draft_tokens_total{model_name="m"} 30.0
 m3serve:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0
@@ -300,7 +301,8 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 
 
 def test_counters_are_read_once_though_m3serve_exposes_both_name_families():
     assert parse_prefix_cache_counters(_BOTH_FAMILIES) == {
-        "gpu_queries": 1500.0, "gpu_hits": 600.0, "cpu_queries": 900.0, "cpu_hits": 300.0}
+        "gpu_queries": 1500.0, "gpu_hits": 600.0, "cpu_queries": 900.0, "cpu_hits": 300.0,
+        "preemptions": 4.0}
     spec = parse_spec_decode_counters(_BOTH_FAMILIES)
     assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (10, 30, 12)
     assert spec["per_pos"] == {0: 8.0}
@@ -333,7 +335,11 @@ def test_prefix_cache_summary_per_tier_and_reprefilled_tokens():
     assert s["reprefilled_tokens"] == 3900 - 2048 - 256
     assert s["ideal_prefill_tokens"] == 1500
     assert s["excess_reprefilled_tokens"] == 3900 - 2048 - 256 - 1500
-    assert s["usage_cached_tokens"] == 2560
+    assert s["usage_cached_tokens"] == 2560 and s["usage_reprefilled_tokens"] == 3900 - 2560
+    assert s["prefix_cache_lookups_per_prompt_token"] == 1.0 and s["num_preemptions"] is None
+    retried = prefix_cache_summary(turns, {"gpu_queries": 0.0, "gpu_hits": 0.0, "preemptions": 2.0},
+                                   {"gpu_queries": 7800.0, "gpu_hits": 2048.0, "preemptions": 5.0})
+    assert retried["prefix_cache_lookups_per_prompt_token"] == 2.0 and retried["num_preemptions"] == 3
     no_cpu = prefix_cache_summary(turns, {"gpu_queries": 0.0, "gpu_hits": 0.0},
                                   {"gpu_queries": 3900.0, "gpu_hits": 2048.0})
     assert no_cpu["prefix_cache_hit_rate_cpu"] is None and no_cpu["reprefilled_tokens"] == 1852
