@@ -21,6 +21,9 @@ from m3serve.bench.metrics import DEFAULT_PERCENTILES, METRIC_NAMES, RequestReco
 from m3serve.bench.serve import (Target, arrival_offsets, metric_lines, metrics_text, print_summary,
                                  send_request)
 
+# per-request lists of an agentic result (kept out of a sweep's combined JSON)
+AGENTIC_DETAILED_KEYS = ("turn_indices", "session_ids", "cached_tokens", "new_context_tokens")
+
 # counter name (without prefix and _total) -> key in the snapshot
 _PREFIX_CACHE_COUNTERS = {
     "prefix_cache_queries": "gpu_queries",
