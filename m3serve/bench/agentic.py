@@ -236,32 +236,32 @@ def load_trace(path: str | os.PathLike, max_think_time_s: float = AGENTX_THINK_T
     """
     path = os.fspath(path)
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as exc:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"cannot read trace {path!r}: {exc}") from exc
     sessions: list[SessionSpec] = []
-    with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            try:
-                if not isinstance(obj, dict):
-                    raise ValueError(f"must be a JSON object, got {type(obj).__name__}")
-                if "turns" in obj:
-                    found = [_session_from_ours(obj, len(sessions), max_think_time_s)]
-                elif "requests" in obj:
-                    found = _sessions_from_weka(obj, len(sessions), max_think_time_s)
-                else:
-                    raise ValueError("needs 'turns' (m3serve session) or 'requests' "
-                                     "(InferenceX/Weka trace)")
-            except ValueError as exc:
-                raise TraceError(f"{where}: {exc}") from None
-            sessions.extend(found)
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        try:
+            if not isinstance(obj, dict):
+                raise ValueError(f"must be a JSON object, got {type(obj).__name__}")
+            if "turns" in obj:
+                found = [_session_from_ours(obj, len(sessions), max_think_time_s)]
+            elif "requests" in obj:
+                found = _sessions_from_weka(obj, len(sessions), max_think_time_s)
+            else:
+                raise ValueError("needs 'turns' (m3serve session) or 'requests' "
+                                 "(InferenceX/Weka trace)")
+        except ValueError as exc:
+            raise TraceError(f"{where}: {exc}") from None
+        sessions.extend(found)
     if not sessions:
         raise TraceError(f"{path}: no sessions in the trace")
     if max_turns is not None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from m3serve.bench.agentic import Conversation, SessionSpec
-from m3serve.bench.metrics import DEFAULT_PERCENTILES, METRIC_NAMES, RequestRecord, compute_metrics, percentile_key
+from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRecord,
+                                   compute_metrics, percentile_key)
 from m3serve.bench.serve import (Target, arrival_offsets, metric_lines, metrics_text, print_summary,
                                  send_request)
 

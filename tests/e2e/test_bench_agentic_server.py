@@ -5,6 +5,7 @@ the bench's hit counts and re-prefilled tokens must equal their deltas, later tu
 the prefix cache on the conversation they re-send, and think times must be kept.
 """
 import argparse
+import itertools
 import json
 
 from m3serve.bench import serve
@@ -68,7 +69,7 @@ def test_agentic_sessions_hit_the_prefix_cache_as_the_server_counts(server, tiny
         think_time_sigma=0), seed=5)}
     rows = sorted(zip(result["session_ids"], result["turn_indices"], result["input_lens"],
                       result["cached_tokens"], result["start_times"], result["latencies"]))
-    for prev, cur in zip(rows, rows[1:]):
+    for prev, cur in itertools.pairwise(rows):
         if prev[0] != cur[0]:
             continue
         session, turn, prompt_len, cached, start, _ = cur

@@ -2,6 +2,7 @@
 re-sends, trace replay (ours and InferenceX/Weka lines, bad files), the session loop over a
 stand-in client, and the metric arithmetic (interactivity, counters, re-prefilled tokens)."""
 import asyncio
+import itertools
 import json
 import time
 
@@ -63,9 +64,9 @@ def test_generator_statistics_follow_the_config():
 
 
 def test_generator_rejects_bad_config():
-    for bad in (dict(num_sessions=0), dict(num_turns=0), dict(min_turns=9, num_turns=8),
-                dict(new_tokens_median=0), dict(think_time_sigma=-1.0),
-                dict(max_think_time_s=float("nan"))):
+    for bad in ({"num_sessions": 0}, {"num_turns": 0}, {"min_turns": 9, "num_turns": 8},
+                {"new_tokens_median": 0}, {"think_time_sigma": -1.0},
+                {"max_think_time_s": float("nan")}):
         with pytest.raises(ValueError, match="agentic"):
             generate_sessions(SyntheticConfig(**bad))
 
@@ -139,7 +140,7 @@ def test_sessions_resend_actual_replies_honour_think_time_and_stop_on_failure(mo
     assert len(prompts_b) == 2 and prompts_b[1].startswith("B|<reply ") and prompts_b[1].endswith("FAIL|")
     prompts_a = [p for p, _ in by_session["A"]]
     assert len(prompts_a) == 3
-    for prev, cur in zip(prompts_a, prompts_a[1:]):
+    for prev, cur in itertools.pairwise(prompts_a):
         assert cur.startswith(prev + "<reply ")      # the whole conversation + the actual reply
     # think time runs from the previous reply's end (its send + 10 ms) to the next send
     times_a = [t for _, t in by_session["A"]]
@@ -347,8 +348,8 @@ def test_prefix_cache_summary_per_tier_and_reprefilled_tokens():
 
 
 def test_cli_rejects_inconsistent_dataset_flags():
-    from m3serve.cli import build_parser
     from m3serve.bench.serve import check_dataset_args
+    from m3serve.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["bench", "serve", "--dataset-name", "agentic-trace"])
