@@ -24,11 +24,14 @@ class SampleRequest:
 
     `prompt_len` is the token count of `prompt` re-encoded by the benchmark tokenizer (what the
     server will see, before any chat template); `expected_output_len` is sent as max_tokens.
+    `messages`, when set, is the whole chat conversation a chat request sends instead of one
+    user message holding `prompt` (the agentic workload's turns).
     """
 
     prompt: str
     prompt_len: int
     expected_output_len: int
+    messages: list[dict] | None = None
 
 
 def length_bounds(length: int, range_ratio: float, mode: str) -> tuple[int, int]:

@@ -23,7 +23,9 @@ class RequestRecord:
     `chunk_tokens` the tokens each carried where the server said (cumulative usage in the
     chunks; else the output is spread evenly over them); `output_tokens` comes from the
     server's `usage.completion_tokens`; `prompt_len` is the server's `usage.prompt_tokens`
-    (what it really computed, chat template included), or the dataset's count without usage.
+    (what it really computed, chat template included), or the dataset's count without usage;
+    `cached_tokens` is the server's `usage.prompt_tokens_details.cached_tokens` (prompt tokens
+    served from its prefix cache, any tier), None when it does not say.
     """
 
     prompt_len: int
@@ -34,6 +36,7 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     generated_text: str = ""
+    cached_tokens: int | None = None
 
     @property
     def ttft(self) -> float:
@@ -107,6 +110,24 @@ def _stats_ms(values_s: list[float], percentiles) -> dict[str, float]:
     for p in percentiles:
         out[percentile_key(p)] = float(np.percentile(arr, p))
     return out
+
+
+def e2e_normalized_interactivity(records: list[RequestRecord], percentiles=DEFAULT_PERCENTILES
+                                 ) -> dict[str, float | None]:
+    """InferenceX AgentX's E2E-normalised interactivity, in output tokens/s/user.
+
+    Per successful request r = E2EL / output tokens (seconds per delivered token, TTFT
+    included); the statistic of the r values is taken first and then inverted, so
+    `p90_e2e_norm_intvty` = 1 / P90(r) is the slow tail (mean and median likewise). Requests
+    with no output or no positive E2EL are skipped; None when none is left.
+    """
+    ratios = [r.e2el / r.output_tokens for r in records
+              if r.success and r.output_tokens > 0 and r.e2el > 0]
+    stats = {"mean": float(np.mean(ratios)) if ratios else None,
+             "median": float(np.median(ratios)) if ratios else None}
+    for p in percentiles:
+        stats[percentile_key(p)] = float(np.percentile(ratios, p)) if ratios else None
+    return {f"{name}_e2e_norm_intvty": (1.0 / v if v else None) for name, v in stats.items()}
 
 
 def _peak_output_rate(records: list[RequestRecord]) -> tuple[float, int]:
@@ -191,6 +212,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, *,
     for name in percentile_metrics:
         for stat, value in _stats_ms(series[name], percentiles).items():
             result[f"{stat}_{name}_ms"] = value
+
+    result.update(e2e_normalized_interactivity(ok, sorted(set(percentiles) | {90.0})))
 
     median_tpot_ms = float(np.median(tpots)) * 1000.0 if tpots else 0.0
     result["num_gpus"] = num_gpus

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from m3serve.bench.agentic import SyntheticConfig
 from m3serve.bench.datasets import (RANGE_RATIO_MODES, SampleRequest, TokenizerView,
                                     load_tokenizer, sample_random_requests)
 from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRecord,
@@ -29,6 +30,8 @@ from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRec
                                    parse_percentiles, percentile_key)
 
 ENDPOINT_TYPES = ("completions", "chat")
+DATASET_NAMES = ("random", "agentic", "agentic-trace")
+AGENTIC_DATASETS = ("agentic", "agentic-trace")
 _DEFAULT_ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # vLLM's names for the two request formats, kept in the result JSON for comparability.
 _BACKEND_NAMES = {"completions": "openai", "chat": "openai-chat"}
@@ -49,7 +52,8 @@ def _build_payload(endpoint_type: str, model: str, request: SampleRequest, ignor
         "stream_options": {"include_usage": True},
     }
     if endpoint_type == "chat":
-        payload["messages"] = [{"role": "user", "content": request.prompt}]
+        payload["messages"] = (request.messages if request.messages is not None
+                               else [{"role": "user", "content": request.prompt}])
         payload["max_completion_tokens"] = request.expected_output_len
     else:
         payload["prompt"] = request.prompt
@@ -210,6 +214,9 @@ async def send_request(target: Target, request: SampleRequest) -> RequestRecord:
                     completion_tokens = int(usage["completion_tokens"])
                 if usage and usage.get("prompt_tokens") is not None:
                     prompt_tokens = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        record.cached_tokens = int(details["cached_tokens"])
     except Exception as exc:  # noqa: BLE001 -- one bad request must not stop the benchmark
         record.error = str(exc) if isinstance(exc, HTTPStatusError) else (
             f"{type(exc).__name__}: {exc}")
@@ -322,35 +329,66 @@ async def benchmark(*, api_url: str, model: str, requests: list[SampleRequest],
     return result
 
 
-_SPEC_PREFIXES = ("m3serve:spec_decode_", "vllm:spec_decode_")
+METRIC_PREFIXES = ("m3serve:", "vllm:")
 
 
-async def spec_decode_counters(api_url: str, headers: dict) -> dict | None:
-    """The server's spec-decode counters from its Prometheus /metrics (our names or vLLM's),
-    summed over label sets; per-position counts under "per_pos". None when the server reports
-    none (speculation off) or has no /metrics."""
+def metric_lines(text: str) -> list[tuple[str, str, float]]:
+    """(name without prefix, labels, value) of every sample of a Prometheus text exposition
+    in one naming family: `m3serve:` when the server has any such sample, else `vllm:`.
+    (m3serve exposes each metric under both prefixes; counting both would double it.)"""
+    samples = []
+    for line in text.splitlines():
+        if line.startswith(METRIC_PREFIXES):
+            name_labels, _, value = line.rpartition(" ")
+            prefix, _, rest = name_labels.partition(":")
+            name, _, labels = rest.partition("{")
+            samples.append((prefix, name, labels, value))
+    family = "m3serve" if any(p == "m3serve" for p, *_ in samples) else "vllm"
+    out = []
+    for prefix, name, labels, value in samples:
+        if prefix == family:
+            try:
+                out.append((name, labels, float(value)))
+            except ValueError:
+                continue
+    return out
+
+
+async def metrics_text(api_url: str, headers: dict) -> str | None:
+    """The text of the server's Prometheus /metrics (same host as `api_url`); None when it
+    cannot be read."""
     import httpx
-
-    from urllib.parse import urlsplit
 
     parts = urlsplit(api_url)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
-            text = (await client.get(f"{parts.scheme}://{parts.netloc}/metrics", headers=headers)).text
+            response = await client.get(f"{parts.scheme}://{parts.netloc}/metrics", headers=headers)
     except httpx.HTTPError:
         return None
+    return response.text if response.status_code == 200 else None
+
+
+def parse_spec_decode_counters(text: str) -> dict | None:
+    """Spec-decode counters of a /metrics text (our names or vLLM's), summed over label sets;
+    per-position counts under "per_pos". None when there are none (speculation off)."""
     out: dict = {"per_pos": {}}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(_SPEC_PREFIXES):
+    for name, labels, value in metric_lines(text):
+        if not name.startswith("spec_decode_") or name.endswith("_created"):
             continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0].split("spec_decode_", 1)[1].removesuffix("_total")
+        name = name.removeprefix("spec_decode_").removesuffix("_total")
         if name == "num_accepted_tokens_per_pos":
-            pos = int(name_labels.split('position="', 1)[1].split('"', 1)[0])
-            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + float(value)
+            pos = int(labels.split('position="', 1)[1].split('"', 1)[0])
+            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + value
         else:
-            out[name] = out.get(name, 0.0) + float(value)
+            out[name] = out.get(name, 0.0) + value
     return out if "num_drafts" in out else None
+
+
+async def spec_decode_counters(api_url: str, headers: dict) -> dict | None:
+    """The server's spec-decode counters now (see parse_spec_decode_counters); None when it
+    reports none or has no /metrics."""
+    text = await metrics_text(api_url, headers)
+    return None if text is None else parse_spec_decode_counters(text)
 
 
 def spec_decode_summary(before: dict, after: dict) -> dict:
@@ -444,7 +482,13 @@ def add_common_args(parser: argparse.ArgumentParser, inferencex: bool = False) -
     parser.add_argument("--tokenizer", default=None,
                         help="directory with tokenizer.json (or the file, or a hub id) used to build "
                              "prompts; default: --model, else the model directory the server reports")
-    parser.add_argument("--dataset-name", choices=("random",), default="random")
+    parser.add_argument("--dataset-name", choices=DATASET_NAMES, default="random",
+                        help="random: independent random prompts; agentic: synthetic multi-turn "
+                             "sessions (--agentic-*); agentic-trace: sessions replayed from the "
+                             "JSONL trace at --dataset-path")
+    parser.add_argument("--dataset-path", default=None,
+                        help="JSONL trace for --dataset-name agentic-trace (m3serve sessions or "
+                             "InferenceX AgentX / Weka traces; docs/benchmarks.md)")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=None,
@@ -454,9 +498,10 @@ def add_common_args(parser: argparse.ArgumentParser, inferencex: bool = False) -
                         default="inferencex" if inferencex else "vllm",
                         help="vllm: lengths uniform in [L*(1-r), L*(1+r)]; "
                              "inferencex: uniform in [floor(r*L), L]")
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=inferencex,
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction,
+                        default=True if inferencex else None,
                         help="ask the server to generate exactly max_tokens (default: "
-                             f"{'on, as InferenceX' if inferencex else 'off, as vllm bench serve'})")
+                             f"{'on, as InferenceX' if inferencex else 'off, as vllm bench serve; on for the agentic datasets, as AgentX'})")
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature of every request (default: 0, greedy)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -497,6 +542,35 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="gamma shape of arrival gaps; 1 = Poisson")
     parser.add_argument("--num-warmups", type=int, default=0,
                         help="warm-up requests, sent first and not counted")
+    add_agentic_args(parser)
+
+
+def add_agentic_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the agentic datasets (defaults and their sources: docs/benchmarks.md §8)."""
+    d = SyntheticConfig()
+    g = parser.add_argument_group("agentic multi-turn sessions (--dataset-name agentic | agentic-trace); "
+                                  "--max-concurrency caps live sessions, --request-rate is "
+                                  "the session arrival rate")
+    g.add_argument("--agentic-sessions", type=int, default=None,
+                   help=f"sessions to play (synthetic default {d.num_sessions}; trace: the first N, "
+                        "default all)")
+    g.add_argument("--agentic-turns", type=int, default=None,
+                   help=f"turns per session (synthetic default {d.num_turns}; trace: at most N)")
+    g.add_argument("--agentic-min-turns", type=int, default=None,
+                   help="synthetic: turns per session uniform in [this, --agentic-turns]")
+    g.add_argument("--agentic-first-input-len", type=int, default=d.first_input_len,
+                   help="tokens of a session's first turn (system + tools + first request)")
+    g.add_argument("--agentic-new-tokens", type=float, default=d.new_tokens_median,
+                   help="median user/tool tokens appended per later turn (lognormal)")
+    g.add_argument("--agentic-new-tokens-sigma", type=float, default=d.new_tokens_sigma)
+    g.add_argument("--agentic-output-len", type=float, default=d.output_len_median,
+                   help="median output tokens per turn (lognormal; max_tokens)")
+    g.add_argument("--agentic-output-len-sigma", type=float, default=d.output_len_sigma)
+    g.add_argument("--agentic-think-time", type=float, default=d.think_time_median_s,
+                   help="median seconds between a reply's end and the next turn (lognormal)")
+    g.add_argument("--agentic-think-time-sigma", type=float, default=d.think_time_sigma)
+    g.add_argument("--agentic-max-think-time", type=float, default=d.max_think_time_s,
+                   help="cap on think times, synthetic and replayed (AgentX: 10 s)")
 
 
 def resolve_urls(args: argparse.Namespace) -> tuple[str, str, str]:
@@ -591,6 +665,19 @@ def make_requests(args: argparse.Namespace, view: TokenizerView, num_prompts: in
     return requests, warmups
 
 
+def check_dataset_args(args: argparse.Namespace) -> None:
+    """Reject dataset flags that do not fit together, before anything is sent; resolve the
+    --ignore-eos default (on for the agentic datasets, as AgentX locks it; else off)."""
+    name = getattr(args, "dataset_name", "random")
+    path = getattr(args, "dataset_path", None)
+    if name == "agentic-trace" and not path:
+        raise ValueError("--dataset-name agentic-trace needs --dataset-path FILE.jsonl")
+    if path and name != "agentic-trace":
+        raise ValueError(f"--dataset-path is read only by --dataset-name agentic-trace, not {name!r}")
+    if getattr(args, "ignore_eos", None) is None:
+        args.ignore_eos = name in AGENTIC_DATASETS
+
+
 def config_record(args: argparse.Namespace, model: str, tokenizer_path: str,
                   endpoint_type: str) -> dict:
     """The run's configuration, written ahead of the metrics in the result JSON."""
@@ -610,6 +697,7 @@ def config_record(args: argparse.Namespace, model: str, tokenizer_path: str,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
         "sampling": sampling_of(args),
+        **({"dataset_path": args.dataset_path} if getattr(args, "dataset_path", None) else {}),
     }
 
 
@@ -657,18 +745,24 @@ async def resolve_setup(args: argparse.Namespace) -> Setup:
 
 async def main_async(args: argparse.Namespace) -> dict:
     """`m3serve bench serve` without the event loop: returns the full result dict."""
+    check_dataset_args(args)
     setup = await resolve_setup(args)
     api_url, endpoint_type, model, view = setup.api_url, setup.endpoint_type, setup.model, setup.view
     percentiles, percentile_metrics, goodput = setup.percentiles, setup.percentile_metrics, setup.goodput
     tokenizer_path = setup.tokenizer_path
-    requests, warmups = make_requests(args, view, args.num_prompts, args.num_warmups)
-    metrics = await benchmark(
-        api_url=api_url, model=model, requests=requests, endpoint_type=endpoint_type,
-        warmup_requests=warmups, max_concurrency=args.max_concurrency,
-        request_rate=args.request_rate, burstiness=args.burstiness, ignore_eos=args.ignore_eos,
-        percentiles=percentiles, percentile_metrics=percentile_metrics, goodput=goodput,
-        num_gpus=args.num_gpus, seed=args.seed, extra_body=args.extra_body,
-        headers=auth_headers(args), disable_tqdm=args.disable_tqdm, sampling=sampling_of(args))
+    if args.dataset_name in AGENTIC_DATASETS:
+        from m3serve.bench.agentic_serve import run_from_args
+
+        metrics = await run_from_args(args, setup)
+    else:
+        requests, warmups = make_requests(args, view, args.num_prompts, args.num_warmups)
+        metrics = await benchmark(
+            api_url=api_url, model=model, requests=requests, endpoint_type=endpoint_type,
+            warmup_requests=warmups, max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate, burstiness=args.burstiness, ignore_eos=args.ignore_eos,
+            percentiles=percentiles, percentile_metrics=percentile_metrics, goodput=goodput,
+            num_gpus=args.num_gpus, seed=args.seed, extra_body=args.extra_body,
+            headers=auth_headers(args), disable_tqdm=args.disable_tqdm, sampling=sampling_of(args))
     result = {**config_record(args, model, tokenizer_path, endpoint_type), **metrics}
     if args.save_result:
         label = args.label or result["backend"]

@@ -1,8 +1,10 @@
 """`m3serve bench sweep`: the concurrency sweep of InferenceX and its chart.
 
 Runs `serve.benchmark` once per concurrency with InferenceX conventions (10 x concurrency
-prompts, 2 x concurrency warm-ups, unlimited request rate), writes one JSON per point plus a
-combined JSON, and draws tok/s/GPU (y) against tok/s/user (x), one curve per configuration.
+prompts, 2 x concurrency warm-ups, unlimited request rate), or, for the agentic datasets, the
+sessions of `agentic_serve` with that many live at once (AgentX); writes one JSON per point plus
+a combined JSON, and draws tok/s/GPU (y) against tok/s/user (x; AgentX: P90 E2E-normalised
+interactivity), one curve per configuration.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import json
 import math
 import os
 
-from m3serve.bench.serve import (DETAILED_KEYS, add_common_args, auth_headers, benchmark,
-                                 config_record, make_requests, resolve_setup, sampling_of, save_result)
+from m3serve.bench.agentic_serve import AGENTIC_DETAILED_KEYS, run_from_args
+from m3serve.bench.serve import (AGENTIC_DATASETS, DETAILED_KEYS, add_agentic_args, add_common_args,
+                                 auth_headers, benchmark, check_dataset_args, config_record,
+                                 make_requests, resolve_setup, sampling_of, save_result)
 
 
 def parse_concurrencies(text: str) -> list[int]:
@@ -40,26 +44,32 @@ def _import_pyplot():
 
 
 def plot_sweeps(sweeps: list[dict], path: str) -> str:
-    """Draw tok/s/GPU against tok/s/user, one curve per combined sweep result, into `path`.
+    """Draw tok/s/GPU against tok/s/user, one curve per combined sweep result, into `path`
+    (against P90 E2E-normalised interactivity, AgentX's x axis, when the first sweep is of
+    an agentic dataset).
 
     Each point is labelled with its concurrency. Raises ImportError naming
     `pip install matplotlib` when matplotlib is missing.
     """
     plt = _import_pyplot()
+    agentic = sweeps[0].get("dataset_name") in AGENTIC_DATASETS if sweeps else False
+    x_key = "p90_e2e_norm_intvty" if agentic else "tok_per_s_per_user"
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for sweep in sweeps:
-        points = [p for p in sweep["points"] if p.get("tok_per_s_per_user")]
-        points.sort(key=lambda p: p["tok_per_s_per_user"])
-        xs = [p["tok_per_s_per_user"] for p in points]
+        points = [p for p in sweep["points"] if p.get(x_key)]
+        points.sort(key=lambda p: p[x_key])
+        xs = [p[x_key] for p in points]
         ys = [p["tok_per_s_per_gpu"] for p in points]
         ax.plot(xs, ys, marker="o", label=sweep.get("label") or "run")
         for x, y, p in zip(xs, ys, points):
             ax.annotate(str(p["max_concurrency"]), (x, y), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
     first = sweeps[0] if sweeps else {}
-    ax.set_xlabel("interactivity (tok/s/user)")
+    ax.set_xlabel("P90 E2E-normalised interactivity (tok/s/user)" if agentic
+                  else "interactivity (tok/s/user)")
     ax.set_ylabel("throughput (total tok/s/GPU)")
-    ax.set_title(f"ISL {first.get('random_input_len')} / OSL {first.get('random_output_len')}, "
+    ax.set_title(f"multi-turn sessions (--dataset-name {first.get('dataset_name')})" if agentic else
+                 f"ISL {first.get('random_input_len')} / OSL {first.get('random_output_len')}, "
                  f"range ratio {first.get('random_range_ratio')} ({first.get('range_ratio_mode')})")
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -70,13 +80,15 @@ def plot_sweeps(sweeps: list[dict], path: str) -> str:
 
 
 def print_sweep_table(points: list[dict]) -> None:
-    """One line per concurrency: throughput per GPU, interactivity and the latencies."""
-    print(f"{'conc':>5} {'tok/s/GPU':>10} {'tok/s/user':>10} {'med TPOT ms':>11} "
+    """One line per concurrency: throughput per GPU, interactivity (1 / median TPOT, and
+    AgentX's P90 E2E-normalised) and the latencies."""
+    print(f"{'conc':>5} {'tok/s/GPU':>10} {'tok/s/user':>10} {'e2e P90':>8} {'med TPOT ms':>11} "
           f"{'med TTFT ms':>11} {'failed':>6}")
     for p in points:
-        user = p["tok_per_s_per_user"]
+        user, e2e = p["tok_per_s_per_user"], p.get("p90_e2e_norm_intvty")
         print(f"{p['max_concurrency']:>5} {p['tok_per_s_per_gpu']:>10.1f} "
               f"{'n/a' if user is None else format(user, '.1f'):>10} "
+              f"{'n/a' if e2e is None else format(e2e, '.1f'):>8} "
               f"{p.get('median_tpot_ms', float('nan')):>11.2f} "
               f"{p.get('median_ttft_ms', float('nan')):>11.2f} {p['failed']:>6}")
 
@@ -85,7 +97,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """All flags of `m3serve bench sweep` (results are always saved under --result-dir)."""
     add_common_args(parser, inferencex=True)
     parser.add_argument("--concurrencies", default="1,2,4,8,16,32,64,128",
-                        help="comma-separated concurrencies, one benchmark point each")
+                        help="comma-separated concurrencies, one benchmark point each "
+                             "(agentic datasets: live sessions)")
     parser.add_argument("--prompts-per-concurrency", type=int, default=10,
                         help="num_prompts = this x concurrency (InferenceX: 10)")
     parser.add_argument("--warmups-per-concurrency", type=int, default=2,
@@ -93,11 +106,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", nargs="*", default=[], metavar="SWEEP_JSON",
                         help="combined JSONs of earlier sweeps to draw as extra curves")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    parser.add_argument("--sessions-per-concurrency", type=int, default=2,
+                        help="agentic datasets: sessions per point = this x concurrency, unless "
+                             "--agentic-sessions is given")
+    add_agentic_args(parser)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
     """Run the sweep; returns the combined result (configuration + one summary per point)."""
+    check_dataset_args(args)
+    agentic = args.dataset_name in AGENTIC_DATASETS
     concurrencies = parse_concurrencies(args.concurrencies)
+    if agentic and args.sessions_per_concurrency < 1:
+        raise ValueError(
+            f"sessions_per_concurrency must be >= 1, got {args.sessions_per_concurrency}")
     if args.prompts_per_concurrency < 1:
         raise ValueError(
             f"prompts_per_concurrency must be >= 1, got {args.prompts_per_concurrency}")
@@ -120,6 +142,20 @@ async def main_async(args: argparse.Namespace) -> dict:
     for conc in concurrencies:
         # a seed per point: no point's prompts were seen by the server (prefix cache) before
         point_args = argparse.Namespace(**{**vars(args), "seed": args.seed + conc})
+        if agentic:
+            # AgentX: one run per concurrency = live sessions, played to their end
+            point_args.agentic_sessions = (args.agentic_sessions
+                                           or args.sessions_per_concurrency * conc)
+            point_args.max_concurrency, point_args.request_rate = conc, math.inf
+            point_args.burstiness = 1.0
+            point_args.num_warmups = args.warmups_per_concurrency * conc
+            metrics = await run_from_args(point_args, setup)
+            result = {**config, **metrics}
+            save_result(result, os.path.join(result_dir, f"{label}-c{conc}.json"),
+                        args.save_detailed)
+            points.append({k: v for k, v in metrics.items()
+                           if k not in DETAILED_KEYS + AGENTIC_DETAILED_KEYS})
+            continue
         requests, warmups = make_requests(point_args, view, args.prompts_per_concurrency * conc,
                                           args.warmups_per_concurrency * conc)
         metrics = await benchmark(

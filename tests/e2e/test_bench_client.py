@@ -282,8 +282,9 @@ def test_vllm_bench_serve_flags_and_defaults(fake, tmp_path):
     fake.reset(ttft_s=0.01, itl_s=0.001, root=_tokenizer_dir(tmp_path))
     args = _parse(serve, ["--base-url", fake.base_url, "--backend", "openai-chat", "--random-input-len", "16",
                           "--random-output-len", "3", "--num-prompts", "3", "--disable-tqdm"])
-    assert (args.range_ratio_mode, args.ignore_eos) == ("vllm", False)     # vllm bench serve's defaults
+    assert args.range_ratio_mode == "vllm"     # vllm bench serve's defaults
     result = serve.main(args)                 # no --tokenizer: the server's model root has one
+    assert result["ignore_eos"] is False      # (unset: off for the random dataset)
     assert result["backend"] == "openai-chat" and result["completed"] == 3
     assert result["tokenizer_id"] == str(tmp_path) and result["random_range_ratio"] == 0.0
     sweep_args = _parse(sweep, ["--base-url", fake.base_url])
@@ -328,3 +329,28 @@ def test_sweep_chart_or_clear_matplotlib_error(tmp_path):
     path = sweep.plot_sweeps([fake_sweep], str(tmp_path / "c.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_agentic_sweep_plays_sessions_per_concurrency(fake, tmp_path):
+    fake.reset(ttft_s=0.002, itl_s=0.001)
+    args = _parse(sweep, [
+        "--base-url", fake.base_url, "--tokenizer", _tokenizer_dir(tmp_path),
+        "--dataset-name", "agentic", "--agentic-turns", "2", "--agentic-first-input-len", "12",
+        "--agentic-new-tokens", "4", "--agentic-output-len", "3", "--agentic-output-len-sigma", "0",
+        "--agentic-think-time", "0", "--concurrencies", "1,2", "--warmups-per-concurrency", "0",
+        "--result-dir", str(tmp_path / "sweep"), "--label", "ag", "--no-plot", "--disable-tqdm"])
+    combined = sweep.main(args)
+    points = combined["points"]
+    assert [p["max_concurrency"] for p in points] == [1, 2]
+    assert [p["num_sessions"] for p in points] == [2, 4]          # 2 sessions per concurrency
+    assert [p["completed"] for p in points] == [4, 8] and fake.num_requests == 12
+    assert all(p["total_output_tokens"] == 3 * p["completed"] for p in points)   # ignore_eos
+    assert all(p["p90_e2e_norm_intvty"] > 0 and len(p["per_turn"]) == 2 for p in points)
+    # the fake server has no /metrics: no prefix-cache figures, but no failure either
+    assert points[0]["prefix_cache_hits_gpu"] is None and points[0]["reprefilled_tokens"] is None
+    # each second turn re-sends a first turn; every point's sessions are new (a seed per point)
+    prompts = fake.prompts
+    first_turns = [p for p in prompts if not any(q != p and p.startswith(q) for q in prompts)]
+    assert len(set(first_turns)) == len(first_turns) == 6
+    assert all(sum(p.startswith(q) for q in first_turns) == 1 for p in prompts)
+    assert sorted(os.listdir(tmp_path / "sweep")) == ["ag-c1.json", "ag-c2.json", "ag-sweep.json"]
