@@ -65,67 +65,34 @@ def _route_scores_kernel(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k
 
 @triton.jit
 def _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t, scale,
-                      E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
+                      E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                      BYPASS_L1: tl.constexpr):
     """Token t: logits = the partials summed in split order, sigmoid, top-k of score + bias
-    (lowest id among equal values), chosen scores renormalised (summed in choice order) and
-    scaled."""
+    (lowest id among equal values), chosen scores renormalised and scaled. BYPASS_L1: the
+    partials were written by other programs of the same launch (read from L2)."""
     offs_e = tl.arange(0, E)
     logits = tl.zeros((E,), dtype=tl.float32)
     for sp in tl.static_range(SPLITS):
-        logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e)
+        if BYPASS_L1:
+            logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e, cache_modifier=".cg")
+        else:
+            logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e)
     scores = tl.sigmoid(logits)
     choice = scores + tl.load(bias_ptr + offs_e)
     offs_k = tl.arange(0, TOP_K)
     picked_w = tl.zeros((TOP_K,), dtype=tl.float32)
     picked_id = tl.zeros((TOP_K,), dtype=tl.int32)
-    total = 0.0
     for k in tl.static_range(TOP_K):
         best = tl.max(choice, axis=0)
         at = tl.min(tl.where(choice == best, offs_e, E), axis=0)
         hit = offs_e == at
         w = tl.sum(tl.where(hit, scores, 0.0), axis=0)
-        total += w                   # in choice order, as `_route_topk_tile` sums
         picked_w = tl.where(offs_k == k, w, picked_w)
         picked_id = tl.where(offs_k == k, at, picked_id)
         choice = tl.where(hit, float("-inf"), choice)
-    picked_w = picked_w / total * scale
+    picked_w = picked_w / tl.sum(picked_w, axis=0) * scale
     tl.store(weights_ptr + t * TOP_K + offs_k, picked_w)
     tl.store(ids_ptr + t * TOP_K + offs_k, picked_id)
-
-
-@triton.jit
-def _route_topk_tile(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale,
-                     E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
-    """`_route_topk_token` for the first BLOCK_T tokens at once (each token's row: the same
-    operations in the same order, so the same bits), reading partials other programs of the
-    same launch wrote (from L2)."""
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_e = tl.arange(0, E)
-    t_ok = offs_t < num_tokens
-    logits = tl.zeros((BLOCK_T, E), dtype=tl.float32)
-    for sp in tl.static_range(SPLITS):
-        logits += tl.load(part_ptr + (sp * num_tokens + offs_t)[:, None] * E + offs_e[None, :],
-                          mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
-    scores = tl.sigmoid(logits)
-    choice = scores + tl.load(bias_ptr + offs_e)[None, :]
-    offs_k = tl.arange(0, TOP_K)
-    picked_w = tl.zeros((BLOCK_T, TOP_K), dtype=tl.float32)
-    picked_id = tl.zeros((BLOCK_T, TOP_K), dtype=tl.int32)
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=1)
-        at = tl.min(tl.where(choice == best[:, None], offs_e[None, :], E), axis=1)
-        hit = offs_e[None, :] == at[:, None]
-        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-        total += w
-        picked_w = tl.where(offs_k[None, :] == k, w[:, None], picked_w)
-        picked_id = tl.where(offs_k[None, :] == k, at[:, None], picked_id)
-        choice = tl.where(hit, float("-inf"), choice)
-    picked_w = picked_w / total[:, None] * scale
-    out = offs_t[:, None] * TOP_K + offs_k[None, :]
-    tl.store(weights_ptr + out, picked_w, mask=t_ok[:, None])
-    tl.store(ids_ptr + out, picked_id, mask=t_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -133,7 +100,7 @@ def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, sca
                        E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
     """One token per program (`_route_topk_token`)."""
     _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens,
-                      tl.program_id(0).to(tl.int64), scale, E, SPLITS, TOP_K)
+                      tl.program_id(0).to(tl.int64), scale, E, SPLITS, TOP_K, False)
 
 
 def route_tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int, int]:
@@ -344,16 +311,17 @@ def _route_align_kernel(x_ptr, w_ptr, part_ptr, bias_ptr, weights_ptr, ids_ptr, 
                         BLOCK_B: tl.constexpr):
     """The router and the MoE alignment in one launch: program (e, s) writes its partial
     logits; the program that finishes last (a counter, reset by it for the next launch) then
-    runs the top-k of all tokens at once and the one-program alignment plan, the same
-    operations as the three separate kernels."""
+    runs the top-k of every token and the one-program alignment plan, the same code as the
+    three separate kernels."""
     _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split, 0,
                    tl.program_id(0), tl.program_id(1), E, BLOCK_T, BLOCK_E, BLOCK_K)
     tl.debug_barrier()            # every thread's partials are written before the release below
     total = tl.num_programs(0) * tl.num_programs(1)
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == total - 1:
         tl.debug_barrier()
-        _route_topk_tile(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale, E, SPLITS,
-                         TOP_K, BLOCK_T)
+        for t in range(num_tokens):
+            _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t, scale,
+                              E, SPLITS, TOP_K, True)
         tl.debug_barrier()        # the ids are written before the plan reads them
         _align_plan(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
                     num_pairs, num_choices, TOP_K, first_expert, num_local, num_slots,
