@@ -10,37 +10,16 @@ import torch
 from m3serve.core.kv_cache.specs import cache_group_specs
 from m3serve.llm import LLM
 from m3serve.model.config import load_config, parse_config
-from m3serve.model.loader import canonicalize, iter_checkpoint, load_model, materialize, weight_files
-from m3serve.model.reference import ReferenceM3
+from m3serve.model.loader import load_model
 from m3serve.model.tiny import tiny_config_dict
 from m3serve.sampling_params import SamplingParams
 from paged import PagedRunner
-
-
-def canonical_weights(model_dir) -> dict:
-    out = {}
-    for _, key, t in iter_checkpoint(weight_files(model_dir)):
-        for name, tensor in canonicalize(key, t) or []:
-            out[name] = materialize(tensor).float()
-    return out
+from refgreedy import reference_greedy, reference_model
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_m31_dir):
-    cfg = load_config(tiny_m31_dir)
-    return ReferenceM3(cfg, canonical_weights(tiny_m31_dir))
-
-
-def reference_greedy(ref: ReferenceM3, prompt: list[int], n: int, margin: float = 1e-3) -> list[int]:
-    """The reference's greedy continuation; each chosen token leads its runner-up by `margin`
-    (fp32 logits), so the engine's last-bit differences cannot flip it."""
-    ids = list(prompt)
-    for _ in range(n):
-        logits = ref.forward(torch.tensor(ids))[0][-1]
-        top = logits.topk(2).values
-        assert top[0] - top[1] >= margin, f"near-tie in the reference at length {len(ids)}"
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return reference_model(tiny_m31_dir)
 
 
 def test_every_layer_is_sparse_with_its_index_cache(tiny_m31_dir):
