@@ -122,3 +122,13 @@ def test_missing_index_projection_in_a_dense_mlp_layer_is_named(tiny_m31_dir, tm
         load_model(tmp_path, dtype="float32", progress=False)
     assert json.loads((tmp_path / "config.json").read_text())["text_config"]["sparse_attention_config"][
         "sparse_attention_freq"] == [1] * 5
+
+
+def test_llm_chat_takes_the_reasoning_effort_through_chat_template_kwargs(tiny_m31_dir):
+    llm = LLM(model=str(tiny_m31_dir), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    ask = [{"role": "user", "content": "hi"}]
+    [out] = llm.chat(ask, params, use_tqdm=False, chat_template_kwargs={"reasoning_effort": "medium"})
+    assert out.prompt.startswith("]~!b[]~b]system\n<effort>medium</effort>[e~[\n")
+    with pytest.raises(ValueError, match="chat_template_kwargs.reasoning_effort must be one of"):
+        llm.chat(ask, params, use_tqdm=False, chat_template_kwargs={"reasoning_effort": "ultra"})
