@@ -2,7 +2,8 @@
 
 Owns the sandboxed jinja2 environment (configured like transformers' `apply_chat_template`, so a
 template renders the same here and there), validation of OpenAI-style messages with errors that
-name the message index and field, and the normalisation of content parts and tool-call arguments.
+name the message index and field, the normalisation of content parts and tool-call arguments,
+and the template variables the APIs set (`thinking_mode`, MiniMax-M3.1's `reasoning_effort`).
 """
 from __future__ import annotations
 
