@@ -94,6 +94,16 @@ def test_unconfirmed_m31_facts_are_read_not_assumed(edit, needle):
         parse_config(raw)
 
 
+def test_a_missing_m31_fact_can_be_supplied_with_hf_overrides(tmp_path):
+    from m3serve.model.config import apply_overrides
+    raw = tiny_config_dict(flavor="m3.1-flash")
+    del _text(raw)["sparse_attention_config"]["sparse_init_block"]
+    with pytest.raises(ValueError, match="sparse_init_block"):
+        parse_config(raw)
+    cfg = parse_config(apply_overrides(raw, {"sparse_attention_config": {"sparse_init_block": 0}}))
+    assert (cfg.flavor, cfg.index_init_blocks, cfg.index_topk_blocks) == ("m3.1-flash", 0, 4)
+
+
 def test_full_size_m31_values_outside_the_reported_ones_fail():
     from m3serve.model.known_configs import known_config
     raw = known_config("MiniMaxAI/MiniMax-M3.1-Flash").load()
