@@ -34,6 +34,10 @@ def test_every_layer_is_sparse_with_its_index_cache(tiny_m31_dir):
     runner = PagedRunner(model, num_blocks=8)
     assert all(c is not None and c.shape == (8, 16, 32) for c in runner.runner.index_caches)
     assert all(a.is_sparse for a in model.attention_layers)
+    # the pool is sized with 5 index layers: fp32, per token 5 x (K+V 2 x 2 heads x 32 x 4 B) +
+    # 5 x (index key 32 x 4 B) = 3200 B (the M3 flavor's 3 index layers would make it 2944 B: 21 blocks)
+    llm = LLM(model=str(tiny_m31_dir), dtype="float32", kv_cache_memory=20 * 16 * 3200)
+    assert llm.engine.worker.num_blocks == 20
 
 
 def test_reference_equals_serving_model(tiny_m31_dir, reference):
