@@ -105,6 +105,14 @@ def test_responses_reasoning_effort_maps_to_the_level(scripted_server, effort, t
 def test_responses_effort_outside_its_levels_is_a_400(scripted_server):
     r = _post(scripted_server, "/v1/responses", {"input": "hi", "reasoning": {"effort": "ultra"}})
     assert r.status_code == 400 and "reasoning.effort" in r.text
+    r = _post(scripted_server, "/v1/responses", {"input": "hi", "chat_template_kwargs": {"reasoning_effort": "x"}})
+    assert r.status_code == 400 and "chat_template_kwargs.reasoning_effort must be one of" in r.text
+    # an explicit chat_template_kwargs level wins over reasoning.effort's
+    r = _post(scripted_server, "/v1/responses", {"input": "hi", "reasoning": {"effort": "high"},
+                                                 "chat_template_kwargs": {"reasoning_effort": "low"},
+                                                 "max_output_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert "<effort>low</effort>" in _received_prompt(scripted_server)
 
 
 def _messages_prompt(server, **extra) -> httpx.Response:
