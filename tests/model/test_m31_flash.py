@@ -146,3 +146,16 @@ def test_llm_chat_takes_the_reasoning_effort_through_chat_template_kwargs(tiny_m
     assert out.prompt.startswith("]~!b[]~b]system\n<effort>medium</effort>[e~[\n")
     with pytest.raises(ValueError, match="chat_template_kwargs.reasoning_effort must be one of"):
         llm.chat(ask, params, use_tqdm=False, chat_template_kwargs={"reasoning_effort": "ultra"})
+
+
+def test_make_tiny_flavor_cli_is_deterministic_and_checked(tmp_path, tiny_m31_dir, capsys):
+    from m3serve.cli import main
+    assert main(["make-tiny", str(tmp_path / "a"), "--flavor", "m3.1-flash"]) == 0
+    for f in ("model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / "a" / f).read_bytes() == (tiny_m31_dir / f).read_bytes(), f
+    with pytest.raises(SystemExit):
+        main(["make-tiny", str(tmp_path / "b"), "--flavor", "m3.2"])
+    assert "invalid choice: 'm3.2'" in capsys.readouterr().err
+    assert main(["make-tiny", str(tmp_path / "c"), "--flavor", "m3.1-flash", "--draft", "mtp"]) != 0
+    assert "--flavor picks the target model's layout" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
