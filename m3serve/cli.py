@@ -38,6 +38,9 @@ def cmd_serve(args) -> int:
 
 def cmd_make_tiny(args) -> int:
     if args.draft is not None:
+        if args.flavor != "m3":
+            raise ValueError("--flavor picks the target model's layout; with --draft, write the target "
+                             "first (make-tiny DIR --flavor ...) and pass it as --target")
         from m3serve.spec.tiny_drafts import make_draft
 
         path = make_draft(args.dir, args.draft, args.target, seed=args.seed, weights=not args.no_weights)
@@ -53,8 +56,9 @@ def cmd_make_tiny(args) -> int:
         return 0
     from m3serve.model.tiny import make_tiny
 
-    path = make_tiny(args.dir, seed=args.seed)
-    print(f"wrote the tiny MiniMax-M3 checkpoint to {path}")
+    path = make_tiny(args.dir, seed=args.seed, flavor=args.flavor)
+    name = "MiniMax-M3.1-Flash (MSA in every layer)" if args.flavor == "m3.1-flash" else "MiniMax-M3"
+    print(f"wrote the tiny {name} checkpoint to {path}")
     return 0
 
 
@@ -95,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
+    from m3serve.model.flavor import FLAVORS
+    tiny.add_argument("--flavor", default="m3", choices=FLAVORS,
+                      help="m3: dense and MSA attention layers mixed; m3.1-flash: MSA in every layer "
+                           "(MiniMax-M3.1-Flash's layout, bf16 weights)")
     tiny.add_argument("--draft", default=None, choices=("eagle3", "eagle3-gqa", "mtp"),
                       help="write a random draft checkpoint for --target instead")
     tiny.add_argument("--target", default=None, help="the target checkpoint the draft is sized for "

@@ -222,7 +222,8 @@ def main(args) -> dict:
               "enable_expert_parallel": parallel.enable_expert_parallel, "gpus": parallel.world_size,
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "weights_per_gpu_bytes": p.total_weight_bytes, "weights_per_gpu": p.weight_bytes,
-              "kv_heads_per_gpu": p.kv_heads_per_rank,
+              "kv_heads_per_gpu": p.kv_heads_per_rank, "flavor": cfg.flavor,
+              "index_cache_layers": len(cfg.sparse_layer_ids),
               "kv_bytes_per_token_per_gpu": p.total_kv_bytes_per_token,
               "kv_bytes_per_token_per_gpu_by_cache": p.kv_bytes_per_token,
               "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -252,7 +253,8 @@ def _render(r: dict, cfg: M3Config) -> str:
     kv = r["kv_bytes_per_token_per_gpu_by_cache"]
     draft = f" + draft {kv['draft']:,}" if "draft" in kv else ""
     lines.append(f"  KV cache per token per GPU: {r['kv_bytes_per_token_per_gpu']:,} B "
-                 f"(main {kv['main']:,} + index {kv['index']:,}{draft}){replicated}")
+                 f"(main {kv['main']:,} + index {kv['index']:,} in {r['index_cache_layers']} of "
+                 f"{cfg.num_hidden_layers} layers{draft}){replicated}")
     if r["kv_budget_bytes"] <= 0:
         lines.append(f"  DOES NOT FIT: the weights alone exceed {r['gpu_memory_utilization']:.0%} of "
                      f"{r['gpu_memory_gib']:.1f} GiB per GPU (less 2 GiB for activations)")

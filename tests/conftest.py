@@ -31,6 +31,13 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_m31_dir(tmp_path_factory) -> Path:
+    """The tiny model in MiniMax-M3.1-Flash's flavor: MSA (and an index cache) in every layer."""
+    from m3serve.model.tiny import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tiny_m31"), seed=0, flavor="m3.1-flash")
+
+
+@pytest.fixture(scope="session")
 def hf_checkpoints(tiny_dir, tmp_path_factory):
     """transformers models built from the tiny checkpoint, saved both ways.
 

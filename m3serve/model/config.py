@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from m3serve.model.flavor import M31_FLASH, check_m31_flash, flavor_of
+
 SPARSE = "minimax_m3_sparse"
 FULL = "full_attention"
 
@@ -88,6 +90,8 @@ class M3Config:
     # ranks (`bench make-realshape --tp-rank N --ep`): it holds experts [rank * E / size, ...)
     # and computes only the rows routed to them, with no collectives; None = a whole model
     expert_view: tuple[int, int] | None = None
+    # "m3" or "m3.1-flash" (MSA in every layer): see model/flavor.py
+    flavor: str = "m3"
 
     @property
     def sparse_layer_ids(self) -> list[int]:
@@ -104,7 +108,7 @@ class M3Config:
         d = {f.name: getattr(self, f.name) for f in fields(self)
              if f.name not in ("rope_theta", "rotary_dim", "index_init_blocks", "torch_dtype",
                                "vision_config", "layer_types", "mlp_layer_types", "rope_yarn",
-                               "expert_view")}
+                               "expert_view", "flavor")}
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
@@ -221,6 +225,20 @@ def parse_config(raw: dict) -> M3Config:
         if t not in ("dense", "sparse"):
             raise _bad(src, t, "entries must be 'dense' or 'sparse'")
 
+    disabled = sparse_cfg.get("sparse_disable_index_value")
+    if disabled is not None:
+        if not isinstance(disabled, list) or len(disabled) != n_layers:
+            raise _bad("sparse_attention_config.sparse_disable_index_value", disabled,
+                       f"needs {n_layers} entries (num_hidden_layers)")
+        with_value = [i for i, t in enumerate(layer_types) if t == SPARSE and not disabled[i]]
+        if with_value:
+            raise _bad("sparse_attention_config.sparse_disable_index_value", disabled,
+                       f"layers {with_value[:5]} are sparse with an index value projection, which "
+                       f"MiniMax-M3 does not have and m3serve does not support (must be 1 for every MSA layer)")
+    flavor = flavor_of([t == SPARSE for t in layer_types])
+    if flavor == M31_FLASH:
+        check_m31_flash(text, sparse_cfg)
+
     block = flat.get("index_block_size", 128)
     if not isinstance(block, int) or block <= 0 or block % 16:
         raise _bad("index_block_size (sparse_block_size)", block, "must be a positive multiple of 16")
@@ -259,7 +277,7 @@ def parse_config(raw: dict) -> M3Config:
         raise _bad("num_experts_per_tok", top_k, f"must be in [1, num_local_experts={n_experts}]")
     expert_view = _expert_view(text.get("expert_parallel_view"), n_experts)
     return M3Config(
-        expert_view=expert_view,
+        expert_view=expert_view, flavor=flavor,
         vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
         intermediate_size=text.get("intermediate_size", 3072),

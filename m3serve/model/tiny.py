@@ -3,6 +3,10 @@ deterministically (config.json in the checkpoint's VL layout with legacy sparse 
 model.safetensors in the original tensor naming, a real byte-level BPE tokenizer and chat template).
 
 Block size 16 with top-4 blocks, so prompts of a few hundred tokens exercise block selection.
+Flavors (model/flavor.py): "m3" mixes dense and MSA attention layers; "m3.1-flash" is MSA in every
+layer, in MiniMax-M3.1's config layout (no MTP keys, the sparse init block written out as 1, the
+value reported for M3.1). The weights are written in bf16; quantised layouts are a separate step
+over the same config and weights.
 """
 from __future__ import annotations
 
@@ -13,13 +17,17 @@ import torch
 from safetensors.torch import save_file
 
 from m3serve.model.config import canonical_shapes, parse_config
+from m3serve.model.flavor import FLAVORS, M31_FLASH
 
 TINY_VOCAB = 2048
 
 
 def tiny_config_dict(vocab_size: int = TINY_VOCAB, bos_token_id: int | None = None,
-                     eos_token_id: int | None = None) -> dict:
-    """config.json of the tiny model: 5 layers mixing dense/MSA attention and dense/MoE MLPs."""
+                     eos_token_id: int | None = None, flavor: str = "m3") -> dict:
+    """config.json of the tiny model: 5 layers, dense MLPs in the first two and MoE after;
+    attention dense/MSA mixed ("m3") or MSA in every layer ("m3.1-flash")."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor {flavor!r} is not one of {list(FLAVORS)}")
     text = {
         "architectures": ["MiniMaxM3SparseForCausalLM"],
         "model_type": "minimax_m3_vl_text",
@@ -42,6 +50,11 @@ def tiny_config_dict(vocab_size: int = TINY_VOCAB, bos_token_id: int | None = No
         "tie_word_embeddings": False,
         "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
     }
+    if flavor == M31_FLASH:
+        sparse = text["sparse_attention_config"]
+        sparse["sparse_attention_freq"] = [1] * text["num_hidden_layers"]
+        sparse["sparse_disable_index_value"] = [1] * text["num_hidden_layers"]
+        sparse["sparse_init_block"] = 1
     vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 1, "num_attention_heads": 2, "patch_size": 14,
               "image_size": 56}
@@ -71,15 +84,16 @@ def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny checkpoint into `out_dir` (created if needed). Same seed -> same bytes."""
+def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3") -> Path:
+    """Write the tiny checkpoint of `flavor` into `out_dir` (created if needed). Same seed and
+    flavor -> same bytes."""
     from m3serve.model.tokenizer_build import special_token_ids, write_tiny_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(out)                 # the stored TINY_VOCAB-token tokenizer
     ids = special_token_ids(out)
-    raw = tiny_config_dict(TINY_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"])
+    raw = tiny_config_dict(TINY_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"], flavor=flavor)
     cfg = parse_config(raw)
     weights = {"language_model." + k: v for k, v in random_weights(cfg, seed).items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -2,7 +2,8 @@
 
 Owns the sandboxed jinja2 environment (configured like transformers' `apply_chat_template`, so a
 template renders the same here and there), validation of OpenAI-style messages with errors that
-name the message index and field, and the normalisation of content parts and tool-call arguments.
+name the message index and field, the normalisation of content parts and tool-call arguments,
+and the template variables the APIs set (`thinking_mode`, MiniMax-M3.1's `reasoning_effort`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool")
 THINKING_MODES = ("enabled", "disabled", "adaptive")
+# MiniMax-M3.1's reasoning-effort levels, most to least; the template writes the level into the
+# system prompt as <effort>LEVEL</effort>
+REASONING_EFFORTS = ("max", "xhigh", "high", "medium", "low")
 # Older or alternative names clients use for an assistant message's reasoning text.
 _REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
 
@@ -145,6 +149,29 @@ def _validate_tools(tools: Any) -> list[dict]:
     return tools
 
 
+def check_reasoning_effort(effort: Any, where: str = "reasoning_effort") -> str:
+    """`effort` if it is one of REASONING_EFFORTS, else a ValueError naming `where` and the levels."""
+    if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+        raise ValueError(f"{where} must be one of {list(REASONING_EFFORTS)} (MiniMax-M3.1's levels), got {effort!r}")
+    return effort
+
+
+def template_kwargs(defaults: dict, own: dict | None, effort: str | None = None,
+                    where: str = "reasoning_effort") -> dict:
+    """A request's template variables: the server's `defaults`, then the request's own
+    chat_template_kwargs, then its reasoning-effort field (`where` names it) as
+    `reasoning_effort`. An effort field and a different chat_template_kwargs.reasoning_effort in
+    the same request are a ValueError."""
+    kwargs = {**defaults, **(own or {})}
+    if effort is None:
+        return kwargs
+    check_reasoning_effort(effort, where)
+    given = (own or {}).get("reasoning_effort")
+    if given is not None and given != effort:
+        raise ValueError(f"{where} {effort!r} and chat_template_kwargs.reasoning_effort {given!r} disagree")
+    return {**kwargs, "reasoning_effort": effort}
+
+
 def render_chat(
     template: str,
     messages: list[dict],
@@ -159,7 +186,7 @@ def render_chat(
 
     Content may be a string or a list of {"type": "text", "text": ...} parts (joined). Assistant
     tool-call arguments may be a JSON string or an object; both render identically. Extra template
-    variables (e.g. thinking_mode) come from chat_template_kwargs. Raises ValueError for malformed
+    variables (e.g. thinking_mode, reasoning_effort) come from chat_template_kwargs. Raises ValueError for malformed
     input, naming the message index and field.
     """
     if not isinstance(messages, list) or not messages:
@@ -171,6 +198,9 @@ def render_chat(
         raise ValueError(
             f"chat_template_kwargs.thinking_mode must be one of {list(THINKING_MODES)}, got {thinking_mode!r}"
         )
+    effort = kwargs.get("reasoning_effort")
+    if effort is not None:
+        check_reasoning_effort(effort, "chat_template_kwargs.reasoning_effort")
     reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & kwargs.keys()
     if reserved:
         raise ValueError(f"chat_template_kwargs may not override {sorted(reserved)}")

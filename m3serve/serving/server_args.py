@@ -7,7 +7,7 @@ import argparse
 import json
 from dataclasses import dataclass, field
 
-from m3serve.serving.chat_template import THINKING_MODES
+from m3serve.serving.chat_template import THINKING_MODES, check_reasoning_effort
 from m3serve.serving.reasoning import get_reasoning_parser
 from m3serve.serving.tool_parser import get_tool_parser
 
@@ -66,6 +66,9 @@ class ServerConfig:
         if mode is not None and mode not in THINKING_MODES:
             raise ValueError(f"default_chat_template_kwargs.thinking_mode must be one of "
                              f"{list(THINKING_MODES)}, got {mode!r}")
+        effort = self.default_chat_template_kwargs.get("reasoning_effort")
+        if effort is not None:
+            check_reasoning_effort(effort, "default_chat_template_kwargs.reasoning_effort")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval}")
         if self.metric_names not in METRIC_NAMES:
@@ -96,7 +99,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", default=None, help="path of a jinja chat template file")
     group.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
                        help='JSON object merged under each request\'s chat_template_kwargs, '
-                            'e.g. \'{"thinking_mode": "disabled"}\'')
+                            'e.g. \'{"thinking_mode": "disabled"}\' or \'{"reasoning_effort": "high"}\'')
     group.add_argument("--reasoning-parser", default=None, help="minimax_m3")
     group.add_argument("--tool-call-parser", default=None, help="minimax_m3")
     group.add_argument("--enable-auto-tool-choice", action="store_true")

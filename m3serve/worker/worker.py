@@ -186,4 +186,6 @@ class Worker:
             "expert_inter_local": ex.inter_local if ex else 0,
             "vocab_rows": self.model.lm_head.rows, "num_blocks": self.num_blocks,
             "num_batch_rows": self.runner.batch.num_rows if self.runner else 0,
+            "index_cache_layers": ([i for i, c in enumerate(self.runner.index_caches) if c is not None]
+                                   if self.runner else []),
         }

@@ -221,3 +221,26 @@ def test_matches_transformers_apply_chat_template(tmp_path):
                                     thinking_mode="enabled")
     assert ours == theirs
     assert EXPECTED_CALL in ours
+
+
+def test_reasoning_effort_in_the_system_turn_and_checked_by_the_template_itself():
+    """The template writes M3.1's level and refuses others on its own (other renderers, e.g.
+    transformers' apply_chat_template, do not run our checks)."""
+    import jinja2
+    ask = [{"role": "user", "content": "hi"}]
+    assert render_chat(TEMPLATE, ask, chat_template_kwargs={"reasoning_effort": "xhigh"}) == \
+        "]~!b[]~b]system\n<effort>xhigh</effort>[e~[\n]~b]user\nhi[e~[\n]~b]ai\n"
+    assert render_chat(TEMPLATE, ask, chat_template_kwargs={"reasoning_effort": None}) == render_chat(TEMPLATE, ask)
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = lambda message: (_ for _ in ()).throw(ValueError(message))
+    raw = env.from_string(TEMPLATE)
+    assert "<effort>low</effort>" in raw.render(messages=ask, add_generation_prompt=True, reasoning_effort="low")
+    with pytest.raises(ValueError, match="reasoning_effort must be one of max, xhigh, high, medium, low; got fast"):
+        raw.render(messages=ask, add_generation_prompt=True, reasoning_effort="fast")
+
+
+def test_server_default_reasoning_effort_is_checked_at_startup():
+    from m3serve.serving.server_args import ServerConfig
+    assert ServerConfig(default_chat_template_kwargs={"reasoning_effort": "max"})
+    with pytest.raises(ValueError, match=r"default_chat_template_kwargs.reasoning_effort must be one of .* got 'huge'"):
+        ServerConfig(default_chat_template_kwargs={"reasoning_effort": "huge"})

@@ -74,6 +74,17 @@ def test_kv_bytes_per_token(real):
         assert p.total_kv_bytes_per_token == 45_312
 
 
+def test_flash_kv_bytes_count_an_index_cache_in_every_layer():
+    from m3serve.model.known_configs import known_config
+    flash = parse_config(known_config("MiniMaxAI/MiniMax-M3.1-Flash").load())
+    # 60 MSA layers x (K+V 2 x 4 heads x 128 x 2 B + index key 128 x 2 B); 69,120 with both in fp8
+    assert plan(flash, ParallelConfig()).total_kv_bytes_per_token == 138_240
+    assert plan(flash, ParallelConfig(), kv_cache_dtype="fp8",
+                index_cache_dtype="fp8").total_kv_bytes_per_token == 69_120
+    # three more index layers than M3: 3 x 256 B per token more at every TP size
+    assert plan(flash, ParallelConfig(tensor_parallel_size=8)).total_kv_bytes_per_token == 45_312 + 3 * 256
+
+
 def test_capacity_on_h200s(real):
     mem = int(H200_MEMORY_GIB * GIB)
     p = plan(real, ParallelConfig(tensor_parallel_size=8))

@@ -49,6 +49,10 @@ def test_flash_is_labelled_reconstructed_and_all_msa(capsys):
     assert "RECONSTRUCTED" in result["config_source"]
     assert result["kv_bytes_per_token_per_gpu_by_cache"]["index"] == 60 * 128 * 2     # MSA in every layer
     assert "NVFP4" in result["quantization_note"]
+    assert (result["flavor"], result["index_cache_layers"]) == ("m3.1-flash", 60)
+    capsys.readouterr()
+    run("MiniMaxAI/MiniMax-M3.1-Flash", "-tp", "8")
+    assert "index 15,360 in 60 of 60 layers" in capsys.readouterr().out
 
 
 def test_unknown_hub_id_still_needs_the_network():

@@ -12,12 +12,12 @@ from m3serve.model.tiny import make_tiny
 
 # sha256 of make_tiny(dir, seed=0). Change them only on purpose: a new value is a new default model.
 PINNED = {
-    "chat_template.jinja": "7f195b90f4706bad400414521fae4231d2e717c211cc6d5401f7862908ed5c6c",
+    "chat_template.jinja": "57462af8001049cbda3dd9f8bc0cda648465304d7d104865fbdb51ec1a026407",
     "config.json": "53b6c5264a741be1afd9f68550c94a4a102c86eb539ec7af934db5b4aa2ba93c",
     "generation_config.json": "5aba2b1670757fe92c8875bf2ba18e681feec405dcf77226f7f9c086075489b2",
     "model.safetensors": "ac48e1d1b6f1cb04d97f8ed189924ec52fa25a41cf7b423b226447764e2f3208",
     "tokenizer.json": "bf0aef49926c0c27267b63a9f4e4df3518d22119dc1fa0ff54c2edf7ea4cf6ed",
-    "tokenizer_config.json": "1e20735bf094983fcfa21a4e3d58680633f04cacc8def01c2e101780be6de097",
+    "tokenizer_config.json": "d9c8cb9cfbef1e8e2cdcb59618883df76b8327b4a65c8e46392335b5040d5333",
 }
 
 

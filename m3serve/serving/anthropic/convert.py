@@ -9,12 +9,15 @@ path (`messages.1.content.0.input: ...`). What maps where:
   `redacted_thinking` holds no readable text and is skipped; `tool_use` → `tool_calls` (input as
   the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it);
 - `image` / `document` blocks → a 400 until vision lands;
-- `cache_control` on any block or tool is accepted (prefix caching is automatic).
+- `cache_control` on any block or tool is accepted (prefix caching is automatic);
+- `output_config.effort` → the template's `reasoning_effort` (MiniMax-M3.1's levels).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+from m3serve.serving.chat_template import REASONING_EFFORTS
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,7 @@ class ChatForm:
     tool_choice: object                   # "auto" | "none" | "required" | {"type": "function", ...}
     thinking_mode: str | None             # the template's; None = the server's default
     budget_tokens: int | None             # thinking budget (thinking.type "enabled")
+    reasoning_effort: str | None = None   # output_config.effort: the template's reasoning_effort
 
 
 def _fail(path: str, message: str):
@@ -254,10 +258,25 @@ def thinking_of(thinking) -> tuple[str | None, int | None]:
     _fail("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
 
 
+def effort_of(output_config) -> str | None:
+    """`output_config.effort` (Anthropic's levels low, medium, high, xhigh, max are MiniMax-M3.1's
+    too) or None; its other keys do not apply here and are logged."""
+    if output_config is None:
+        return None
+    output_config = _obj(output_config, "output_config")
+    other = sorted(set(output_config) - {"effort"})
+    if other:
+        logger.debug("messages: ignoring output_config keys that do not apply here: %s", other)
+    effort = output_config.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        _fail("output_config.effort", f"must be one of {list(REASONING_EFFORTS)}, got {effort!r}")
+    return effort
+
+
 def chat_form(request) -> ChatForm:
     """The chat form of a MessagesRequest or CountTokensRequest (ValueError naming the field)."""
     messages = messages_of(request.system, request.messages)
     tools = tools_of(request.tools)
     tool_choice = tool_choice_of(request.tool_choice, tools)
     mode, budget = thinking_of(request.thinking)
-    return ChatForm(messages, tools, tool_choice, mode, budget)
+    return ChatForm(messages, tools, tool_choice, mode, budget, effort_of(request.output_config))

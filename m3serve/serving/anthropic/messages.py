@@ -55,6 +55,8 @@ def render(ctx: ServerContext, request: CountTokensRequest) -> Prompt:
     kwargs = dict(ctx.default_chat_template_kwargs)
     if form.thinking_mode is not None:
         kwargs["thinking_mode"] = form.thinking_mode
+    if form.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = form.reasoning_effort
     tool_parser = None
     if form.tools and form.tool_choice != "none":
         tool_parser = ctx.tool_call_parser or DEFAULT_PARSER

@@ -33,8 +33,8 @@ class _Body(BaseModel):
 
 # Fields Anthropic's API defines that do not apply to a local model: accepted, logged at debug
 # level, otherwise ignored (Claude Code sends several of them on every request).
-NOT_APPLICABLE = ("context_management", "service_tier", "container", "mcp_servers", "output_config",
-                  "betas", "inference_geo")
+NOT_APPLICABLE = ("context_management", "service_tier", "container", "mcp_servers", "betas",
+                  "inference_geo")
 
 
 class CountTokensRequest(_Body):
@@ -50,7 +50,7 @@ class CountTokensRequest(_Body):
     service_tier: Any = None
     container: Any = None
     mcp_servers: Any = None
-    output_config: Any = None
+    output_config: Any = None          # its `effort` is MiniMax-M3.1's reasoning effort; the rest is ignored
     betas: Any = None
     inference_geo: Any = None
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from m3serve.core.core_client import EngineError
 from m3serve.sampling_params import StructuredOutputsParams
-from m3serve.serving.chat_template import render_chat
+from m3serve.serving.chat_template import render_chat, template_kwargs
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field, merge,
                                            sse, engine_error_event, usage_block)
 from m3serve.serving.openai.engine import clamp_logprob, prompt_logprobs_field, top_entries
@@ -118,7 +118,8 @@ def _tool_setup(ctx: ServerContext, request: ChatCompletionRequest):
 def render_request(ctx: ServerContext, request: ChatCompletionRequest):
     """(prompt text, token ids, (tools, tool_choice, use_tools), template kwargs) of a request."""
     tool_setup = _tool_setup(ctx, request)
-    kwargs = {**ctx.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+    kwargs = template_kwargs(ctx.default_chat_template_kwargs, request.chat_template_kwargs,
+                             request.reasoning_effort)
     prompt = render_chat(ctx.chat_template, request.messages, tools=tool_setup[0],
                          add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs)
     return prompt, ctx.engine.encode(prompt), tool_setup, kwargs

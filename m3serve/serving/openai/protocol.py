@@ -282,6 +282,9 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # MiniMax-M3.1's level (max, xhigh, high, medium, low), given to the chat template as
+    # `reasoning_effort`; checked when the prompt is rendered
+    reasoning_effort: str | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -295,6 +298,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None          # as in chat completions
     tools: list[ToolDefinition] | None = None
 
 

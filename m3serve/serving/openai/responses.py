@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from m3serve.core.core_client import EngineDeadError, RequestFailed
 from m3serve.sampling_params import StructuredOutputsParams
+from m3serve.serving.chat_template import REASONING_EFFORTS
 from m3serve.serving.openai.chat import _Choice, render_request
 from m3serve.serving.openai.common import ServerContext, admit, collect, internal_error, merge
 from m3serve.serving.openai.protocol import APIError, ChatCompletionRequest, validation_message
@@ -198,6 +199,8 @@ class ResponsesAPI:
         effort = request.reasoning.effort if request.reasoning else None
         if effort is not None and "thinking_mode" not in kwargs:
             kwargs["thinking_mode"] = EFFORT_TO_THINKING_MODE[effort]
+        if effort in REASONING_EFFORTS and "reasoning_effort" not in kwargs:
+            kwargs["reasoning_effort"] = effort      # M3.1's level of the same name
         fmt = response_format(request.text.format if request.text else None)
         if fmt is not None and kwargs.get("thinking_mode", ctx.default_chat_template_kwargs.get("thinking_mode")) \
                 == "enabled":

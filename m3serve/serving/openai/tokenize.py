@@ -1,7 +1,7 @@
 """`GET /v1/models`, `POST /tokenize` and `POST /detokenize` (vLLM's shapes)."""
 from __future__ import annotations
 
-from m3serve.serving.chat_template import render_chat
+from m3serve.serving.chat_template import render_chat, template_kwargs
 from m3serve.serving.openai.common import ServerContext
 from m3serve.version import package_version
 from m3serve.serving.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -18,7 +18,8 @@ def tokenize(ctx: ServerContext, request: TokenizeRequest) -> dict:
     if (request.prompt is None) == (request.messages is None):
         raise ValueError("tokenize needs exactly one of prompt or messages")
     if request.messages is not None:
-        kwargs = {**ctx.default_chat_template_kwargs, **(request.chat_template_kwargs or {})}
+        kwargs = template_kwargs(ctx.default_chat_template_kwargs, request.chat_template_kwargs,
+                                 request.reasoning_effort)
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         text = render_chat(ctx.chat_template, request.messages, tools=tools,
                            add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs)

@@ -1,0 +1,79 @@
+"""P/D on MiniMax-M3.1-Flash's all-MSA tiny model: the producer offers, and the consumer pulls,
+the index cache of every layer (the dense-MLP layers 0-1 included) beside the K/V planes; with the
+consumer's caches NaN-poisoned first, its greedy tokens equal the dense reference's, so no plane
+was left behind. An M3 consumer is refused by an M3.1 producer's layout, naming the planes."""
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from m3serve.config import EngineConfig
+from m3serve.disagg.layout import LayoutMismatch, check_compatible
+from m3serve.disagg.params import KVTransferParams, parse_kv_transfer_params
+from m3serve.llm import LLMEngine
+from m3serve.protocol import EngineCoreRequest
+from m3serve.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from refgreedy import reference_greedy, reference_model  # noqa: E402
+
+
+def _engine(model_dir, role: str) -> LLMEngine:
+    config = EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", kv_transfer_config=json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": role}))
+    return LLMEngine(config, progress=False)
+
+
+def _run(engine: LLMEngine, request: EngineCoreRequest, timeout_s: float = 60.0):
+    """Step `engine` until `request` finishes: (token ids, kv_transfer_params)."""
+    engine.core.add_requests([request])
+    tokens, params = [], None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for out in engine.core.step():
+            if out.request_id != request.request_id:
+                continue
+            assert out.finish_reason != "error", out
+            tokens += out.new_token_ids
+            params = out.kv_transfer_params or params
+            if out.finish_reason is not None:
+                return tokens, params
+        time.sleep(0.001)
+    raise AssertionError(f"request {request.request_id} did not finish in {timeout_s} s")
+
+
+def _index_planes(engine: LLMEngine) -> list[str]:
+    return sorted(r.name for r in engine.worker.kv_connector.regions if r.name.endswith(".index"))
+
+
+def test_consumer_pulls_every_layers_index_cache(tiny_m31_dir, tiny_dir):
+    producer = _engine(tiny_m31_dir, "kv_producer")
+    consumer = _engine(tiny_m31_dir, "kv_consumer")
+    try:
+        assert _index_planes(producer) == _index_planes(consumer) == [f"{i}.index" for i in range(5)]
+        for plane in [*consumer.worker.runner.kv_caches, *consumer.worker.runner.index_caches]:
+            plane.fill_(float("nan"))
+        ids = torch.randint(0, 2000, (75,), generator=torch.Generator().manual_seed(31)).tolist()
+        want = reference_greedy(reference_model(tiny_m31_dir), ids, 6)
+        _, params = _run(producer, EngineCoreRequest(
+            f"prefill-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=1), None, time.time(),
+            kv_transfer_params=KVTransferParams(do_remote_decode=True)))
+        got, _ = _run(consumer, EngineCoreRequest(
+            f"decode-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=6), None, time.time(),
+            kv_transfer_params=parse_kv_transfer_params(params)))
+        stats = consumer.core.scheduler.connector.stats
+        assert (stats.pulls_done, stats.fallbacks) == (1, 0)
+        assert got == want
+        m3 = _engine(tiny_dir, "kv_consumer")
+        try:
+            with pytest.raises(LayoutMismatch, match=r"missing there: \[\], extra there: \['0.index', '4.index'\]"):
+                check_compatible(m3.worker.kv_connector.regions, producer.worker.kv_connector.regions, 16, 16)
+        finally:
+            m3.shutdown()
+    finally:
+        consumer.shutdown()
+        producer.shutdown()

@@ -1,0 +1,34 @@
+"""Test helper: the dense reference (`model/reference.py`) over a checkpoint's own tensors, and
+its greedy continuation with a guard against near-ties."""
+from __future__ import annotations
+
+import torch
+
+from m3serve.model.config import load_config
+from m3serve.model.loader import canonicalize, iter_checkpoint, materialize, weight_files
+from m3serve.model.reference import ReferenceM3
+
+
+def canonical_weights(model_dir) -> dict:
+    """Every text tensor of the checkpoint in canonical names, as fp32."""
+    out = {}
+    for _, key, t in iter_checkpoint(weight_files(model_dir)):
+        for name, tensor in canonicalize(key, t) or []:
+            out[name] = materialize(tensor).float()
+    return out
+
+
+def reference_model(model_dir) -> ReferenceM3:
+    return ReferenceM3(load_config(model_dir), canonical_weights(model_dir))
+
+
+def reference_greedy(ref: ReferenceM3, prompt: list[int], n: int, margin: float = 1e-3) -> list[int]:
+    """The reference's greedy continuation of `prompt`; each chosen token leads its runner-up by
+    `margin` (fp32 logits), so last-bit differences of a batched, paged engine cannot flip it."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = ref.forward(torch.tensor(ids))[0][-1]
+        top = logits.topk(2).values
+        assert top[0] - top[1] >= margin, f"near-tie in the reference at length {len(ids)}"
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
