@@ -16,6 +16,7 @@ from torch import nn
 
 from m3serve.distributed import GroupInfo
 from m3serve.layers.dispatch import use_triton
+from m3serve.layers.packed import is_row_scale, packed_format, packed_linear, row_fill
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A linear layer's forward: FP8 GEMM once quantised (`layers/quant.py`), else `linear`."""
+    """A linear layer's forward: packed codes (`layers/packed.py`), FP8 GEMM once quantised
+    online (`layers/quant.py`), else `linear`."""
+    if packed_format(module, "weight") is not None:
+        return packed_linear(x, module)
     scale = getattr(module, "weight_scale", None)
     if scale is not None:
         from m3serve.layers.quant import fp8_linear
@@ -59,6 +63,9 @@ def check_shape(full: torch.Tensor, expected: tuple[int, ...], what: str) -> Non
 
 
 def replicated_loader(param: nn.Parameter, full: torch.Tensor, shard_id=None) -> None:
+    if is_row_scale(param):
+        param.data.fill_(row_fill(param, full, "replicated weight"))
+        return
     check_shape(full, param.shape, "replicated weight")
     param.data.copy_(full)
 
@@ -123,9 +130,12 @@ class MergedColumnParallelLinear(nn.Module):
                                     self._load, range(len(output_sizes)))
 
     def _load(self, param, full: torch.Tensor, shard_id: int) -> None:
-        check_shape(full, (self.full_sizes[shard_id], param.shape[1]), f"section {shard_id}")
         n = self.local_sizes[shard_id]
         start = sum(self.local_sizes[:shard_id])
+        if is_row_scale(param):
+            param.data[start:start + n] = row_fill(param, full, f"section {shard_id}")
+            return
+        check_shape(full, (self.full_sizes[shard_id], param.shape[1]), f"section {shard_id}")
         param.data[start:start + n].copy_(full[self.tp.rank * n:(self.tp.rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +175,11 @@ class QKVParallelLinear(nn.Module):
 
     def _load(self, param, full: torch.Tensor, shard_id: str) -> None:
         rows, first, n, size = self.sections[shard_id]
-        check_shape(full, (rows, param.shape[1]), f"{shard_id} projection")
         off = self.offsets[shard_id]
+        if is_row_scale(param):
+            param.data[off:off + n * size] = row_fill(param, full, f"{shard_id} projection")
+            return
+        check_shape(full, (rows, param.shape[1]), f"{shard_id} projection")
         param.data[off:off + n * size].copy_(full[first * size:(first + n) * size])
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -190,9 +203,13 @@ class RowParallelLinear(nn.Module):
                                     self._load, [None])
 
     def _load(self, param, full: torch.Tensor, shard_id=None) -> None:
-        check_shape(full, (param.shape[0], self.in_local * self.tp.size), "row-parallel weight")
+        if is_row_scale(param):
+            param.data.fill_(row_fill(param, full, "row-parallel weight"))
+            return
+        k = param.shape[1]           # this rank's columns: of the weight, its codes or its scales
+        check_shape(full, (param.shape[0], k * self.tp.size), "row-parallel weight")
         r = self.tp.rank
-        param.data.copy_(full[:, r * self.in_local:(r + 1) * self.in_local])
+        param.data.copy_(full[:, r * k:(r + 1) * k])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = apply_linear(self, x)

@@ -21,6 +21,7 @@ from m3serve.layers.activation import swiglu_oai
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, attach_loader,
                                    check_shape, linear, make_param, replicated_loader)
+from m3serve.layers.packed import dequantized, is_row_scale, packed_format, row_fill
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -36,10 +37,11 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
                 ids: torch.Tensor, first_expert: int, alpha: float, limit: float) -> torch.Tensor:
     """Weighted sum over the selected experts this rank owns.
 
-    x: [T, H]; w13: [E_local, 2I, H] (gate rows then up rows); w2: [E_local, H, I];
-    weights/ids: [T, K]. Returns fp32 [T, H] (partial over ranks).
+    x: [T, H]; w13: [E_local, 2I, H] (gate rows then up rows); w2: [E_local, H, I] (tensors, or
+    `ExpertWeights` views that dequantise packed experts one at a time); weights/ids: [T, K].
+    Returns fp32 [T, H] (partial over ranks).
     """
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     local = ids - first_expert
     for e in torch.unique(local).tolist():
         if not 0 <= e < w13.shape[0]:
@@ -48,6 +50,18 @@ def experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         h = linear(swiglu_oai(linear(x[tok], w13[e]), alpha, limit), w2[e])  # [n, H]
         out.index_add_(0, tok, h.float() * weights[tok, slot, None])
     return out
+
+
+class ExpertWeights:
+    """One packed expert stack seen as dense weights: `[e]` dequantises expert e alone (to the
+    activation dtype), so the reference path never holds a whole stack dequantised."""
+
+    def __init__(self, experts: nn.Module, attr: str, dtype: torch.dtype):
+        self.experts, self.attr, self.dtype = experts, attr, dtype
+        self.shape = getattr(experts, attr).shape[:1]
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return dequantized(self.experts, self.attr, self.dtype, index=e)
 
 
 def _expert_layout(cfg, parallel: ParallelInfo) -> ParallelInfo:
@@ -110,14 +124,23 @@ class Experts(nn.Module):
 
     def _load(self, param, full: torch.Tensor, shard_id: tuple[str, int]) -> None:
         kind, e = shard_id
-        i, il, cols = e - self.first, self.inter_local, slice(self.inter_start, self.inter_start + self.inter_local)
-        if kind == "w2":
-            check_shape(full, (self.hidden, self.inter), f"expert {e} w2")
-            param.data[i].copy_(full[:, cols])
+        i, il = e - self.first, self.inter_local
+        if is_row_scale(param):
+            value = row_fill(param, full, f"expert {e} {kind}")
+            if kind == "w2":
+                param.data[i] = value
+            else:
+                param.data[i, slice(0, il) if kind == "w1" else slice(il, 2 * il)] = value
+            return
+        if kind == "w2":              # this rank's K columns: of the weight, its codes or its scales
+            k_div = getattr(param, "k_div", 1)
+            check_shape(full, (self.hidden, self.inter // k_div), f"expert {e} w2")
+            start = self.inter_start // k_div
+            param.data[i].copy_(full[:, start:start + param.shape[-1]])
         else:
-            check_shape(full, (self.inter, self.hidden), f"expert {e} {kind}")
+            check_shape(full, (self.inter, param.shape[-1]), f"expert {e} {kind}")
             rows = slice(0, il) if kind == "w1" else slice(il, 2 * il)
-            param.data[i, rows].copy_(full[cols])
+            param.data[i, rows].copy_(full[self.inter_start:self.inter_start + il])
 
 
 class DenseMLP(nn.Module):
@@ -165,14 +188,24 @@ class MoE(nn.Module):
         """Step sizes up to max_tokens that reach every tile variant of the fused kernels (the
         start-up warm-up's forwards)."""
         from m3serve.kernels.fused_moe import regime_token_counts
+        if self.is_packed:
+            return []                 # packed experts run the reference path (no fused kernel yet)
         gathered = self.dp.size if self.dp.active else 1   # DP replicas' tokens meet here
         return regime_token_counts(self.experts.num_local, self.cfg.num_experts_per_tok * gathered,
                                    max_tokens, self.experts.w13.dtype)
+
+    @property
+    def is_packed(self) -> bool:
+        """Any of the routed or shared experts' weights held as packed codes."""
+        return any(getattr(m, "packed", None) for m in (self.experts, self.shared_experts.gate_up_proj,
+                                                         self.shared_experts.down_proj))
 
     def _routed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
         """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],
         this rank's partial sum."""
         cfg = self.cfg
+        if self.is_packed:
+            return self._routed_packed(x, fold_shared)
         if use_triton("moe", x):
             from m3serve.kernels import fused_moe as fm
             gate, bias, top_k = self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok
@@ -195,6 +228,18 @@ class MoE(nn.Module):
         self.last_expert_ids = ids
         out = experts_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first,
                           cfg.swiglu_alpha, cfg.swiglu_limit)
+        return out + self.shared_experts(x).float() if fold_shared else out
+
+    def _routed_packed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
+        """The reference path for packed experts: each selected expert dequantised, then
+        multiplied (the oracle a packed fused-MoE kernel will be checked against)."""
+        cfg, ex = self.cfg, self.experts
+        weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
+                             cfg.num_experts_per_tok, cfg.routed_scaling_factor)
+        self.last_expert_ids = ids
+        w13 = ExpertWeights(ex, "w13", x.dtype) if packed_format(ex, "w13") else ex.w13
+        w2 = ExpertWeights(ex, "w2", x.dtype) if packed_format(ex, "w2") else ex.w2
+        out = experts_ref(x, w13, w2, weights, ids, ex.first, cfg.swiglu_alpha, cfg.swiglu_limit)
         return out + self.shared_experts(x).float() if fold_shared else out
 
     def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -1,0 +1,116 @@
+"""Packed weights: a layer's weight held as block-scaled codes (MXFP8, MXFP4, NVFP4) rather
+than in the model's dtype, and the one place their products are computed.
+
+A packed weight `W` of a module is three parameters: `W` itself (the codes), `W_block_scale`
+and, for NVFP4, `W_global_scale` (fp32, one per output row: a fused layer's sections may each
+bring their own). They keep the layer's `weight_loader`, which shards them like the weight: rows
+for column-parallel layers, the reduction dimension (in codes and in scale blocks) for
+row-parallel ones and the experts' down projection; a scale block may not straddle two ranks.
+`packed_linear` / `dequantized` are the reference path (dequantise in fp32, round to the
+activation dtype, multiply); a GPU kernel for packed weights is dispatched from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from m3serve.kernels.ref.packed import MX_BLOCK, NVFP4_BLOCK, dequantize
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """How one weight's codes and scales are laid out (see `kernels/ref/packed.py`)."""
+    name: str                   # for messages and `m3serve plan`
+    kind: str                   # mxfp8 | mxfp4 | nvfp4 (the dequantiser)
+    block: int                  # elements per block scale, along K
+    per_byte: int               # elements per code byte (1 or 2)
+    code_dtype: torch.dtype
+    scale_dtype: torch.dtype
+    has_global: bool = False
+    global_divides: bool = True  # NVFP4: compressed-tensors divides, ModelOpt multiplies
+
+    def bytes_per_element(self) -> float:
+        """Stored bytes per weight element, scales included (global scales ignored)."""
+        return 1 / self.per_byte + 1 / self.block
+
+
+MXFP8 = PackedFormat("mxfp8", "mxfp8", MX_BLOCK, 1, torch.float8_e4m3fn, torch.uint8)
+MXFP4 = PackedFormat("mxfp4", "mxfp4", MX_BLOCK, 2, torch.uint8, torch.uint8)
+NVFP4 = PackedFormat("nvfp4", "nvfp4", NVFP4_BLOCK, 2, torch.uint8, torch.float8_e4m3fn,
+                     has_global=True, global_divides=True)
+NVFP4_MODELOPT = PackedFormat("nvfp4-modelopt", "nvfp4", NVFP4_BLOCK, 2, torch.uint8,
+                              torch.float8_e4m3fn, has_global=True, global_divides=False)
+FORMATS = {f.name: f for f in (MXFP8, MXFP4, NVFP4, NVFP4_MODELOPT)}
+
+
+def packed_format(module: nn.Module, attr: str) -> PackedFormat | None:
+    return getattr(module, "packed", {}).get(attr)
+
+
+def _make(shape, dtype, like: nn.Parameter, k_div: int | None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=like.device), requires_grad=False)
+    p.weight_loader, p.required_shards = like.weight_loader, like.required_shards
+    p.k_div = k_div                  # None: one value per output row (a global scale)
+    return p
+
+
+def pack_param_(module: nn.Module, attr: str, fmt: PackedFormat, what: str, split: str = "") -> None:
+    """Replace `module.<attr>` ([..., N, K_local], any device incl. meta) by its packed
+    parameters, empty, with the same loader. `what` names the weight in errors; `split` says
+    how K_local came about (e.g. "input size 96 over TP 2"), for the straddle error."""
+    old = getattr(module, attr)
+    *lead, n, k = old.shape
+    if k % fmt.block:
+        how = f" ({split})" if split else ""
+        raise ValueError(f"{what}: {fmt.name} scale blocks of {fmt.block} along K would straddle "
+                         f"the parallel shards: this rank's K is {k}{how}, not a multiple of {fmt.block}")
+    setattr(module, attr, _make((*lead, n, k // fmt.per_byte), fmt.code_dtype, old, fmt.per_byte))
+    setattr(module, attr + "_block_scale", _make((*lead, n, k // fmt.block), fmt.scale_dtype, old, fmt.block))
+    if fmt.has_global:
+        setattr(module, attr + "_global_scale", _make((*lead, n), torch.float32, old, None))
+    module.packed = {**getattr(module, "packed", {}), attr: fmt}
+
+
+def set_packed_(module: nn.Module, attr: str, fmt: PackedFormat, codes: torch.Tensor,
+                block_scale: torch.Tensor, global_scale: torch.Tensor | None = None) -> None:
+    """Install already-quantised tensors as `module.<attr>` (online quantisation)."""
+    setattr(module, attr, nn.Parameter(codes, requires_grad=False))
+    setattr(module, attr + "_block_scale", nn.Parameter(block_scale, requires_grad=False))
+    if fmt.has_global:
+        setattr(module, attr + "_global_scale", nn.Parameter(global_scale, requires_grad=False))
+    module.packed = {**getattr(module, "packed", {}), attr: fmt}
+
+
+def dequantized(module: nn.Module, attr: str, dtype: torch.dtype, index=None) -> torch.Tensor:
+    """The weight `module.<attr>` (or its row `index` of a stack) dequantised and rounded to
+    `dtype`; a plain weight is returned as is."""
+    fmt = packed_format(module, attr)
+    w = getattr(module, attr)
+    if fmt is None:
+        return w if index is None else w[index]
+    b = getattr(module, attr + "_block_scale")
+    g = getattr(module, attr + "_global_scale", None) if fmt.has_global else None
+    if index is not None:
+        w, b, g = w[index], b[index], (None if g is None else g[index])
+    return dequantize(fmt.kind, w, b, g, fmt.global_divides).to(dtype)
+
+
+def packed_linear(x: torch.Tensor, module: nn.Module, attr: str = "weight") -> torch.Tensor:
+    """x [T, K] @ dequant(module.<attr>)^T -> [T, N] in x's dtype: dequantised weight times the
+    activation as it is (weight-only numerics, W8A16 / W4A16)."""
+    from m3serve.layers.linear import linear
+    return linear(x, dequantized(module, attr, x.dtype))
+
+
+def row_fill(param: nn.Parameter, full: torch.Tensor, what: str) -> torch.Tensor:
+    """A global-scale parameter's value from the checkpoint's one-element tensor, as fp32."""
+    if full.numel() != 1 or full.dim() > 1:
+        raise ValueError(f"shape mismatch for {what} global scale: checkpoint has "
+                         f"{tuple(full.shape)}, expected one value")
+    return full.reshape(()).float()
+
+
+def is_row_scale(param: nn.Parameter) -> bool:
+    return hasattr(param, "k_div") and param.k_div is None
