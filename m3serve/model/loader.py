@@ -135,10 +135,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 class LazyTensor:
-    """A tensor known by its shape, read (or made) only when `load()` is called."""
+    """A tensor known by its shape (and dtype, when the file says), read (or made) only when
+    `load()` is called."""
 
-    def __init__(self, shape: tuple[int, ...], load):
-        self.shape, self._load = tuple(shape), load
+    def __init__(self, shape: tuple[int, ...], load, dtype: torch.dtype | None = None):
+        self.shape, self._load, self.dtype = tuple(shape), load, dtype
 
     def load(self) -> torch.Tensor:
         return self._load()
@@ -146,6 +147,12 @@ class LazyTensor:
 
 def materialize(t) -> torch.Tensor:
     return t.load() if isinstance(t, LazyTensor) else t
+
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+              "F8_E8M0": torch.float8_e8m0fnu}
 
 
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, LazyTensor]]:
@@ -161,7 +168,8 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, LazyTensor]]
                         except Exception as e:
                             raise ValueError(f"corrupt safetensors file {path}: cannot read tensor "
                                              f"{key!r} ({e})") from None
-                    yield path, key, LazyTensor(f.get_slice(key).get_shape(), read)
+                    info = f.get_slice(key)
+                    yield path, key, LazyTensor(info.get_shape(), read, _ST_DTYPES.get(info.get_dtype()))
         except ValueError:
             raise
         except Exception as e:
@@ -179,16 +187,44 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: M3Config) -> torch.dtype:
 
 
 def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progress: bool = True,
-                 **fill) -> None:
+                 scheme=None, **fill) -> None:
     """Stream every checkpoint tensor into `model`'s parameters; a tensor only another rank
-    needs (another rank's experts) is checked by its shape and never read. `fill`: the
-    `device` / `on_complete` arguments of `fill_parameters`."""
+    needs (another rank's experts) is checked by its shape and never read. `scheme`: the
+    checkpoint's quantisation (`model/formats`), whose packed tensors arrive in their canonical
+    names; `fill`: the `device` / `on_complete` arguments of `fill_parameters`."""
+    from m3serve.model.formats import expected_tensors, rename
+
     def entries():
         for path, key, tensor in iter_checkpoint(weight_files(model_dir)):
-            pairs = canonicalize(key, tensor)
+            packed = rename(scheme, key) if scheme is not None else None
+            if packed is not None:
+                name, scalar = packed
+                if scalar and tensor.shape == ():          # ModelOpt writes 0-d scalars
+                    tensor = LazyTensor((1,), lambda t=tensor: materialize(t).reshape(1), tensor.dtype)
+                pairs = [(name, tensor)]
+            else:
+                pairs = canonicalize(key, tensor)
             if pairs is not None:
                 yield path.name, key, pairs
-    fill_parameters(model, cfg, entries(), f"checkpoint {model_dir}", progress, **fill)
+    expected, dtypes = expected_tensors(cfg, scheme)
+    fill_parameters(model, cfg, entries(), f"checkpoint {model_dir}", progress, expected=expected,
+                    dtypes=dtypes, to_param=packed_to_param, **fill)
+
+
+_PACKED_PARTS = ("weight_block_scale", "weight_global_scale")
+
+
+def packed_to_param(name: str) -> tuple[str | None, object]:
+    """`canonical_to_param` for packed checkpoints too: a packed linear's scales go to the
+    parameters beside its codes (`<weight param>_block_scale`, `_global_scale`); stored
+    activation scales to None (checked, not kept)."""
+    module, _, part = name.rpartition(".")
+    if part in _PACKED_PARTS:
+        pname, shard = canonical_to_param(module + ".weight")
+        return pname + part[len("weight"):], shard
+    if part in ("input_scale", "input_global_scale"):
+        return None, None
+    return canonical_to_param(name)
 
 
 def dummy_weights(cfg: M3Config, seed: int, device) -> Iterator[tuple[str, str, list]]:
@@ -213,18 +249,22 @@ def _materialize(model: torch.nn.Module, pname: str, param: torch.nn.Parameter, 
     owner, _, attr = pname.rpartition(".")
     with torch.device(device):
         real = attach_loader(make_param(param.shape, param.dtype), param.weight_loader, param.required_shards)
+    if hasattr(param, "k_div"):
+        real.k_div = param.k_div
     setattr(model.get_submodule(owner), attr, real)
     return real
 
 
 def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
                     progress: bool = True, expected: dict | None = None, to_param=None,
-                    device=None, on_complete=None) -> None:
+                    device=None, on_complete=None, dtypes: dict | None = None) -> None:
     """Copy this rank's shards of canonical tensors into `model`. `entries` yields
     (file name, original name, [(canonical name, tensor or LazyTensor)]). Every tensor of
     `expected` (default: the configuration's checkpoint tensors) must arrive exactly once with
     its expected shape, and every parameter shard must be filled, else a ValueError names the
-    tensor and `source`. `to_param` maps a canonical name to (parameter name, shard id).
+    tensor and `source`; a tensor named in `dtypes` (packed codes and scales) must have one of
+    its dtypes. `to_param` maps a canonical name to (parameter name, shard id); a None parameter
+    name means the tensor is checked and dropped.
     A parameter still on the meta device gets memory on `device` when its first shard arrives;
     `on_complete(parameter name)` runs as soon as all of a parameter's shards have arrived."""
     params = dict(model.named_parameters())
@@ -243,15 +283,25 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
                 raise ValueError(f"duplicate {where}: already read from {seen[cname]}")
             if tuple(t.shape) != expected[cname]:
                 raise ValueError(f"wrong shape for {where}: {tuple(t.shape)}, expected {expected[cname]}")
+            want = (dtypes or {}).get(cname)
+            got = getattr(t, "dtype", None)
+            if want and got is not None and got not in want:
+                names = " or ".join(str(d).replace("torch.", "") for d in want)
+                raise ValueError(f"wrong dtype for {where}: {str(got).replace('torch.', '')}, expected {names}")
             seen[cname] = file_name
             pname, shard = to_param(cname)
+            if pname is None:
+                continue
             param = params[pname]
             if shard not in required[pname]:
                 continue  # another rank's expert
             if param.is_meta:
                 param = params[pname] = _materialize(model, pname, param, device)
+            full = materialize(t)
+            if full.dtype == torch.float8_e8m0fnu:       # E8M0 scales are kept as their bytes
+                full = full.view(torch.uint8)
             try:
-                param.weight_loader(param, materialize(t), shard)
+                param.weight_loader(param, full, shard)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             loaded[pname].add(shard)
@@ -272,6 +322,43 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
             raise ValueError(f"parameter {name} was not fully loaded from {source}")
 
 
+def pack_model_(model: torch.nn.Module, cfg: M3Config, layout_of) -> None:
+    """Turn the weights `layout_of(canonical module)` says are packed into packed parameters
+    (`layers/packed.py`), before loading. The checkpoint linears fused into one parameter (q, k,
+    v and the index projections; gate and up; every routed expert's w1 and w3) must share one
+    format, else a ValueError names them."""
+    from m3serve.layers.moe import Experts
+    from m3serve.layers.linear import RowParallelLinear
+    from m3serve.layers.packed import pack_param_
+
+    from m3serve.model.formats import quantizable_modules
+
+    sources: dict[str, dict[str, object]] = {}
+    for module in quantizable_modules(cfg):
+        pname, _ = canonical_to_param(module + ".weight")
+        layout = layout_of(module)
+        sources.setdefault(pname, {})[module] = layout.fmt if layout is not None else None
+    params = dict(model.named_parameters())
+    for pname, by_module in sources.items():
+        fmts = set(by_module.values())
+        if fmts == {None} or pname not in params:
+            continue
+        if len(fmts) > 1:
+            detail = ", ".join(f"{m.rpartition('.')[2] if 'experts.' not in m else m.split('block_sparse_moe.')[1]}: "
+                               f"{f.name if f else 'unquantised'}" for m, f in list(by_module.items())[:6])
+            raise ValueError(f"the checkpoint stores the parts of one fused weight {pname} in different "
+                             f"formats ({detail}); they must share one")
+        fmt = fmts.pop()
+        owner_name, _, attr = pname.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        split = ""
+        if isinstance(owner, RowParallelLinear) and owner.tp.size > 1:
+            split = f"input size {owner.in_local * owner.tp.size} split over TP {owner.tp.size}"
+        elif isinstance(owner, Experts) and attr == "w2" and owner.inter_local != owner.inter:
+            split = f"intermediate_size {owner.inter} split {owner.inter // owner.inter_local} ways"
+        pack_param_(owner, attr, fmt, pname, split)
+
+
 def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: ParallelInfo = ParallelInfo(),
                device: str | torch.device = "cpu", progress: bool = True, load_format: str = "auto",
                seed: int = 0, quantization: str | None = None, hf_overrides: dict | None = None):
@@ -280,20 +367,29 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
     load_format "dummy" reads only config.json and makes random weights on the device."""
     from m3serve.model.minimax_m3 import MiniMaxM3ForCausalLM
 
+    from m3serve.model.config import read_config_json
+    from m3serve.model.formats import detect_scheme
+
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir, hf_overrides)
     torch_dtype = resolve_dtype(dtype, cfg)
+    scheme = detect_scheme(read_config_json(model_dir)) if load_format != "dummy" else None
+    if scheme is not None and quantization is not None:
+        raise ValueError(f"quantization={quantization!r} quantises a BF16 checkpoint online, but {model_dir} "
+                         f"is already quantised ({scheme.summary}); leave it out")
     # online FP8, weight by weight as each completes: the bf16 model never exists whole
     fp8 = quantization in ("fp8", "fp8_per_channel")
     from m3serve.model.quantize import quantize_param_fp8
-    with torch.device(device), (deferred_weights() if fp8 else contextlib.nullcontext()):
+    with torch.device(device), (deferred_weights() if fp8 or scheme else contextlib.nullcontext()):
         net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
+    if scheme is not None:
+        pack_model_(net, cfg, scheme.layout_of)
     fill = {"device": torch.device(device),
             "on_complete": (lambda name: quantize_param_fp8(net, name)) if fp8 else None}
     if load_format == "dummy":
         fill_parameters(net, cfg, dummy_weights(cfg, seed, device), "dummy weights", progress=False, **fill)
     else:
-        load_weights(net, cfg, model_dir, progress=progress, **fill)
+        load_weights(net, cfg, model_dir, progress=progress, scheme=scheme, **fill)
     if fp8 and net.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
     return net.eval(), cfg, model_dir
