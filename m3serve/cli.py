@@ -56,9 +56,10 @@ def cmd_make_tiny(args) -> int:
         return 0
     from m3serve.model.tiny import make_tiny
 
-    path = make_tiny(args.dir, seed=args.seed, flavor=args.flavor)
+    path = make_tiny(args.dir, seed=args.seed, flavor=args.flavor, quantization=args.quantization)
     name = "MiniMax-M3.1-Flash (MSA in every layer)" if args.flavor == "m3.1-flash" else "MiniMax-M3"
-    print(f"wrote the tiny {name} checkpoint to {path}")
+    kind = f" {args.quantization}" if args.quantization else ""
+    print(f"wrote the tiny {name}{kind} checkpoint to {path}")
     return 0
 
 
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write a random draft checkpoint for --target instead")
     tiny.add_argument("--target", default=None, help="the target checkpoint the draft is sized for "
                                                       "(default: the embedded tiny model)")
+    tiny.add_argument("--quantization", default=None,    # model/tiny.py QUANTIZED (no torch import here)
+                      choices=("mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark"),
+                      help="write the weights in this quantised checkpoint layout (wider MLPs: every "
+                           "scale block stays on one rank at TP 2 and 4)")
     tiny.add_argument("--no-weights", action="store_true", help="config.json only (use --load-format dummy)")
     tiny.add_argument("--train-steps", type=int, default=0,
                       help="EAGLE3: distil the draft from the target's greedy outputs for this many epochs")

@@ -61,3 +61,17 @@ def hf_checkpoints(tiny_dir, tmp_path_factory):
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             (d / f).write_bytes((tiny_dir / f).read_bytes())
     return text, hf_dir, orig_dir
+
+
+@pytest.fixture(scope="session")
+def quant_dir(tmp_path_factory):
+    """quant_dir(fmt) -> the tiny model written by `make-tiny --quantization fmt` (once per
+    session and format)."""
+    from m3serve.model.tiny import make_tiny
+    made = {}
+
+    def get(fmt: str) -> Path:
+        if fmt not in made:
+            made[fmt] = make_tiny(tmp_path_factory.mktemp(f"tiny-{fmt}"), seed=0, quantization=fmt)
+        return made[fmt]
+    return get

@@ -192,7 +192,7 @@ def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progres
     needs (another rank's experts) is checked by its shape and never read. `scheme`: the
     checkpoint's quantisation (`model/formats`), whose packed tensors arrive in their canonical
     names; `fill`: the `device` / `on_complete` arguments of `fill_parameters`."""
-    from m3serve.model.formats import expected_tensors, rename
+    from m3serve.model.formats import checkpoint_name, expected_tensors, rename
 
     def entries():
         for path, key, tensor in iter_checkpoint(weight_files(model_dir)):
@@ -208,7 +208,8 @@ def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progres
                 yield path.name, key, pairs
     expected, dtypes = expected_tensors(cfg, scheme)
     fill_parameters(model, cfg, entries(), f"checkpoint {model_dir}", progress, expected=expected,
-                    dtypes=dtypes, to_param=packed_to_param, **fill)
+                    dtypes=dtypes, to_param=packed_to_param,
+                    describe=(lambda name: checkpoint_name(scheme, name)) if scheme else None, **fill)
 
 
 _PACKED_PARTS = ("weight_block_scale", "weight_global_scale")
@@ -257,14 +258,15 @@ def _materialize(model: torch.nn.Module, pname: str, param: torch.nn.Parameter, 
 
 def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
                     progress: bool = True, expected: dict | None = None, to_param=None,
-                    device=None, on_complete=None, dtypes: dict | None = None) -> None:
+                    device=None, on_complete=None, dtypes: dict | None = None, describe=None) -> None:
     """Copy this rank's shards of canonical tensors into `model`. `entries` yields
     (file name, original name, [(canonical name, tensor or LazyTensor)]). Every tensor of
     `expected` (default: the configuration's checkpoint tensors) must arrive exactly once with
     its expected shape, and every parameter shard must be filled, else a ValueError names the
     tensor and `source`; a tensor named in `dtypes` (packed codes and scales) must have one of
     its dtypes. `to_param` maps a canonical name to (parameter name, shard id); a None parameter
-    name means the tensor is checked and dropped.
+    name means the tensor is checked and dropped; `describe` spells a missing canonical name as
+    the checkpoint would.
     A parameter still on the meta device gets memory on `device` when its first shard arrives;
     `on_complete(parameter name)` runs as soon as all of a parameter's shards have arrived."""
     params = dict(model.named_parameters())
@@ -314,6 +316,8 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
     if bar is not None:
         bar.close()
     missing = sorted(set(expected) - set(seen))
+    if missing and describe is not None:
+        missing = [describe(m) for m in missing]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"{source} is missing tensor(s) {missing[:5]}{more}")

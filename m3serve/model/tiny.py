@@ -5,8 +5,9 @@ model.safetensors in the original tensor naming, a real byte-level BPE tokenizer
 Block size 16 with top-4 blocks, so prompts of a few hundred tokens exercise block selection.
 Flavors (model/flavor.py): "m3" mixes dense and MSA attention layers; "m3.1-flash" is MSA in every
 layer, in MiniMax-M3.1's config layout (no MTP keys, the sparse init block written out as 1, the
-value reported for M3.1). The weights are written in bf16; quantised layouts are a separate step
-over the same config and weights.
+value reported for M3.1). The weights are written in bf16, or with `quantization` in a quantised
+checkpoint layout (`QUANTIZED`), with wider MLPs (128) so that every scale block of 32 stays
+inside one rank at TP 2 and 4.
 """
 from __future__ import annotations
 
@@ -64,6 +65,61 @@ def tiny_config_dict(vocab_size: int = TINY_VOCAB, bos_token_id: int | None = No
             "projector_hidden_size": 64, "tie_word_embeddings": False}
 
 
+# quantised fixtures: every reduction width split over TP 2 or 4 stays a multiple of 32
+QUANTIZED_WIDTHS = {"intermediate_size": 128, "dense_intermediate_size": 128, "shared_intermediate_size": 128}
+QUANTIZED = ("mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark")
+# a module every quantised fixture leaves unquantised through its config's exclusion list
+EXCLUDED_MODULE = "language_model.model.layers.0.mlp.down_proj"
+
+
+def quantization_config(quantization: str, modules: list[str]) -> dict:
+    """The fixture's quantization_config (`modules`: the canonical quantisable linears)."""
+    from m3serve.model.formats import compressed_tensors, modelopt, mxfp8, quark
+    if quantization == "mxfp8":
+        return mxfp8.config(["language_model.lm_head", "*block_sparse_moe.gate", EXCLUDED_MODULE])
+    if quantization == "nvfp4-modelopt":
+        layers = {"language_model." + m: "NVFP4" if ".experts." in m else "MXFP8" for m in modules}
+        return modelopt.config(layers, ["language_model.lm_head", "*block_sparse_moe.gate", EXCLUDED_MODULE])
+    if quantization == "nvfp4-ct":
+        return compressed_tensors.config(["language_model.lm_head", r"re:.*block_sparse_moe\.gate$",
+                                          r"re:.*self_attn\..*", EXCLUDED_MODULE])
+    if quantization == "mxfp4-quark":
+        return quark.config()
+    raise ValueError(f"quantization: unsupported value {quantization!r} for make-tiny "
+                     f"(supported: {', '.join(QUANTIZED)})")
+
+
+def _fused_group(module: str) -> str:
+    """Linears one serving weight fuses (they share an NVFP4 global scale, as vLLM expects)."""
+    for part, group in ((".self_attn.", "qkv"), (".mlp.", "mlp"), (".shared_experts.", "shared")):
+        if part in module and not module.endswith(("o_proj", "down_proj")):
+            return module.rsplit(".", 1)[0] + "/" + group
+    if module.endswith((".w1", ".w3")):
+        return module.rsplit(".", 1)[0] + "/w13"
+    return module
+
+
+def quantized_weights(cfg, raw: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical bf16 weights -> checkpoint tensors in the layout `raw`'s quantization_config
+    describes (original names without the `language_model.` prefix)."""
+    from m3serve.model.formats import detect_scheme, quantizable_modules, quantize_for_layout
+    scheme = detect_scheme(raw)
+    out = dict(weights)
+    layouts = {m: scheme.layout_of(m) for m in quantizable_modules(cfg)}
+    amax: dict[str, torch.Tensor] = {}
+    for m, layout in layouts.items():
+        if layout is not None:
+            g = _fused_group(m)
+            amax[g] = torch.maximum(amax.get(g, torch.tensor(0.0)), weights[m + ".weight"].float().abs().amax())
+    for m, layout in layouts.items():
+        if layout is None:
+            continue
+        del out[m + ".weight"]
+        for suffix, t in quantize_for_layout(layout, weights[m + ".weight"], amax[_fused_group(m)]).items():
+            out[f"{m}.{suffix}"] = t.contiguous()
+    return out
+
+
 def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     """Random weights in canonical names, scaled so activations stay O(1) and logits are peaky
     (an initialiser's std 0.02 would make every next-token distribution near-uniform)."""
@@ -84,9 +140,10 @@ def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3") -> Path:
-    """Write the tiny checkpoint of `flavor` into `out_dir` (created if needed). Same seed and
-    flavor -> same bytes."""
+def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3", quantization: str | None = None) -> Path:
+    """Write the tiny checkpoint of `flavor` into `out_dir` (created if needed). Same seed,
+    flavor and quantization -> same bytes. `quantization`: one of `QUANTIZED` (wider MLPs,
+    weights in that checkpoint layout)."""
     from m3serve.model.tokenizer_build import special_token_ids, write_tiny_tokenizer
 
     out = Path(out_dir)
@@ -94,8 +151,18 @@ def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3") -> Path:
     write_tiny_tokenizer(out)                 # the stored TINY_VOCAB-token tokenizer
     ids = special_token_ids(out)
     raw = tiny_config_dict(TINY_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"], flavor=flavor)
+    if quantization is not None:
+        from m3serve.model.formats import quantizable_modules
+        if quantization not in QUANTIZED:
+            raise ValueError(f"quantization: unsupported value {quantization!r} for make-tiny "
+                             f"(supported: {', '.join(QUANTIZED)})")
+        raw["text_config"].update(QUANTIZED_WIDTHS)
+        raw["quantization_config"] = quantization_config(quantization, quantizable_modules(parse_config(raw)))
     cfg = parse_config(raw)
-    weights = {"language_model." + k: v for k, v in random_weights(cfg, seed).items()}
+    weights = random_weights(cfg, seed)
+    if quantization is not None:
+        weights = quantized_weights(cfg, raw, weights)
+    weights = {"language_model." + k: v for k, v in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(

@@ -197,6 +197,17 @@ def rename(scheme: QuantScheme, key: str) -> tuple[str, bool] | None:
     return f"{mod}.{canon}", canon not in ("weight", "weight_block_scale")
 
 
+def checkpoint_name(scheme: QuantScheme | None, canonical: str) -> str:
+    """How a canonical tensor name is spelled in the checkpoint (for messages): a packed
+    linear's parts under the format's own suffixes; other names as they are."""
+    module, _, part = canonical.rpartition(".")
+    layout = scheme.layout_of(module) if scheme is not None else None
+    if layout is None:
+        return canonical
+    back = {v: k for k, v in layout.suffixes().items()}
+    return f"language_model.{module}.{back.get(part, part)}"
+
+
 def quantize_for_layout(layout: TensorLayout, w: torch.Tensor, amax: torch.Tensor | None = None) -> dict:
     """One linear's bf16/fp32 weight [N, K] -> its checkpoint tensors {suffix: tensor}, by our
     own implementation of the format's published rules (fixtures, `m3serve make-tiny`).
