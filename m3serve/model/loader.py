@@ -192,7 +192,7 @@ def load_weights(model: torch.nn.Module, cfg: M3Config, model_dir: Path, progres
     needs (another rank's experts) is checked by its shape and never read. `scheme`: the
     checkpoint's quantisation (`model/formats`), whose packed tensors arrive in their canonical
     names; `fill`: the `device` / `on_complete` arguments of `fill_parameters`."""
-    from m3serve.model.formats import checkpoint_name, expected_tensors, rename
+    from m3serve.model.formats.layouts import checkpoint_name, expected_tensors, rename
 
     def entries():
         for path, key, tensor in iter_checkpoint(weight_files(model_dir)):
@@ -326,8 +326,8 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
             raise ValueError(f"parameter {name} was not fully loaded from {source}")
 
 
-def pack_model_(model: torch.nn.Module, cfg: M3Config, layout_of) -> None:
-    """Turn the weights `layout_of(canonical module)` says are packed into packed parameters
+def pack_model_(model: torch.nn.Module, cfg: M3Config, format_of) -> None:
+    """Turn the weights `format_of(canonical module)` (a `PackedFormat` or None) says are packed into packed parameters
     (`layers/packed.py`), before loading. The checkpoint linears fused into one parameter (q, k,
     v and the index projections; gate and up; every routed expert's w1 and w3) must share one
     format, else a ValueError names them."""
@@ -340,8 +340,7 @@ def pack_model_(model: torch.nn.Module, cfg: M3Config, layout_of) -> None:
     sources: dict[str, dict[str, object]] = {}
     for module in quantizable_modules(cfg):
         pname, _ = canonical_to_param(module + ".weight")
-        layout = layout_of(module)
-        sources.setdefault(pname, {})[module] = layout.fmt if layout is not None else None
+        sources.setdefault(pname, {})[module] = format_of(module)
     params = dict(model.named_parameters())
     for pname, by_module in sources.items():
         fmts = set(by_module.values())
@@ -387,7 +386,8 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
     with torch.device(device), (deferred_weights() if fp8 or scheme else contextlib.nullcontext()):
         net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
     if scheme is not None:
-        pack_model_(net, cfg, scheme.layout_of)
+        from m3serve.model.formats.layouts import packed_format_of
+        pack_model_(net, cfg, lambda module: packed_format_of(scheme, module))
     fill = {"device": torch.device(device),
             "on_complete": (lambda name: quantize_param_fp8(net, name)) if fp8 else None}
     if load_format == "dummy":

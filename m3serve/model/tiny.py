@@ -102,20 +102,21 @@ def _fused_group(module: str) -> str:
 def quantized_weights(cfg, raw: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Canonical bf16 weights -> checkpoint tensors in the layout `raw`'s quantization_config
     describes (original names without the `language_model.` prefix)."""
-    from m3serve.model.formats import detect_scheme, quantizable_modules, quantize_for_layout
+    from m3serve.model.formats import detect_scheme, quantizable_modules
+    from m3serve.model.formats.layouts import layout, quantize_for_layout
     scheme = detect_scheme(raw)
     out = dict(weights)
-    layouts = {m: scheme.layout_of(m) for m in quantizable_modules(cfg)}
+    layouts = {m: layout(scheme, m) for m in quantizable_modules(cfg)}
     amax: dict[str, torch.Tensor] = {}
-    for m, layout in layouts.items():
-        if layout is not None:
+    for m, lay in layouts.items():
+        if lay is not None:
             g = _fused_group(m)
             amax[g] = torch.maximum(amax.get(g, torch.tensor(0.0)), weights[m + ".weight"].float().abs().amax())
-    for m, layout in layouts.items():
-        if layout is None:
+    for m, lay in layouts.items():
+        if lay is None:
             continue
         del out[m + ".weight"]
-        for suffix, t in quantize_for_layout(layout, weights[m + ".weight"], amax[_fused_group(m)]).items():
+        for suffix, t in quantize_for_layout(lay, weights[m + ".weight"], amax[_fused_group(m)]).items():
             out[f"{m}.{suffix}"] = t.contiguous()
     return out
 

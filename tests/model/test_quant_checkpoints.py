@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.kernels.ref.packed import e8m0_to_float
 from m3serve.layers.packed import dequantized, packed_format
-from m3serve.model.formats import dequantized_checkpoint, detect_scheme
+from m3serve.model.formats import detect_scheme
+from m3serve.model.formats.layouts import dequantized_checkpoint
 from m3serve.model.loader import load_model
 from m3serve.model.tiny import random_weights
 
@@ -193,16 +194,14 @@ def test_blocks_straddling_ranks_are_refused(tiny_dir):
     from m3serve.layers.linear import deferred_weights
     from m3serve.layers.packed import MXFP8
     from m3serve.model.config import load_config
-    from m3serve.model.formats import TensorLayout
     from m3serve.model.loader import pack_model_
     from m3serve.model.minimax_m3 import MiniMaxM3ForCausalLM
     cfg = load_config(tiny_dir)
     with deferred_weights():
         net = MiniMaxM3ForCausalLM(cfg, ParallelInfo(GroupInfo(0, 2)), torch.float32)
-    layout = TensorLayout(MXFP8, "weight", "weight_scale_inv", (torch.uint8,))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: mxfp8 scale blocks of 32 .* "
                                          r"this rank's K is 48 \(input size 96 split over TP 2\)"):
-        pack_model_(net, cfg, lambda m: layout)
+        pack_model_(net, cfg, lambda m: MXFP8)
 
 
 @pytest.mark.parametrize("fmt,tp,ep", [("nvfp4-ct", 2, False), ("mxfp4-quark", 4, False),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from m3serve.llm import LLM
-from m3serve.model.formats import dequantized_checkpoint
+from m3serve.model.formats.layouts import dequantized_checkpoint
 from m3serve.model.reference import ReferenceM3
 from m3serve.sampling_params import SamplingParams
 

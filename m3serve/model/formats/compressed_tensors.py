@@ -5,13 +5,8 @@ fp32 `input_global_scale` (stored; unused here). Modules are chosen by each conf
 `targets` ("Linear", exact names or "re:" regexes) minus `ignore`."""
 from __future__ import annotations
 
-import torch
+from m3serve.model.formats import QuantScheme, regex_or_name_match
 
-from m3serve.layers.packed import NVFP4
-from m3serve.model.formats import QuantScheme, TensorLayout, regex_or_name_match
-
-LAYOUT = TensorLayout(NVFP4, "weight_packed", "weight_scale", (torch.float8_e4m3fn,),
-                      "weight_global_scale", ("input_global_scale",))
 FORMAT = "nvfp4-pack-quantized"
 
 
@@ -47,7 +42,7 @@ def parse(qc: dict) -> QuantScheme:
         if regex_or_name_match(ignore, module):
             return None
         if "Linear" in targets or regex_or_name_match(targets, module):
-            return LAYOUT
+            return "ct-nvfp4"
         return None
     return QuantScheme("compressed-tensors", rule, "compressed-tensors NVFP4")
 

@@ -6,24 +6,19 @@ fp32 `weight_scale_2` that multiplies, fp32 `input_scale` (stored; unused here).
 MXFP8: e4m3 `weight`, E8M0 `weight_scale` per 32 inputs."""
 from __future__ import annotations
 
-import torch
+from m3serve.model.formats import QuantScheme, glob_match, module_names
 
-from m3serve.layers.packed import MXFP8, NVFP4_MODELOPT
-from m3serve.model.formats import E8M0_DTYPES, QuantScheme, TensorLayout, glob_match, module_names
-
-NVFP4_LAYOUT = TensorLayout(NVFP4_MODELOPT, "weight", "weight_scale", (torch.float8_e4m3fn,),
-                            "weight_scale_2", ("input_scale",))
-MXFP8_LAYOUT = TensorLayout(MXFP8, "weight", "weight_scale", E8M0_DTYPES)
-ALGOS = {"NVFP4": NVFP4_LAYOUT, "MXFP8": MXFP8_LAYOUT}
+ALGOS = {"NVFP4": "modelopt-nvfp4", "MXFP8": "modelopt-mxfp8"}
+_BLOCK = {"NVFP4": 16, "MXFP8": 32}
 
 
-def _algo(recipe, where: str) -> TensorLayout:
+def _algo(recipe, where: str) -> str:
     algo = str((recipe or {}).get("quant_algo", "")).upper() if isinstance(recipe, dict) else recipe
     if algo not in ALGOS:
         raise ValueError(f"quantization_config.{where}: unsupported quant_algo {algo!r} "
                          f"(supported: {', '.join(ALGOS)}, MIXED_PRECISION)")
     group = recipe.get("group_size") if isinstance(recipe, dict) else None
-    want = ALGOS[algo].fmt.block
+    want = _BLOCK[algo]
     if group is not None and int(group) != want:
         raise ValueError(f"quantization_config.{where}.group_size: unsupported value {group!r} for {algo} "
                          f"(supported: {want})")
@@ -51,7 +46,7 @@ def parse(qc: dict) -> QuantScheme:
                     return table[n]
             return None
         return QuantScheme("modelopt", rule, "ModelOpt mixed precision (" +
-                           ", ".join(sorted({lay.fmt.name for lay in table.values()})) + ")")
+                           ", ".join(sorted(set(table.values()))) + ")")
     layout = _algo({"quant_algo": algo, "group_size": inner.get("group_size")}, "quant_algo")
     return QuantScheme("modelopt", lambda m: None if glob_match(exclude, m) else layout,
                        f"ModelOpt {algo}")

@@ -5,10 +5,7 @@
 from __future__ import annotations
 
 
-from m3serve.layers.packed import MXFP8
-from m3serve.model.formats import E8M0_DTYPES, QuantScheme, TensorLayout, glob_match
-
-LAYOUT = TensorLayout(MXFP8, "weight", "weight_scale_inv", E8M0_DTYPES)
+from m3serve.model.formats import QuantScheme, glob_match
 
 
 def _list(qc: dict, key: str) -> list:
@@ -28,20 +25,19 @@ def parse(qc: dict) -> QuantScheme:
         raise ValueError(f"quantization_config.weight_block_size: unsupported value {block!r} (supported: [1, 32])")
     ignored = [*_list(qc, "ignored_layers"), *_list(qc, "exclude_modules"), *_list(qc, "ignore")]
     moe_algo, moe_format = qc.get("moe_quant_algo"), qc.get("moe_quant_format")
-    experts = LAYOUT
+    experts = "mxfp8"
     if moe_algo is not None or moe_format is not None:
-        from m3serve.model.formats.compressed_tensors import LAYOUT as CT_NVFP4
         if str(moe_algo).upper() != "NVFP4" or moe_format != "nvfp4-pack-quantized":
             raise ValueError(f"quantization_config.moe_quant_algo / moe_quant_format: unsupported values "
                              f"{moe_algo!r} / {moe_format!r} (supported: 'NVFP4' / 'nvfp4-pack-quantized')")
-        experts = CT_NVFP4
+        experts = "ct-nvfp4"
 
     def rule(module: str):
         if glob_match(ignored, module):
             return None
-        return experts if ".block_sparse_moe.experts." in module else LAYOUT
+        return experts if ".block_sparse_moe.experts." in module else "mxfp8"
 
-    mixed = " with NVFP4 routed experts" if experts is not LAYOUT else ""
+    mixed = " with NVFP4 routed experts" if experts != "mxfp8" else ""
     return QuantScheme("mxfp8", rule, f"MXFP8{mixed}")
 
 

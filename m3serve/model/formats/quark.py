@@ -4,10 +4,7 @@ nibble) and E8M0 `weight_scale` per 32 inputs, for every linear not matched by `
 entry) must be fp4 / per_group / 32 / e8m0."""
 from __future__ import annotations
 
-from m3serve.layers.packed import MXFP4
-from m3serve.model.formats import E8M0_DTYPES, QuantScheme, TensorLayout, glob_match
-
-LAYOUT = TensorLayout(MXFP4, "weight", "weight_scale", E8M0_DTYPES)
+from m3serve.model.formats import QuantScheme, glob_match
 WEIGHT_SPEC = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
 
 
@@ -30,7 +27,7 @@ def parse(qc: dict) -> QuantScheme:
     exclude = qc.get("exclude", [])
     if not isinstance(exclude, list):
         raise ValueError(f"quantization_config.exclude: expected a list, got {exclude!r}")
-    return QuantScheme("quark", lambda m: None if glob_match(exclude, m) else LAYOUT, "Quark MXFP4")
+    return QuantScheme("quark", lambda m: None if glob_match(exclude, m) else "quark-mxfp4", "Quark MXFP4")
 
 
 # the release's exclude list: only the routed and shared experts are MXFP4
