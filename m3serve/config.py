@@ -17,14 +17,16 @@ class ModelConfig:
     seed: int = 0
     device: str = "auto"              # auto | cpu | cuda
     load_format: str = "auto"         # auto (read the checkpoint) | dummy (random weights, real shapes)
-    quantization: str | None = None   # None | fp8 (online: per-channel weights, per-token activations)
+    # None | fp8 (online: per-channel weights, per-token activations) | mxfp4 | nvfp4 (online:
+    # 4-bit routed and shared experts); a quantised checkpoint's own format needs no flag
+    quantization: str | None = None
     hf_overrides: str | dict | None = None   # JSON laid over config.json (vLLM's --hf-overrides)
 
     def __post_init__(self):
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", _json_object_option(self.hf_overrides, "hf_overrides"))
-        if self.quantization not in (None, "fp8", "fp8_per_channel"):
-            raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8)")
+        if self.quantization not in (None, "fp8", "fp8_per_channel", "mxfp4", "nvfp4"):
+            raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8, mxfp4, nvfp4)")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: unsupported value {self.load_format!r} (auto, dummy)")
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32", "float16", "half"):

@@ -62,15 +62,32 @@ def pack_param_(module: nn.Module, attr: str, fmt: PackedFormat, what: str, spli
     how K_local came about (e.g. "input size 96 over TP 2"), for the straddle error."""
     old = getattr(module, attr)
     *lead, n, k = old.shape
-    if k % fmt.block:
-        how = f" ({split})" if split else ""
-        raise ValueError(f"{what}: {fmt.name} scale blocks of {fmt.block} along K would straddle "
-                         f"the parallel shards: this rank's K is {k}{how}, not a multiple of {fmt.block}")
+    check_blocks(k, fmt, what, split)
     setattr(module, attr, _make((*lead, n, k // fmt.per_byte), fmt.code_dtype, old, fmt.per_byte))
     setattr(module, attr + "_block_scale", _make((*lead, n, k // fmt.block), fmt.scale_dtype, old, fmt.block))
     if fmt.has_global:
         setattr(module, attr + "_global_scale", _make((*lead, n), torch.float32, old, None))
     module.packed = {**getattr(module, "packed", {}), attr: fmt}
+
+
+def check_blocks(k: int, fmt: PackedFormat, what: str, split: str = "") -> None:
+    """ValueError naming the numbers when this rank's reduction width `k` would cut a scale
+    block in two (the block would straddle two ranks)."""
+    if k % fmt.block:
+        how = f" ({split})" if split else ""
+        raise ValueError(f"{what}: {fmt.name} scale blocks of {fmt.block} along K would straddle "
+                         f"the parallel shards: this rank's K is {k}{how}, not a multiple of {fmt.block}")
+
+
+def split_note(module: nn.Module, attr: str) -> str:
+    """How a weight's per-rank K came about, for `check_blocks`' message: a row-parallel
+    layer's input or the experts' down projection split over ranks; "" when K is whole."""
+    tp = getattr(module, "tp", None)
+    if attr == "weight" and hasattr(module, "in_local") and tp is not None and tp.size > 1:
+        return f"input size {module.in_local * tp.size} split over TP {tp.size}"
+    if attr == "w2" and hasattr(module, "inter_local") and module.inter_local != module.inter:
+        return f"intermediate_size {module.inter} split {module.inter // module.inter_local} ways"
+    return ""
 
 
 def set_packed_(module: nn.Module, attr: str, fmt: PackedFormat, codes: torch.Tensor,

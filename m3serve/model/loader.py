@@ -331,9 +331,7 @@ def pack_model_(model: torch.nn.Module, cfg: M3Config, format_of) -> None:
     (`layers/packed.py`), before loading. The checkpoint linears fused into one parameter (q, k,
     v and the index projections; gate and up; every routed expert's w1 and w3) must share one
     format, else a ValueError names them."""
-    from m3serve.layers.moe import Experts
-    from m3serve.layers.linear import RowParallelLinear
-    from m3serve.layers.packed import pack_param_
+    from m3serve.layers.packed import pack_param_, split_note
 
     from m3serve.model.formats import quantizable_modules
 
@@ -354,12 +352,7 @@ def pack_model_(model: torch.nn.Module, cfg: M3Config, format_of) -> None:
         fmt = fmts.pop()
         owner_name, _, attr = pname.rpartition(".")
         owner = model.get_submodule(owner_name)
-        split = ""
-        if isinstance(owner, RowParallelLinear) and owner.tp.size > 1:
-            split = f"input size {owner.in_local * owner.tp.size} split over TP {owner.tp.size}"
-        elif isinstance(owner, Experts) and attr == "w2" and owner.inter_local != owner.inter:
-            split = f"intermediate_size {owner.inter} split {owner.inter // owner.inter_local} ways"
-        pack_param_(owner, attr, fmt, pname, split)
+        pack_param_(owner, attr, fmt, pname, split_note(owner, attr))
 
 
 def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: ParallelInfo = ParallelInfo(),
@@ -380,20 +373,27 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
     if scheme is not None and quantization is not None:
         raise ValueError(f"quantization={quantization!r} quantises a BF16 checkpoint online, but {model_dir} "
                          f"is already quantised ({scheme.summary}); leave it out")
-    # online FP8, weight by weight as each completes: the bf16 model never exists whole
+    # online quantisation, weight by weight as each completes: the bf16 model never exists whole
+    from m3serve.model.quantize import ONLINE_PACKED, quantize_param_experts, quantize_param_fp8
     fp8 = quantization in ("fp8", "fp8_per_channel")
-    from m3serve.model.quantize import quantize_param_fp8
-    with torch.device(device), (deferred_weights() if fp8 or scheme else contextlib.nullcontext()):
+    online = fp8 or quantization in ONLINE_PACKED
+    with torch.device(device), (deferred_weights() if online or scheme else contextlib.nullcontext()):
         net = MiniMaxM3ForCausalLM(cfg, parallel, torch_dtype)
     if scheme is not None:
         from m3serve.model.formats.layouts import packed_format_of
         pack_model_(net, cfg, lambda module: packed_format_of(scheme, module))
-    fill = {"device": torch.device(device),
-            "on_complete": (lambda name: quantize_param_fp8(net, name)) if fp8 else None}
+    on_complete = None
+    if fp8:
+        def on_complete(name):
+            quantize_param_fp8(net, name)
+    elif quantization in ONLINE_PACKED:
+        def on_complete(name):
+            quantize_param_experts(net, name, ONLINE_PACKED[quantization])
+    fill = {"device": torch.device(device), "on_complete": on_complete}
     if load_format == "dummy":
         fill_parameters(net, cfg, dummy_weights(cfg, seed, device), "dummy weights", progress=False, **fill)
     else:
         load_weights(net, cfg, model_dir, progress=progress, scheme=scheme, **fill)
-    if fp8 and net.lm_head.weight.is_cuda:
+    if online and net.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
     return net.eval(), cfg, model_dir

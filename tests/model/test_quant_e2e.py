@@ -30,11 +30,11 @@ def serve(llm) -> list[tuple[list[int], list[int]]]:
     return [(first, batch[0].outputs[0].token_ids), (second, hit.outputs[0].token_ids)]
 
 
-def assert_reference_greedy(model_dir, cfg, served, margin: float = 1e-4) -> None:
+def assert_reference_greedy(weights: dict, cfg, served, margin: float = 1e-4) -> None:
     """Every served token is the reference's argmax given the tokens before it (one forward
     per sequence), and leads the runner-up by `margin` (ten times the ~1e-5 by which the
     engine's fp32 logits differ from the reference's here), so that rounding cannot flip it."""
-    ref = ReferenceM3(cfg, dequantized_checkpoint(model_dir))
+    ref = ReferenceM3(cfg, weights)
     for prompt, tokens in served:
         logits, _ = ref.forward(torch.tensor(prompt + tokens[:-1]))
         steps = logits[len(prompt) - 1:]                                  # [MAX_TOKENS, V]
@@ -49,4 +49,4 @@ def test_greedy_equals_reference_on_dequantised_weights(quant_dir, fmt):
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=32, max_num_seqs=4)
     served = serve(llm)
     assert llm.engine.core.num_steps > 5          # the prompts were chunked
-    assert_reference_greedy(path, llm.engine.model_config, served)
+    assert_reference_greedy(dequantized_checkpoint(path), llm.engine.model_config, served)

@@ -5,6 +5,7 @@ the dense reference's greedy tokens on the dequantised weights, like one rank do
 import pytest
 
 from m3serve.llm import LLM
+from m3serve.model.formats.layouts import dequantized_checkpoint
 from test_quant_e2e import assert_reference_greedy, serve
 
 
@@ -20,4 +21,4 @@ def test_parallel_greedy_equals_reference(quant_dir, fmt, flags):
         cfg = llm.engine.model_config
     finally:
         llm.shutdown()
-    assert_reference_greedy(path, cfg, served)
+    assert_reference_greedy(dequantized_checkpoint(path), cfg, served)
