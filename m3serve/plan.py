@@ -8,8 +8,12 @@ model/minimax_m3.py): q heads, o, gate/up/down split over TP; KV and index-query
 or replicated once TP exceeds their count; the index-key head, norms and router replicated;
 embedding and lm_head split by vocabulary rows (ceil(V / TP) per rank); routed experts split
 over all DP x TP ranks (whole experts with expert parallelism, else each expert's
-intermediate channels). `--quantization fp8` stores every linear weight in one byte plus an
-fp32 scale per output row; embedding, lm_head, norms and the fp32 router stay as they are.
+intermediate channels). A quantised checkpoint's linears count in their stored formats (read
+from its quantization_config, `model/formats`): codes plus block scales (MXFP8 1 + 1/32 bytes
+per element, MXFP4 1/2 + 1/32, NVFP4 1/2 + 1/16 and an fp32 global scale per row).
+`--quantization fp8` stores every linear weight in one byte plus an fp32 scale per output row;
+`--quantization mxfp4 | nvfp4` the routed and shared experts in 4 bits; embedding, lm_head,
+norms and the fp32 router stay as they are.
 """
 from __future__ import annotations
 
@@ -74,18 +78,33 @@ class Plan:
         return sum(self.kv_bytes_per_token.values())
 
 
+# weight format -> (elements per code byte, elements per block scale byte, fp32 bytes per row)
+WEIGHT_FORMATS = {"fp8": (1, 0, 4), "mxfp8": (1, 32, 0), "mxfp4": (2, 32, 0), "nvfp4": (2, 16, 4)}
+ONLINE_4BIT = ("mxfp4", "nvfp4")
+
+
 def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = None,
          kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto", dtype_bytes: int = 2,
-         draft: dict | None = None) -> Plan:
+         draft: dict | None = None, format_of=None) -> Plan:
     """Bytes of one rank (every rank holds the same amount). `draft` (see `draft_kv`) adds the
-    speculative draft's cache group(s) to the KV bytes per token."""
+    speculative draft's cache group(s) to the KV bytes per token. `format_of(canonical module)`:
+    the stored checkpoint's format of a linear ("mxfp8" | "mxfp4" | "nvfp4" | None = dtype);
+    online `quantization` overrides it where it applies."""
     check_layout(cfg, parallel)
     tp, moe = parallel.tensor_parallel_size, parallel.world_size
     H, D, Di = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim
     fp8 = quantization in ("fp8", "fp8_per_channel")
 
-    def linear(rows: int, cols: int) -> int:     # one linear weight [rows, cols] of this rank
-        return rows * cols + 4 * rows if fp8 else rows * cols * dtype_bytes
+    def linear(rows: int, cols: int, module: str = "") -> int:   # one linear weight [rows, cols] of this rank
+        fmt = format_of(module) if format_of is not None and module else None
+        if fp8:
+            fmt = "fp8"
+        elif quantization in ONLINE_4BIT and (".experts." in module or ".shared_experts." in module):
+            fmt = quantization
+        if fmt is None:
+            return rows * cols * dtype_bytes
+        per_byte, block, row_bytes = WEIGHT_FORMATS[fmt]
+        return rows * cols // per_byte + (rows * (cols // block) if block else 0) + row_bytes * rows
 
     kv_local = _kv_heads_per_rank(cfg.num_key_value_heads, tp)
     idx_local = _kv_heads_per_rank(cfg.index_n_heads, tp)
@@ -99,21 +118,24 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
              "attention": 0, "indexer": 0, "dense_mlp": 0, "routed_experts": 0,
              "shared_expert": 0, "router": 0, "norms": H * dtype_bytes}
     for i in range(cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.block_sparse_moe."
         parts["norms"] += (2 * H + 2 * D) * dtype_bytes
-        parts["attention"] += linear((q_local + 2 * kv_local) * D, H) + linear(H, q_local * D)
+        parts["attention"] += linear((q_local + 2 * kv_local) * D, H, a + "q_proj") + linear(H, q_local * D, a + "o_proj")
         if cfg.is_sparse(i):
             # index_q and index_k live in the fused qkv weight: one scale per row as well
-            parts["indexer"] += linear((idx_local + 1) * Di, H)
+            parts["indexer"] += linear((idx_local + 1) * Di, H, a + "q_proj")
             parts["norms"] += 2 * Di * dtype_bytes
         if cfg.is_moe(i):
             E = cfg.num_local_experts
             parts["router"] += (E * H + E) * 4
-            parts["routed_experts"] += experts * (linear(2 * inter, H) + linear(H, inter))
+            parts["routed_experts"] += experts * (linear(2 * inter, H, m + "experts.0.w1")
+                                                  + linear(H, inter, m + "experts.0.w2"))
             s = cfg.shared_intermediate_size // tp
-            parts["shared_expert"] += linear(2 * s, H) + linear(H, s)
+            parts["shared_expert"] += linear(2 * s, H, m + "shared_experts.gate_proj") \
+                + linear(H, s, m + "shared_experts.down_proj")
         else:
-            d = cfg.dense_intermediate_size // tp
-            parts["dense_mlp"] += linear(2 * d, H) + linear(H, d)
+            d, mlp = cfg.dense_intermediate_size // tp, f"model.layers.{i}.mlp."
+            parts["dense_mlp"] += linear(2 * d, H, mlp + "gate_proj") + linear(H, d, mlp + "down_proj")
     kv_b = 1 if kv_cache_dtype != "auto" else dtype_bytes
     idx_b = 1 if index_cache_dtype != "auto" else dtype_bytes
     kv = {"main": cfg.num_hidden_layers * 2 * kv_local * D * kv_b,
@@ -168,7 +190,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
-    parser.add_argument("--quantization", default=None, choices=("fp8", "fp8_per_channel"))
+    parser.add_argument("--quantization", default=None, choices=("fp8", "fp8_per_channel", "mxfp4", "nvfp4"),
+                        help="online quantisation of a BF16 checkpoint (mxfp4 / nvfp4: the experts)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     parser.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -197,23 +220,55 @@ def _read_config(model: str) -> tuple[dict, str, str | None]:
     else:
         directory = resolve_model_dir(model, config_only=True)
         raw, source = read_config_json(directory), f"{Path(directory) / 'config.json'}"
-    quant = raw.get("quantization_config") if isinstance(raw.get("quantization_config"), dict) else {}
-    given = ", ".join(f"{k} {quant[k]}" for k in ("quant_method", "moe_quant_algo") if k in quant)
-    note = (f"the checkpoint's quantization_config ({given}) is not modelled here: weights count as BF16 "
-            f"unless --quantization is given" if given else None)
-    return raw, source, note
+    return raw, source, None
+
+
+def stored_formats(raw: dict):
+    """(format_of(canonical module) for `plan`, a note): the checkpoint's own formats from its
+    quantization_config; one that m3serve cannot read counts as BF16, and the note says so."""
+    from m3serve.model.formats import LAYOUT_FORMATS, detect_scheme
+    try:
+        scheme = detect_scheme(raw)
+    except ValueError as e:
+        return None, f"the checkpoint's quantization_config is not modelled ({e}): weights count as BF16"
+    if scheme is None:
+        return None, None
+
+    def format_of(module: str):
+        name = scheme.layout_of(module)
+        return None if name is None else LAYOUT_FORMATS[name]
+    return format_of, f"weights counted in the checkpoint's own formats: {scheme.summary}"
+
+
+def format_table(cfg: M3Config, parallel: ParallelConfig, args, stored, draft) -> list[dict]:
+    """Weights per GPU and KV tokens per replica for each way to hold the weights: as stored,
+    and the BF16 release quantised online (fp8; mxfp4 / nvfp4 experts)."""
+    rows = [("as stored", None, stored)] if stored is not None else [("bf16", None, None)]
+    rows += [("fp8 (online)", "fp8", None), ("mxfp4 experts (online)", "mxfp4", None),
+             ("nvfp4 experts (online)", "nvfp4", None)]
+    out = []
+    for label, quantization, format_of in rows:
+        p = plan(cfg, parallel, quantization, args.kv_cache_dtype, args.index_cache_dtype, draft=draft,
+                 format_of=format_of)
+        fit = capacity(p, cfg, int(args.gpu_memory_gib * GIB), args.gpu_memory_utilization,
+                       args.max_model_len or cfg.max_position_embeddings, cfg.index_block_size)
+        out.append({"weights": label, "weights_per_gpu_bytes": p.total_weight_bytes,
+                    "kv_tokens": fit["kv_tokens"], "fits": fit["fits"]})
+    return out
 
 
 def main(args) -> dict:
     from m3serve.model.config import parse_config
 
-    raw, source, quant_note = _read_config(args.model)
+    raw, source, _ = _read_config(args.model)
     cfg = parse_config(raw)
+    format_of, quant_note = stored_formats(raw)
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                               data_parallel_size=args.data_parallel_size,
                               enable_expert_parallel=args.enable_expert_parallel)
     draft = draft_kv(args.speculative_config, cfg, parallel) if args.speculative_config else None
-    p = plan(cfg, parallel, args.quantization, args.kv_cache_dtype, args.index_cache_dtype, draft=draft)
+    p = plan(cfg, parallel, args.quantization, args.kv_cache_dtype, args.index_cache_dtype, draft=draft,
+             format_of=format_of)
     max_len = args.max_model_len or cfg.max_position_embeddings
     fit = capacity(p, cfg, int(args.gpu_memory_gib * GIB), args.gpu_memory_utilization, max_len,
                    cfg.index_block_size)
@@ -227,8 +282,8 @@ def main(args) -> dict:
               "kv_bytes_per_token_per_gpu": p.total_kv_bytes_per_token,
               "kv_bytes_per_token_per_gpu_by_cache": p.kv_bytes_per_token,
               "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
-              "config_source": source, "quantization_note": None if args.quantization else quant_note,
-              **fit}
+              "config_source": source, "quantization_note": quant_note,
+              "by_weight_format": format_table(cfg, parallel, args, format_of, draft), **fit}
     if args.json:
         print(json.dumps(result))
     else:
@@ -255,6 +310,11 @@ def _render(r: dict, cfg: M3Config) -> str:
     lines.append(f"  KV cache per token per GPU: {r['kv_bytes_per_token_per_gpu']:,} B "
                  f"(main {kv['main']:,} + index {kv['index']:,} in {r['index_cache_layers']} of "
                  f"{cfg.num_hidden_layers} layers{draft}){replicated}")
+    lines.append("  by weight format (weights per GPU, KV tokens per replica):")
+    for row in r["by_weight_format"]:
+        fits = "" if row["fits"] else "  (does not fit one request)"
+        lines.append(f"    {row['weights']:<24} {row['weights_per_gpu_bytes'] / GIB:8.2f} GiB "
+                     f"{row['kv_tokens']:>12,} tokens{fits}")
     if r["kv_budget_bytes"] <= 0:
         lines.append(f"  DOES NOT FIT: the weights alone exceed {r['gpu_memory_utilization']:.0%} of "
                      f"{r['gpu_memory_gib']:.1f} GiB per GPU (less 2 GiB for activations)")

@@ -159,3 +159,31 @@ def test_draft_kv_counted(real, tmp_path):
     mtp = plan(real, ParallelConfig(tensor_parallel_size=8),
                draft=draft_kv('{"method": "mtp", "num_speculative_tokens": 3}', real, ParallelConfig()))
     assert mtp.kv_bytes_per_token["draft"] == 3 * (2 * 1 * 128 * 2 + 128 * 2)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark"])
+@pytest.mark.parametrize("tp,ep", [(2, False), (8, True)])
+def test_plan_of_a_quantised_checkpoint_equals_the_packed_shards(fmt, tp, ep):
+    """Codes, block scales and NVFP4's per-row global scales, as the engine packs them."""
+    from m3serve.distributed import GroupInfo, ParallelInfo
+    from m3serve.layers.linear import deferred_weights
+    from m3serve.model.formats import quantizable_modules
+    from m3serve.model.formats.layouts import packed_format_of
+    from m3serve.model.loader import pack_model_
+    from m3serve.model.minimax_m3 import MiniMaxM3ForCausalLM
+    from m3serve.model.tiny import quantization_config
+    from m3serve.plan import stored_formats
+
+    raw = realshape_config_dict(4)
+    raw["quantization_config"] = quantization_config(fmt, quantizable_modules(parse_config(raw)))
+    cfg = parse_config(raw)
+    format_of, note = stored_formats(raw)
+    p = plan(cfg, ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep), format_of=format_of)
+    from m3serve.model.formats import detect_scheme
+    scheme = detect_scheme(raw)
+    with torch.device("meta"), deferred_weights():
+        model = MiniMaxM3ForCausalLM(cfg, ParallelInfo(GroupInfo(tp - 1, tp), enable_expert_parallel=ep), torch.bfloat16)
+    pack_model_(model, cfg, lambda m: packed_format_of(scheme, m))
+    built = sum(t.numel() * t.element_size() for t in model.parameters())
+    assert built == p.total_weight_bytes
+    assert built < 0.6 * plan(cfg, ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep)).total_weight_bytes

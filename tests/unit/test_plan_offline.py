@@ -38,10 +38,14 @@ def test_m3_plans_offline_like_the_real_shape(capsys):
     assert result["max_model_len"] == 1048576
 
 
-def test_mxfp8_says_its_quantization_is_not_modelled(capsys):
+def test_mxfp8_counts_its_stored_format(capsys):
     result = run("minimaxai/minimax-m3-mxfp8", "-tp", "4")
-    assert "quant_method mxfp8" in result["quantization_note"]
-    assert "MiniMax-M3-MXFP8" in capsys.readouterr().out
+    assert "own formats: MXFP8" in result["quantization_note"]
+    shown = capsys.readouterr().out
+    assert "MiniMax-M3-MXFP8" in shown and "mxfp4 experts (online)" in shown
+    bf16 = run("MiniMaxAI/MiniMax-M3", "-tp", "4")
+    # every linear 1 + 1/32 bytes per element instead of 2; embedding, lm_head, router, norms as they were
+    assert 0.5 < result["weights_per_gpu_bytes"] / bf16["weights_per_gpu_bytes"] < 0.53
 
 
 def test_flash_is_labelled_reconstructed_and_all_msa(capsys):
