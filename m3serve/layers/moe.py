@@ -189,7 +189,7 @@ class MoE(nn.Module):
         start-up warm-up's forwards)."""
         from m3serve.kernels.fused_moe import regime_token_counts
         if self.is_packed:
-            return []                 # packed experts run the reference path (no fused kernel yet)
+            return [max_tokens]       # packed experts run the reference path (no fused kernel yet)
         gathered = self.dp.size if self.dp.active else 1   # DP replicas' tokens meet here
         return regime_token_counts(self.experts.num_local, self.cfg.num_experts_per_tok * gathered,
                                    max_tokens, self.experts.w13.dtype)

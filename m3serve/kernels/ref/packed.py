@@ -23,10 +23,13 @@ NVFP4_BLOCK = 16
 
 
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8 0..15) -> fp32 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    c = codes.to(torch.int64)
-    mag = table[c & 7]
+    """4-bit codes (uint8 0..15) -> fp32 values. Computed from the bits (exponent bits 2..1,
+    mantissa bit 0; exponent 0 is subnormal: 0 or 0.5), with no table to copy to the device,
+    so it may run inside a CUDA-graph capture."""
+    c = codes.to(torch.int32)
+    exp, mant = (c >> 1) & 3, (c & 1).to(torch.float32)
+    normal = torch.ldexp(1.0 + 0.5 * mant, exp - 1)
+    mag = torch.where(exp == 0, 0.5 * mant, normal)
     return torch.where((c & 8) != 0, -mag, mag)
 
 
