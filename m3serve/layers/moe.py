@@ -233,7 +233,9 @@ class MoE(nn.Module):
     def _routed_packed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
         """The reference path for packed experts: each selected expert dequantised, then
         multiplied (the oracle a packed fused-MoE kernel will be checked against)."""
+        from m3serve.layers.dispatch import executed
         cfg, ex = self.cfg, self.experts
+        executed[("packed_moe", "reference")] += 1
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         self.last_expert_ids = ids
