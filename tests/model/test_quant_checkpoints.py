@@ -236,3 +236,34 @@ def test_packed_shards_reassemble(quant_dir, fmt, tp, ep):
         o = slice(r * 128 // tp, (r + 1) * 128 // tp)
         assert torch.equal(dequantized(layer.self_attn.o_proj, "weight", torch.float32),
                            full["model.layers.3.self_attn.o_proj.weight"][:, o])
+
+
+# one routed expert linear's tensors in each release layout (docs/model.md §8): suffix -> (dtype, shape)
+RELEASE_LAYOUT = {
+    "mxfp8": {"weight": ("F8_E4M3", [128, 64]), "weight_scale_inv": ("U8", [128, 2])},
+    "nvfp4-modelopt": {"weight": ("U8", [128, 32]), "weight_scale": ("F8_E4M3", [128, 4]),
+                       "weight_scale_2": ("F32", []), "input_scale": ("F32", [])},
+    "nvfp4-ct": {"weight_packed": ("U8", [128, 32]), "weight_scale": ("F8_E4M3", [128, 4]),
+                 "weight_global_scale": ("F32", [1]), "input_global_scale": ("F32", [1])},
+    "mxfp4-quark": {"weight": ("U8", [128, 32]), "weight_scale": ("U8", [128, 2])},
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fixture_files_have_the_release_layout_and_are_stable(quant_dir, tmp_path, fmt):
+    from safetensors import safe_open
+
+    from m3serve.model.tiny import make_tiny
+    path = quant_dir(fmt)
+    w1 = f"{L}3.block_sparse_moe.experts.0.w1."
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        got = {k[len(w1):]: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
+               for k in f.keys() if k.startswith(w1)}
+        assert f.get_slice(f"{L}3.block_sparse_moe.gate.weight").get_dtype() == "F32"
+        assert f.get_slice("language_model.lm_head.weight").get_dtype() == "BF16"
+    assert got == RELEASE_LAYOUT[fmt]
+    again = make_tiny(tmp_path / "again", seed=0, quantization=fmt)
+    other = make_tiny(tmp_path / "other", seed=1, quantization=fmt)
+    for name in ("model.safetensors", "config.json"):
+        assert (again / name).read_bytes() == (path / name).read_bytes()
+    assert (other / "model.safetensors").read_bytes() != (path / "model.safetensors").read_bytes()
