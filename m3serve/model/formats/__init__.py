@@ -70,16 +70,19 @@ def detect_scheme(raw: dict) -> QuantScheme | None:
     return parse(qc)
 
 
-def module_names(canonical_module: str) -> tuple[str, str]:
-    """(canonical, original checkpoint) names of a module, which config lists may use."""
+def module_names(canonical_module: str) -> tuple[str, ...]:
+    """The spellings config lists may use for a module: canonical (`model.layers.3.mlp`), the
+    original checkpoint's (`language_model.model.layers.3.mlp`) and transformers'
+    (`model.language_model.layers.3.mlp`)."""
+    names = (canonical_module, "language_model." + canonical_module)
     if canonical_module.startswith("model."):
-        return canonical_module, "language_model." + canonical_module
-    return canonical_module, "language_model." + canonical_module
+        names += ("model.language_model." + canonical_module[len("model."):],)
+    return names
 
 
 def glob_match(patterns, module: str) -> bool:
-    """fnmatch patterns (or exact names, or a name's prefix ending in '.') against either
-    spelling of the module name."""
+    """Exact names, a parent module's name, or fnmatch patterns, against every spelling of
+    the module name."""
     names = module_names(module)
     for p in patterns or ():
         for n in names:
@@ -90,7 +93,7 @@ def glob_match(patterns, module: str) -> bool:
 
 def regex_or_name_match(patterns, module: str) -> bool:
     """compressed-tensors targets / ignore entries: "re:<regex>" (full match) or an exact name,
-    against either spelling."""
+    against every spelling of the module name."""
     names = module_names(module)
     for p in patterns or ():
         for n in names:

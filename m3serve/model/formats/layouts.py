@@ -14,6 +14,8 @@ from m3serve.model.config import M3Config, canonical_shapes
 from m3serve.model.formats import QuantScheme, detect_scheme, quantizable_modules
 
 E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+
+
 @dataclass(frozen=True)
 class TensorLayout:
     """One quantised linear's tensors in a checkpoint (suffixes after the module name)."""
@@ -33,11 +35,6 @@ class TensorLayout:
         return out
 
 
-def _code_dtypes(fmt: PackedFormat) -> tuple:
-    return (fmt.code_dtype,)
-
-
-
 LAYOUTS = {
     # MiniMax's MXFP8 release: the scale is named _inv but multiplies
     "mxfp8": TensorLayout(MXFP8, "weight", "weight_scale_inv", E8M0_DTYPES),
@@ -51,6 +48,7 @@ LAYOUTS = {
 
 
 def layout(scheme: QuantScheme | None, module: str) -> TensorLayout | None:
+    """The tensors a canonical module is stored as under `scheme` (None: unquantised)."""
     name = scheme.layout_of(module) if scheme is not None else None
     return None if name is None else LAYOUTS[name]
 
