@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from m3serve.distributed import GroupInfo, ParallelInfo
-from m3serve.kernels.ref.packed import e8m0_to_float
 from m3serve.layers.packed import dequantized, packed_format
 from m3serve.model.formats import detect_scheme
 from m3serve.model.formats.layouts import dequantized_checkpoint
@@ -64,25 +63,25 @@ def test_each_format_loads_packed_where_its_config_says(quant_dir, fmt):
 
 
 def decode_error(model, cfg_seed=0):
-    """max over layer 3's routed experts of |decoded - source| / (the format's per-element bound)."""
+    """max over layer 3's routed experts' w1 of |decoded - source| / the format's per-element
+    bound, the bound taken from the source weights alone (each 32- or 16-block's amax), so that
+    it holds whatever the checkpoint's scales say."""
     cfg = model.cfg
     src = random_weights(cfg, cfg_seed)
     ex = model.model.layers[3].mlp.experts
-    fmt = packed_format(ex, "w13")
+    kind = packed_format(ex, "w13").kind
     worst = 0.0
     for e in range(cfg.num_local_experts):
         w = dequantized(ex, "w13", torch.float32, index=e)[: cfg.intermediate_size]     # w1 rows
         s = src[f"model.layers.3.block_sparse_moe.experts.{e}.w1.weight"].float()
-        scales = ex.w13_block_scale[e, : cfg.intermediate_size]
-        if fmt.kind == "mxfp8":
-            bound = s.abs() * 2 ** -4 + e8m0_to_float(scales).repeat_interleave(32, -1) * 2 ** -9
-        elif fmt.kind == "mxfp4":
-            bound = e8m0_to_float(scales).repeat_interleave(32, -1)
-        else:
-            g = ex.w13_global_scale[e, : cfg.intermediate_size, None]
-            unit = scales.float().repeat_interleave(16, -1)
-            unit = unit / g if fmt.global_divides else unit * g
-            bound = unit * (1 + 6 / 16)
+        block = 16 if kind == "nvfp4" else 32
+        amax = s.view(s.shape[0], -1, block).abs().amax(-1).repeat_interleave(block, -1)
+        if kind == "mxfp8":      # 3 mantissa bits; the scale is below 2 amax / 448, its subnormal step 2^-9 of it
+            bound = s.abs() * 2 ** -4 + amax / 448 * 2 ** -8
+        elif kind == "mxfp4":    # one scale unit; the unit is at most amax / 3.5
+            bound = amax / 3.5
+        else:                    # 1 + 6/16 units of (e4m3-rounded) amax / 6
+            bound = amax / 6 * (1 + 1 / 16) * (1 + 6 / 16)
         worst = max(worst, ((w - s).abs() / bound).max().item())
     return worst
 
@@ -90,6 +89,49 @@ def decode_error(model, cfg_seed=0):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_held_weights_decode_to_the_source_within_the_bound(quant_dir, fmt):
     assert decode_error(load(quant_dir(fmt))) <= 1.0
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def hand_decode(t: dict, fixture: str, module: str) -> torch.Tensor:
+    """One linear's weight from its checkpoint tensors by the formats' published rules, written
+    out here: E2M1 low nibble first, E8M0 = 2^(e - 127), NVFP4 global scale divides
+    (compressed-tensors) or multiplies (ModelOpt)."""
+    block_name, global_name = SCALE_NAMES[fixture]
+    q, scale = t[f"{module}.{CODES.get(fixture, 'weight')}"], t[f"{module}.{block_name}"]
+    if fixture == "mxfp8":
+        values, block = q.float(), 32
+    else:
+        codes = torch.stack([q & 15, q >> 4], -1).flatten(-2).long()
+        values, block = E2M1[codes & 7] * (1 - 2 * (codes >> 3)).float(), (32 if fixture == "mxfp4-quark" else 16)
+    scale = scale.float() if fixture.startswith("nvfp4") else 2.0 ** (scale.float() - 127)
+    w = values * scale.repeat_interleave(block, -1)
+    if fixture == "nvfp4-ct":
+        w = w / t[f"{module}.{global_name}"]
+    elif fixture == "nvfp4-modelopt":
+        w = w * t[f"{module}.{global_name}"]
+    return w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_files_decode_by_hand_to_the_source_and_to_what_the_model_holds(quant_dir, fmt):
+    """The writer against the source weights and the reader against the file, both through
+    the published rules above (not through the code under test)."""
+    path = quant_dir(fmt)
+    t = load_file(str(path / "model.safetensors"))
+    model = load(path)
+    src = random_weights(model.cfg, 0)
+    ex = model.model.layers[3].mlp.experts
+    w1 = "model.layers.3.block_sparse_moe.experts.5.w1"
+    by_hand = hand_decode(t, fmt, "language_model." + w1)
+    s = src[w1 + ".weight"].float()
+    block = 16 if fmt.startswith("nvfp4") else 32
+    amax = s.view(s.shape[0], -1, block).abs().amax(-1).repeat_interleave(block, -1)
+    assert ((by_hand - s).abs() <= amax * 0.25).all()               # every format is closer than this
+    assert ((by_hand - s).abs() > 0).any()
+    held = dequantized(ex, "w13", torch.float32, index=5)[: model.cfg.intermediate_size]
+    assert torch.allclose(held, by_hand, rtol=1e-6, atol=0)
 
 
 def mutated(src, dst, change=None, config=None):

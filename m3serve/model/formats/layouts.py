@@ -142,7 +142,7 @@ def quantize_for_layout(lay: TensorLayout, w: torch.Tensor, amax: torch.Tensor |
         q, s = quantize_mxfp4(w)
         return {lay.codes: q, lay.block_scale: s}
     amax = w.abs().amax() if amax is None else amax.float()
-    if lay.fmt.global_divides:                       # compressed-tensors: [1] tensors
+    if lay.global_scale == "weight_global_scale":     # compressed-tensors: [1] tensors, divides
         g = nvfp4_global_scale(amax).reshape(1)
         q, s = quantize_nvfp4(w, g)
         out = {lay.codes: q, lay.block_scale: s, lay.global_scale: g}
