@@ -19,7 +19,7 @@ from m3serve.config import EngineConfig
 from m3serve.model.config import load_config
 from m3serve.model.files import load_tokenizer, model_directory
 from m3serve.outputs import RequestOutput
-from m3serve.plan import check_layout
+from m3serve.plan import check_checkpoint_layout
 from m3serve.protocol import EngineCoreRequest, EngineState
 from m3serve.sampling_defaults import describe, load_sampling_defaults
 from m3serve.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = model_directory(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        check_layout(load_config(self.model_dir, config.model.hf_overrides), config.parallel)
+        check_checkpoint_layout(self.model_dir, config.model, config.parallel)
         self.core = self.worker = self.client = None
         if config.parallel.uses_processes:
             from m3serve.core.core_client import engine_config_for_process

@@ -33,8 +33,10 @@ def _kv_heads_per_rank(heads: int, tp: int) -> int:
     return heads // tp if tp <= heads else 1
 
 
-def check_layout(cfg: M3Config, parallel: ParallelConfig) -> None:
-    """ValueError naming the numbers when the layout cannot shard this model."""
+def check_layout(cfg: M3Config, parallel: ParallelConfig, format_of=None, quantization: str | None = None) -> None:
+    """ValueError naming the numbers when the layout cannot shard this model, or would cut a
+    scale block of its quantised weights in two (`format_of`: the checkpoint's format of a
+    canonical module, `plan`'s argument; `quantization`: the online one)."""
     tp, moe = parallel.tensor_parallel_size, parallel.world_size
     problems = []
     if cfg.num_attention_heads % tp:
@@ -59,8 +61,57 @@ def check_layout(cfg: M3Config, parallel: ParallelConfig) -> None:
         problems.append(f"the MoE layers are split over {moe} ranks (tensor x data parallel), but "
                         f"intermediate_size={cfg.intermediate_size} is not divisible by {moe}; "
                         f"use --enable-expert-parallel or another layout")
+    problems += _block_problems(cfg, parallel, format_of, quantization)
     if problems:
         raise ValueError("impossible parallel layout: " + "; ".join(problems))
+
+
+_BLOCKS = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
+
+
+def _block_problems(cfg: M3Config, parallel: ParallelConfig, format_of, quantization) -> list[str]:
+    """Each split reduction width (row-parallel inputs, the routed experts' w2 without expert
+    parallelism) whose per-rank share is not a whole number of its format's scale blocks."""
+    if format_of is None and quantization not in ONLINE_4BIT:
+        return []
+    tp, moe = parallel.tensor_parallel_size, parallel.world_size
+    problems = []
+    for i in range(cfg.num_hidden_layers):
+        p, m = f"model.layers.{i}.", f"model.layers.{i}.block_sparse_moe."
+        cases = [("o_proj input (heads x head_dim)", p + "self_attn.o_proj", cfg.num_attention_heads * cfg.head_dim, tp)]
+        if cfg.is_moe(i):
+            cases.append(("shared_intermediate_size", m + "shared_experts.down_proj", cfg.shared_intermediate_size, tp))
+            if not parallel.enable_expert_parallel:
+                cases.append(("intermediate_size (routed experts)", m + "experts.0.w2", cfg.intermediate_size, moe))
+        else:
+            cases.append(("dense_intermediate_size", p + "mlp.down_proj", cfg.dense_intermediate_size, tp))
+        for what, module, k, n in cases:
+            fmt = format_of(module) if format_of is not None else None
+            if quantization in ONLINE_4BIT and (".experts." in module or ".shared_experts." in module):
+                fmt = quantization
+            block = _BLOCKS.get(fmt)
+            if block and n > 1 and (k // n) % block:
+                msg = (f"{what}={k} split over {n} ranks is {k // n} per rank, not a multiple of "
+                       f"the {fmt} scale block {block}")
+                if msg not in problems:
+                    problems.append(msg)
+    return problems
+
+
+def check_checkpoint_layout(model_dir, model, parallel: ParallelConfig) -> M3Config:
+    """`check_layout` for a checkpoint directory and the engine's ModelConfig `model`: its
+    shapes, and the scale blocks of its stored (or online) quantisation. Returns its config."""
+    from m3serve.model.config import load_config, read_config_json
+    from m3serve.model.formats import LAYOUT_FORMATS, detect_scheme
+    cfg = load_config(model_dir, model.hf_overrides)
+    scheme = detect_scheme(read_config_json(model_dir))
+    format_of = None
+    if scheme is not None:
+        def format_of(module: str):
+            name = scheme.layout_of(module)
+            return None if name is None else LAYOUT_FORMATS[name]
+    check_layout(cfg, parallel, format_of, model.quantization)
+    return cfg
 
 
 @dataclass

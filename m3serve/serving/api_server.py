@@ -349,9 +349,8 @@ def run_server(args) -> None:
     from m3serve.config import EngineConfig
     from m3serve.core.core_client import EngineCoreClient, engine_config_for_process
     from m3serve.engine_args import engine_kwargs
-    from m3serve.model.config import load_config
     from m3serve.model.files import load_tokenizer, model_directory
-    from m3serve.plan import check_layout
+    from m3serve.plan import check_checkpoint_layout
     from m3serve.sampling_defaults import describe as describe_defaults
     from m3serve.sampling_defaults import load_sampling_defaults
     from m3serve.serving.server_args import not_applicable_given, server_config
@@ -367,7 +366,7 @@ def run_server(args) -> None:
         raise SystemExit(run_headless(engine))
     sock = listen_socket(server.host, server.port)
     model_dir = model_directory(engine.model.model)
-    check_layout(load_config(model_dir, engine.model.hf_overrides), engine.parallel)
+    check_checkpoint_layout(model_dir, engine.model, engine.parallel)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME
     client = EngineCoreClient(engine_config_for_process(engine, model_dir), server.engine_ready_timeout_s)
     defaults = load_sampling_defaults(engine.generation, model_dir)

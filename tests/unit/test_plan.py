@@ -187,3 +187,23 @@ def test_plan_of_a_quantised_checkpoint_equals_the_packed_shards(fmt, tp, ep):
     built = sum(t.numel() * t.element_size() for t in model.parameters())
     assert built == p.total_weight_bytes
     assert built < 0.6 * plan(cfg, ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep)).total_weight_bytes
+
+
+def test_layouts_that_cut_scale_blocks_are_refused_before_start(tiny_dir):
+    """Online 4-bit experts of the tiny model (experts 32 wide) at TP 2: 16 per rank; the real
+    MXFP8 release at TP 8 is fine (every split width a multiple of 32 per rank)."""
+    from m3serve.llm import LLM
+    from m3serve.model.formats import LAYOUT_FORMATS, detect_scheme
+    from m3serve.model.known_configs import known_config
+
+    with pytest.raises(ValueError, match=r"intermediate_size \(routed experts\)=32 split over 2 ranks is 16 per "
+                                         r"rank, not a multiple of the mxfp4 scale block 32"):
+        LLM(model=str(tiny_dir), tensor_parallel_size=2, quantization="mxfp4")
+    raw = known_config("MiniMaxAI/MiniMax-M3-MXFP8").load()
+    scheme = detect_scheme(raw)
+    check_layout(parse_config(raw), ParallelConfig(tensor_parallel_size=8),
+                 lambda m: LAYOUT_FORMATS[scheme.layout_of(m)] if scheme.layout_of(m) else None)
+    with pytest.raises(ValueError, match=r"dense_intermediate_size=96 split over 2 ranks is 48 per rank, not a "
+                                         r"multiple of the mxfp8 scale block 32"):
+        check_layout(parse_config(json.loads((tiny_dir / "config.json").read_text())),
+                     ParallelConfig(tensor_parallel_size=2), lambda m: "mxfp8")
