@@ -295,8 +295,8 @@ def format_table(cfg: M3Config, parallel: ParallelConfig, args, stored, draft) -
     """Weights per GPU and KV tokens per replica for each way to hold the weights: as stored,
     and the BF16 release quantised online (fp8; mxfp4 / nvfp4 experts)."""
     rows = [("as stored", None, stored)] if stored is not None else [("bf16", None, None)]
-    rows += [("fp8 (online)", "fp8", None), ("mxfp4 experts (online)", "mxfp4", None),
-             ("nvfp4 experts (online)", "nvfp4", None)]
+    rows += [("bf16 + online fp8", "fp8", None), ("bf16 + online mxfp4 experts", "mxfp4", None),
+             ("bf16 + online nvfp4 experts", "nvfp4", None)]
     out = []
     for label, quantization, format_of in rows:
         p = plan(cfg, parallel, quantization, args.kv_cache_dtype, args.index_cache_dtype, draft=draft,
@@ -364,7 +364,7 @@ def _render(r: dict, cfg: M3Config) -> str:
     lines.append("  by weight format (weights per GPU, KV tokens per replica):")
     for row in r["by_weight_format"]:
         fits = "" if row["fits"] else "  (does not fit one request)"
-        lines.append(f"    {row['weights']:<24} {row['weights_per_gpu_bytes'] / GIB:8.2f} GiB "
+        lines.append(f"    {row['weights']:<28} {row['weights_per_gpu_bytes'] / GIB:8.2f} GiB "
                      f"{row['kv_tokens']:>12,} tokens{fits}")
     if r["kv_budget_bytes"] <= 0:
         lines.append(f"  DOES NOT FIT: the weights alone exceed {r['gpu_memory_utilization']:.0%} of "

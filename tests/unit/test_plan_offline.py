@@ -42,7 +42,7 @@ def test_mxfp8_counts_its_stored_format(capsys):
     result = run("minimaxai/minimax-m3-mxfp8", "-tp", "4")
     assert "own formats: MXFP8" in result["quantization_note"]
     shown = capsys.readouterr().out
-    assert "MiniMax-M3-MXFP8" in shown and "mxfp4 experts (online)" in shown
+    assert "MiniMax-M3-MXFP8" in shown and "bf16 + online mxfp4 experts" in shown
     bf16 = run("MiniMaxAI/MiniMax-M3", "-tp", "4")
     # every linear 1 + 1/32 bytes per element instead of 2; embedding, lm_head, router, norms as they were
     assert 0.5 < result["weights_per_gpu_bytes"] / bf16["weights_per_gpu_bytes"] < 0.53
