@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--target", default=None, help="the target checkpoint the draft is sized for "
                                                       "(default: the embedded tiny model)")
     tiny.add_argument("--quantization", default=None,    # model/tiny.py QUANTIZED (no torch import here)
-                      choices=("mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark"),
+                      choices=("mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark", "mxfp8-nvfp4"),
                       help="write the weights in this quantised checkpoint layout (wider MLPs: every "
-                           "scale block stays on one rank at TP 2 and 4)")
+                           "scale block stays on one rank at TP 2 and 4); mxfp8-nvfp4 is M3.1-Flash's "
+                           "(with --flavor m3.1-flash)")
     tiny.add_argument("--no-weights", action="store_true", help="config.json only (use --load-format dummy)")
     tiny.add_argument("--train-steps", type=int, default=0,
                       help="EAGLE3: distil the draft from the target's greedy outputs for this many epochs")

@@ -65,13 +65,14 @@ def hf_checkpoints(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def quant_dir(tmp_path_factory):
-    """quant_dir(fmt) -> the tiny model written by `make-tiny --quantization fmt` (once per
-    session and format)."""
+    """quant_dir(fmt, flavor="m3") -> the tiny model written by `make-tiny --quantization fmt
+    --flavor flavor` (once per session, format and flavor)."""
     from m3serve.model.tiny import make_tiny
     made = {}
 
-    def get(fmt: str) -> Path:
-        if fmt not in made:
-            made[fmt] = make_tiny(tmp_path_factory.mktemp(f"tiny-{fmt}"), seed=0, quantization=fmt)
-        return made[fmt]
+    def get(fmt: str, flavor: str = "m3") -> Path:
+        if (fmt, flavor) not in made:
+            made[fmt, flavor] = make_tiny(tmp_path_factory.mktemp(f"tiny-{flavor}-{fmt}"), seed=0,
+                                          flavor=flavor, quantization=fmt)
+        return made[fmt, flavor]
     return get

@@ -67,7 +67,8 @@ def tiny_config_dict(vocab_size: int = TINY_VOCAB, bos_token_id: int | None = No
 
 # quantised fixtures: every reduction width split over TP 2 or 4 stays a multiple of 32
 QUANTIZED_WIDTHS = {"intermediate_size": 128, "dense_intermediate_size": 128, "shared_intermediate_size": 128}
-QUANTIZED = ("mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark")
+# mxfp8-nvfp4: M3.1-Flash's mixed layout (MXFP8, routed experts in compressed-tensors NVFP4)
+QUANTIZED = ("mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark", "mxfp8-nvfp4")
 # a module every quantised fixture leaves unquantised through its config's exclusion list
 EXCLUDED_MODULE = "language_model.model.layers.0.mlp.down_proj"
 
@@ -75,8 +76,9 @@ EXCLUDED_MODULE = "language_model.model.layers.0.mlp.down_proj"
 def quantization_config(quantization: str, modules: list[str]) -> dict:
     """The fixture's quantization_config (`modules`: the canonical quantisable linears)."""
     from m3serve.model.formats import compressed_tensors, modelopt, mxfp8, quark
-    if quantization == "mxfp8":
-        return mxfp8.config(["language_model.lm_head", "*block_sparse_moe.gate", EXCLUDED_MODULE])
+    if quantization in ("mxfp8", "mxfp8-nvfp4"):
+        return mxfp8.config(["language_model.lm_head", "*block_sparse_moe.gate", EXCLUDED_MODULE],
+                            nvfp4_experts=quantization == "mxfp8-nvfp4")
     if quantization == "nvfp4-modelopt":
         layers = {"language_model." + m: "NVFP4" if ".experts." in m else "MXFP8" for m in modules}
         return modelopt.config(layers, ["language_model.lm_head", "*block_sparse_moe.gate", EXCLUDED_MODULE])

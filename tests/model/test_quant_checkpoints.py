@@ -311,32 +311,28 @@ def test_fixture_files_have_the_release_layout_and_are_stable(quant_dir, tmp_pat
     assert (other / "model.safetensors").read_bytes() != (path / "model.safetensors").read_bytes()
 
 
-def test_mxfp8_with_nvfp4_experts_layout(tiny_dir, tmp_path):
-    """M3.1-Flash's mixed layout (`quant_method: mxfp8` + `moe_quant_algo: NVFP4`,
-    `moe_quant_format: nvfp4-pack-quantized`): routed experts in compressed-tensors NVFP4,
-    everything else MXFP8; the served logits equal the reference's on the dequantised weights."""
-    from m3serve.model.config import parse_config
-    from m3serve.model.formats import mxfp8
+def test_m31_flash_fixture_mixed_layout(quant_dir):
+    """`make-tiny --flavor m3.1-flash --quantization mxfp8-nvfp4`, M3.1-Flash's layout
+    (`quant_method: mxfp8` + `moe_quant_algo: NVFP4`, `moe_quant_format: nvfp4-pack-quantized`):
+    routed experts in compressed-tensors NVFP4, everything else MXFP8, index projections in every
+    (MSA) layer; the served logits equal the reference's on the dequantised weights."""
     from m3serve.model.reference import ReferenceM3
-    from m3serve.model.tiny import QUANTIZED_WIDTHS, quantized_weights
     from paged import PagedRunner
 
-    out = mutated(tiny_dir, tmp_path / "mixed")
-    raw = json.loads((out / "config.json").read_text())
-    raw["text_config"].update(QUANTIZED_WIDTHS)
-    raw["quantization_config"] = mxfp8.config(["language_model.lm_head"], nvfp4_experts=True)
-    cfg = parse_config(raw)
-    tensors = quantized_weights(cfg, raw, random_weights(cfg, 3))
-    save_file({"language_model." + k: v for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(raw))
-    assert f"{L[len('language_model.'):]}3.block_sparse_moe.experts.0.w1.weight_packed" in tensors
-    model = load(out)
+    path = quant_dir("mxfp8-nvfp4", "m3.1-flash")
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert raw["moe_quant_algo"] == "NVFP4" and raw["moe_quant_format"] == "nvfp4-pack-quantized"
+    t = load_file(str(path / "model.safetensors"))
+    assert f"{L}0.self_attn.index_q_proj.weight_scale_inv" in t
+    assert t[f"{L}3.block_sparse_moe.experts.0.w1.weight_packed"].dtype == torch.uint8
+    model = load(path)
+    assert all(model.cfg.is_sparse(i) for i in range(model.cfg.num_hidden_layers))
     layer = model.model.layers[3]
     assert name_of(layer.mlp.experts, "w13") == "nvfp4" and name_of(layer.self_attn.qkv_proj, "weight") == "mxfp8"
     assert name_of(layer.mlp.shared_experts.gate_up_proj, "weight") == "mxfp8"
+    assert name_of(model.model.layers[0].self_attn.qkv_proj, "weight") == "mxfp8"
     ids = torch.randint(0, 2000, (90,), generator=torch.Generator().manual_seed(4))
-    ref, _ = ReferenceM3(model.cfg, dequantized_checkpoint(out)).forward(ids)
+    ref, _ = ReferenceM3(model.cfg, dequantized_checkpoint(path)).forward(ids)
     runner = PagedRunner(model, seed=1)
     logits = torch.cat([runner.step({0: ids[:50].tolist()}), runner.step({0: ids[50:].tolist()})])
     assert (logits - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -1,6 +1,7 @@
 """End to end: each quantised tiny checkpoint served through `LLM` (chunked prefill, a batch,
 a prefix-cache hit) gives, token for token, the greedy output of the dense reference
-(`model/reference.py`) run on the checkpoint's dequantised weights."""
+(`model/reference.py`) run on the checkpoint's dequantised weights; M3.1-Flash's all-MSA model
+in its mixed MXFP8 + NVFP4 layout too."""
 import pytest
 import torch
 
@@ -45,9 +46,9 @@ def assert_reference_greedy(weights: dict, cfg, served, margin: float = 1e-4) ->
         assert (top.values[:, 0] - top.values[:, 1]).min() >= margin, "a near-tie: pick other prompts"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_greedy_equals_reference_on_dequantised_weights(quant_dir, fmt):
-    path = quant_dir(fmt)
+@pytest.mark.parametrize("fmt,flavor", [(f, "m3") for f in FORMATS] + [("mxfp8-nvfp4", "m3.1-flash")])
+def test_greedy_equals_reference_on_dequantised_weights(quant_dir, fmt, flavor):
+    path = quant_dir(fmt, flavor)
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=32, max_num_seqs=4)
     served = serve(llm)
     assert llm.engine.core.num_steps > 5          # the prompts were chunked
