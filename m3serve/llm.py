@@ -154,6 +154,8 @@ class LLMEngine:
                             num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
                             ranks=core.executor.describe(), num_preemptions=core.scheduler.num_preemptions,
                             prefix_cache_hits=kv.prefix_cache_hits,
+                            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
+                            num_offload_refs=kv.num_offload_refs,
                             num_deferred_steps=core.scheduler.num_deferred_steps)]
 
     def shutdown(self) -> None:

@@ -164,6 +164,8 @@ class EngineState(msgspec.Struct, tag="state"):
     ranks: list[dict[str, Any]]
     num_preemptions: int = 0
     prefix_cache_hits: int = 0
+    external_prefix_cache_hits: int = 0   # prompt tokens loaded back from the CPU tier
+    num_offload_refs: int = 0             # GPU blocks and CPU slots held by copies in flight
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

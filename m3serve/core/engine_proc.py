@@ -148,6 +148,8 @@ class EngineLoop:
             num_usable_blocks=kv.num_usable_blocks, integrity_error=self.core.integrity_error(),
             ranks=self.core.executor.describe(), num_preemptions=scheduler.num_preemptions,
             prefix_cache_hits=kv.prefix_cache_hits, spec_num_drafts=scheduler.spec_stats.num_drafts,
+            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
+            num_offload_refs=kv.num_offload_refs,
             spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
             num_deferred_steps=scheduler.num_deferred_steps, traced_bytes=memtrace.traced_bytes())

@@ -324,6 +324,8 @@ class Scheduler:
             new_block_ids = self.kv_manager.allocate_slots(request, num_new, 0 if pulled else num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is None:
+                if not self.running and self._release_restored(request):
+                    continue     # the blocks other restored requests held may be enough now
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
@@ -424,7 +426,12 @@ class Scheduler:
         slots = self.kv_manager.get_cpu_hits(request, len(hit_blocks))
         if not slots:
             return False
-        if not self.kv_manager.start_load(request, hit_blocks, num_hit, slots):
+        # only when the whole prompt fits now: a loaded request waits holding its blocks, and
+        # several such waiting for each other's blocks would stall (see `_release_restored`)
+        kv = self.kv_manager
+        need = (cdiv(request.num_tokens + self.num_lookahead_tokens, kv.block_size) - len(hit_blocks)
+                + sum(1 for b in hit_blocks if b.ref_cnt == 0))
+        if need > kv.num_free_blocks or not kv.start_load(request, hit_blocks, num_hit, slots):
             return None
         self.waiting.popleft()
         num_computed = num_hit + len(slots) * self.kv_manager.block_size
@@ -433,6 +440,19 @@ class Scheduler:
         request.num_restored_tokens = num_computed - num_hit
         self.num_restores += 1
         return True
+
+    def _release_restored(self, head: Request) -> bool:
+        """Nothing runs and the head of the queue cannot get its blocks: requests behind it
+        that hold restored blocks let go of them (they stay in the GPU prefix cache, so a later
+        admission hits them there). Whether any did."""
+        released = False
+        for request in self.waiting:
+            if (request is not head and request.num_restored_tokens and not request.num_external_tokens
+                    and self.kv_manager.has_blocks(request.request_id)):
+                self.kv_manager.free(request)
+                request.num_computed_tokens = request.num_restored_tokens = 0
+                released = True
+        return released
 
     def offload_done(self, report) -> None:
         """The workers' progress on the CPU-tier copies: requests whose prefix is in go back to

@@ -231,3 +231,94 @@ TestTwoTierAccounting = TwoTierMachine.TestCase
 def test_the_random_sequences_restore_prefixes():
     """The machine above is only worth something if restores happen in it."""
     assert TwoTierMachine.restores > 0
+
+
+# ------------------------------------------------------------------ the scheduler with a tier
+
+from test_scheduler import FakeRunner, reference  # noqa: E402  (tests/unit is on the path)
+
+from m3serve.config import SchedulerConfig  # noqa: E402
+from m3serve.core.request import RequestStatus  # noqa: E402
+from m3serve.core.scheduler import Scheduler  # noqa: E402
+
+
+class OffloadRunner(FakeRunner):
+    """The shadow-KV fake model plus a CPU tier whose copies land a random number of steps
+    after they were sent (in order), as a side stream's would."""
+
+    def __init__(self, block_size, rng):
+        super().__init__(block_size)
+        self.rng = rng
+        self.host: dict[int, list] = {}
+        self.sent: deque = deque()
+        self.done = 0
+
+    def execute(self, so):
+        work = so.kv_offload
+        if work is not None and work.has_copies:
+            self.sent.append(work)
+        out = super().execute(so)            # the forward runs while the copies are in flight
+        while self.sent and self.rng.random() < 0.6:
+            work = self.sent.popleft()
+            for block_id, slot in zip(work.store_block_ids, work.store_slots):
+                self.host[slot] = list(self.cache[block_id])
+            for slot, block_id in zip(work.load_slots, work.load_block_ids):
+                self.cache[block_id] = list(self.host[slot])
+            self.done += 1
+        if work is not None and work.poll:
+            out.kv_offload = KVOffloadReport(self.done)
+        return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sessions_through_the_scheduler_with_a_tier(seed):
+    """Four multi-turn sessions through a 12-block pool and a 16-slot tier, copies landing late,
+    some requests aborted while their prefix loads (the turn is sent again): every turn's
+    tokens are the reference model's, nothing stalls, and both tiers end clean."""
+    import random
+    rng = random.Random(seed)
+    bs = 4
+    kv = KVCacheManager(12, bs, num_cpu_blocks=16)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4), kv, max_model_len=64)
+    runner = OffloadRunner(bs, rng)
+    convs = [[rng.randrange(97) for _ in range(rng.randrange(6, 14))] for _ in range(4)]
+    turns = [0] * 4
+    live: dict[str, int] = {}              # request id -> session
+    got: dict[str, list[int]] = {}
+    n = 0
+    aborted = 0
+    for _ in range(3000):
+        for s in range(4):
+            if s not in live.values() and turns[s] < 4 and len(convs[s]) + 6 < 64:
+                rid = f"s{s}t{turns[s]}n{n}"
+                n += 1
+                sched.add_request(Request(rid, convs[s], Params(max_tokens=4), eos_token_id=None))
+                live[rid] = s
+                got[rid] = []
+        if not live and not kv.has_offload_work:
+            break
+        loading = [rid for rid, (r, _, _) in sched.loading.items() if not r.is_finished]
+        if loading and rng.random() < 0.15:
+            sched.abort_requests([loading[0]])
+            del live[loading[0]]
+            aborted += 1
+        so = sched.schedule()
+        mro = runner.execute(so)
+        if mro.kv_offload is not None:
+            sched.offload_done(mro.kv_offload)
+        for out in sched.update_from_output(so, mro):
+            got[out.request_id] += out.new_token_ids
+            if out.finished:
+                s = live.pop(out.request_id)
+                assert got[out.request_id] == reference(convs[s], 4), out.request_id
+                convs[s] = convs[s] + got[out.request_id] + [rng.randrange(97) for _ in range(3)]
+                turns[s] += 1
+        sched.check_integrity()
+    else:
+        raise AssertionError("the sessions did not finish")
+    assert turns == [4, 4, 4, 4] or all(len(c) + 6 >= 64 or t == 4 for c, t in zip(convs, turns))
+    assert sched.num_restores > 0
+    sched.schedule()
+    sched.check_integrity()
+    assert kv.num_free_blocks == kv.num_usable_blocks and kv.offload.references() == ({}, {})
+    assert all(r.status != RequestStatus.WAITING_FOR_CPU_KV for r, _, _ in sched.loading.values())

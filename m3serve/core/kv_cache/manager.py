@@ -108,6 +108,14 @@ class KVCacheManager:
         return self.offload.complete(report) if self.offload is not None else []
 
     @property
+    def num_offload_refs(self) -> int:
+        """GPU block references and CPU slot pins held by copies pending or in flight."""
+        if self.offload is None:
+            return 0
+        refs, pins = self.offload.references()
+        return sum(refs.values()) + sum(pins.values())
+
+    @property
     def has_offload_work(self) -> bool:
         return self.offload is not None and self.offload.has_work
 
