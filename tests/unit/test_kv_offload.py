@@ -322,3 +322,61 @@ def test_sessions_through_the_scheduler_with_a_tier(seed):
     sched.check_integrity()
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.offload.references() == ({}, {})
     assert all(r.status != RequestStatus.WAITING_FOR_CPU_KV for r, _, _ in sched.loading.values())
+
+
+# ------------------------------------------------------------------ flags and metrics
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(kv_offloading_backend="lmcache"), "unsupported value 'lmcache' (supported: native)"),
+    (dict(kv_offloading_size=0), "positive number of GiB, got 0"),
+    (dict(kv_offloading_size=-2.0), "positive number of GiB, got -2.0"),
+    (dict(kv_offloading_size=float("nan")), "positive number of GiB"),
+    (dict(kv_offloading_size=4, enable_prefix_caching=False), "needs prefix caching"),
+])
+def test_bad_offloading_flags_are_named(flags, message):
+    from m3serve.config import EngineConfig
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig.from_kwargs(**flags)
+
+
+def test_offloading_flags_on_the_command_line():
+    import argparse
+
+    from m3serve.config import EngineConfig
+    from m3serve.engine_args import add_engine_args, engine_kwargs
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-offloading-size", "0.5", "--kv-offloading-backend", "native"])
+    cache = EngineConfig.from_kwargs(**engine_kwargs(args)).cache
+    assert cache.kv_offloading_size == 0.5 and cache.kv_offloading_bytes == 1 << 29
+    assert EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args([]))).cache.kv_offloading_bytes == 0
+
+
+def test_offload_metrics_under_their_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from m3serve.protocol import EngineStats
+    from m3serve.serving.metrics import ServerMetrics
+    m = ServerMetrics("tiny")
+    m.engine_stats = EngineStats(external_prefix_cache_queries=300, external_prefix_cache_hits=96,
+                                 kv_offload_bytes_to_cpu=1000, kv_offload_bytes_to_gpu=500,
+                                 kv_offload_seconds_to_cpu=0.25, kv_offload_seconds_to_gpu=0.5,
+                                 kv_offload_evictions=3, kv_offload_usage=0.75, prefix_cache_queries=300,
+                                 prefix_cache_hits=32)
+    samples = {(s.name, s.labels.get("direction")): s.value
+               for f in text_string_to_metric_families(m.render("m3serve").decode()) for s in f.samples}
+    assert samples[("m3serve:external_prefix_cache_queries_total", None)] == 300
+    assert samples[("m3serve:external_prefix_cache_hits_total", None)] == 96
+    assert samples[("m3serve:prefix_cache_hits_total", None)] == 32          # the GPU tier's own
+    assert samples[("m3serve:kv_offload_bytes_total", "to_cpu")] == 1000
+    assert samples[("m3serve:kv_offload_bytes_total", "to_gpu")] == 500
+    assert samples[("m3serve:kv_offload_seconds_total", "to_cpu")] == 0.25
+    assert samples[("m3serve:kv_offload_seconds_total", "to_gpu")] == 0.5
+    assert samples[("m3serve:kv_offload_evictions_total", None)] == 3
+    assert samples[("m3serve:kv_offload_usage_perc", None)] == 0.75
+
+
+def test_a_tier_smaller_than_a_block_is_refused(tiny_dir):
+    from m3serve.llm import LLM
+    with pytest.raises(ValueError, match="less than one KV block"):
+        LLM(str(tiny_dir), dtype="float32", kv_offloading_size=1e-9)
