@@ -316,10 +316,14 @@ class Scheduler:
                         continue
                 elif self.kv_manager.offload is not None:
                     started = self._start_load(request, hit_blocks, num_hit)
-                    if started is None:
-                        break
                     if started:
                         continue
+                    if started is None:      # not enough free blocks for it yet
+                        if self.running or self.kv_manager.has_offload_work:
+                            break            # they come back as requests end and copies land
+                        if self._release_restored(request):
+                            continue
+                        # nothing else will free any: admit it without the tier's blocks
             num_new = min(request.num_tokens - num_hit, budget, self._long_cap)
             new_block_ids = self.kv_manager.allocate_slots(request, num_new, 0 if pulled else num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)

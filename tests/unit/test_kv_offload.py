@@ -380,3 +380,15 @@ def test_a_tier_smaller_than_a_block_is_refused(tiny_dir):
     from m3serve.llm import LLM
     with pytest.raises(ValueError, match="less than one KV block"):
         LLM(str(tiny_dir), dtype="float32", kv_offloading_size=1e-9)
+
+
+def test_dp_replicas_tier_stats_add_up():
+    from m3serve.core.engine_group import ReplicaBook
+    from m3serve.protocol import EngineStats
+    a = EngineStats(external_prefix_cache_hits=96, kv_offload_bytes_to_gpu=10, kv_offload_evictions=1,
+                    kv_offload_usage=1.0, kv_offload_num_slots=100)
+    b = EngineStats(external_prefix_cache_hits=32, kv_offload_bytes_to_gpu=5, kv_offload_evictions=2,
+                    kv_offload_usage=0.0, kv_offload_num_slots=300)
+    total = ReplicaBook.combine([a, b])
+    assert (total.external_prefix_cache_hits, total.kv_offload_bytes_to_gpu, total.kv_offload_evictions) == (128, 15, 3)
+    assert total.kv_offload_usage == 0.25          # 100 of 400 slots in use
