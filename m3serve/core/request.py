@@ -61,6 +61,9 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.num_external_tokens = 0   # prompt tokens whose KV a pull brings (0 = none)
         self.num_restored_tokens = 0   # tokens of its last admission loaded from the CPU tier
+        # its prefix lookup is counted in the hit-rate counters (once per admission, not per
+        # step it waits at the head of the queue)
+        self.lookup_counted = False
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

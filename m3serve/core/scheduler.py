@@ -307,7 +307,9 @@ class Scheduler:
             elif getattr(request.sampling_params, "prompt_logprobs", None) is not None:
                 hit_blocks, num_hit = [], 0  # hits would skip the positions that need logprobs
             else:
-                hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request)
+                count = not request.lookup_counted
+                request.lookup_counted = True
+                hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request, count)
                 if self.connector is not None and self.connector.wants_pull(request):
                     started = self._start_pull(request, hit_blocks, num_hit)
                     if started is None:
@@ -315,7 +317,7 @@ class Scheduler:
                     if started:
                         continue
                 elif self.kv_manager.offload is not None:
-                    started = self._start_load(request, hit_blocks, num_hit)
+                    started = self._start_load(request, hit_blocks, num_hit, count)
                     if started:
                         continue
                     if started is None:      # not enough free blocks for it yet
@@ -332,6 +334,7 @@ class Scheduler:
                     continue     # the blocks other restored requests held may be enough now
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            request.lookup_counted = False           # a later admission (after preemption) counts again
             request.num_computed_tokens = num_hit
             if request.status == RequestStatus.PREEMPTED:
                 self._add_cached(cached, request, self.kv_manager.get_block_ids(request.request_id),
@@ -413,6 +416,7 @@ class Scheduler:
         if self.kv_manager.allocate_slots(request, 0, num_kv, hit_blocks) is None:
             return None
         self.waiting.popleft()
+        request.lookup_counted = False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_cached_tokens = num_hit
         request.num_external_tokens = num_kv
@@ -423,11 +427,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- CPU tier
 
-    def _start_load(self, request: Request, hit_blocks, num_hit: int) -> bool | None:
+    def _start_load(self, request: Request, hit_blocks, num_hit: int, count: bool = True) -> bool | None:
         """Load the blocks past the GPU hit that the CPU tier holds into fresh blocks of the
         request, which waits in `loading` meanwhile. None: not enough free blocks; False:
         the tier has none of them (admit it as usual)."""
-        slots = self.kv_manager.get_cpu_hits(request, len(hit_blocks))
+        slots = self.kv_manager.get_cpu_hits(request, len(hit_blocks), count)
         if not slots:
             return False
         # only when the whole prompt fits now: a loaded request waits holding its blocks, and
@@ -438,6 +442,7 @@ class Scheduler:
         if need > kv.num_free_blocks or not kv.start_load(request, hit_blocks, num_hit, slots):
             return None
         self.waiting.popleft()
+        request.lookup_counted = False
         num_computed = num_hit + len(slots) * self.kv_manager.block_size
         self.loading[request.request_id] = (request, request.status, num_computed)
         request.status = RequestStatus.WAITING_FOR_CPU_KV

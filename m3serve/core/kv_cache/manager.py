@@ -57,12 +57,12 @@ class KVCacheManager:
         request.block_hashes.extend(request_block_hashes(
             request.all_token_ids, self.block_size, request.cache_salt, request.block_hashes))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[list[KVBlock], int]:
         """Longest run of the request's leading full blocks found in the prefix cache.
 
         Returns the blocks (not yet referenced; pass them to `allocate_slots`) and the number of
         tokens they cover. The last token is never a hit, so the step that follows has logits to
-        sample from. Each call counts towards `prefix_cache_queries` / `prefix_cache_hits`.
+        sample from. With `count`, the call counts towards `prefix_cache_queries` / `_hits`.
         """
         if not self.enable_caching:
             return [], 0
@@ -75,17 +75,20 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
+        if count:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
 
-    def get_cpu_hits(self, request: Request, num_gpu_hit_blocks: int) -> list[int]:
+    def get_cpu_hits(self, request: Request, num_gpu_hit_blocks: int, count: bool = True) -> list[int]:
         """CPU-tier slots of the request's full blocks that follow its GPU hit (the leading run
-        the tier holds; the last token is never a hit). Counts towards the tier's queries."""
+        the tier holds; the last token is never a hit). With `count`, the call counts towards
+        the tier's queries (its hits count when a load starts)."""
         if self.offload is None:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        self.offload.stats.queries += request.num_tokens
+        if count:
+            self.offload.stats.queries += request.num_tokens
         return self.offload.lookup(request.block_hashes[num_gpu_hit_blocks:max_hit_blocks])
 
     def start_load(self, request: Request, hit_blocks: list[KVBlock], num_hit: int, slots: list[int]) -> bool:
