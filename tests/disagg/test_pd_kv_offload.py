@@ -6,13 +6,13 @@ import json
 import time
 
 import torch
+from test_pd_poisoned_cache import _run
 
 from m3serve.config import EngineConfig
 from m3serve.disagg.params import KVTransferParams, parse_kv_transfer_params
 from m3serve.llm import LLMEngine
 from m3serve.protocol import EngineCoreRequest
 from m3serve.sampling_params import SamplingParams
-from test_pd_poisoned_cache import _run
 
 BYTES_PER_TOKEN = 2944          # fp32 tiny model: main K/V + index keys
 SMALL = dict(dtype="float32", max_num_batched_tokens=32, kv_cache_memory=14 * 16 * BYTES_PER_TOKEN,

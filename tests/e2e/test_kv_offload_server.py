@@ -4,7 +4,6 @@ tokens as cached, and /metrics counts exactly the blocks that travelled."""
 import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-
 from serverutil import LiveServer
 
 BYTES_PER_TOKEN = 2944          # fp32 tiny model: main K/V + index keys

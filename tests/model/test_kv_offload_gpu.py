@@ -14,8 +14,9 @@ pytestmark = pytest.mark.gpu
 
 
 def test_sessions_tier_on_equal_off_on_cuda(tiny_dir):
-    from m3serve.llm import LLM
     from test_kv_offload_engine import POOL, TIER, drain, sessions
+
+    from m3serve.llm import LLM
 
     flags = dict(POOL, device="cuda")
     want = sessions(LLM(str(tiny_dir), **flags))
@@ -31,8 +32,9 @@ def test_sessions_tier_on_equal_off_on_cuda(tiny_dir):
 
 
 def test_restored_pages_bit_identical_on_cuda(tiny_dir):
-    from m3serve.llm import LLM
     from test_kv_offload_engine import GREEDY, POOL, TIER, _pages, drain, ids
+
+    from m3serve.llm import LLM
 
     llm = LLM(str(tiny_dir), **POOL, **TIER, device="cuda")
     core, runner = llm.engine.core, llm.engine.worker.runner

@@ -4,8 +4,9 @@ tests/model/test_kv_offload_engine.py give the tokens one in-process rank gives 
 prefixes come back from the tier, and every rank ends clean."""
 import time
 
-from m3serve.llm import LLM
 from test_kv_offload_engine import POOL, sessions
+
+from m3serve.llm import LLM
 
 TP2_BYTES_PER_TOKEN = 5 * 2 * 1 * 32 * 4 + 3 * 32 * 4      # one of the two KV heads per rank
 

@@ -8,10 +8,13 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_scheduler import FakeRunner, reference  # tests/unit is on the path
 
+from m3serve.config import SchedulerConfig
 from m3serve.core.kv_cache.cpu_tier import CPUBlockTier
 from m3serve.core.kv_cache.manager import KVCacheManager
-from m3serve.core.request import Request
+from m3serve.core.request import Request, RequestStatus
+from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import KVOffloadReport
 from m3serve.sampling_params import SamplingParams
 
@@ -234,12 +237,6 @@ def test_the_random_sequences_restore_prefixes():
 
 
 # ------------------------------------------------------------------ the scheduler with a tier
-
-from test_scheduler import FakeRunner, reference  # noqa: E402  (tests/unit is on the path)
-
-from m3serve.config import SchedulerConfig  # noqa: E402
-from m3serve.core.request import RequestStatus  # noqa: E402
-from m3serve.core.scheduler import Scheduler  # noqa: E402
 
 
 class OffloadRunner(FakeRunner):
