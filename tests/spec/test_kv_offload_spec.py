@@ -1,8 +1,9 @@
 """The CPU tier with speculative decoding: the draft's caches share the block ids, so they are
 copied out and back with the target's. A second turn whose first turn was evicted to the tier
-proposes exactly the drafts it proposes when the first turn's blocks stayed in the GPU pool
-(so the same acceptance); a prefix restored without its draft KV would stay lossless but
-propose other drafts, which a corrupted host copy of the draft caches shows."""
+proposes at every position the first draft it proposes when the first turn's blocks stayed in
+the GPU pool (the draft that reads the restored prefix's draft KV); a prefix restored without
+its draft KV would stay lossless but propose other drafts (acceptance would collapse), which a
+corrupted host copy of the draft caches shows."""
 import pytest
 import torch
 
