@@ -48,10 +48,6 @@ class KVOffloadWorker:
         self.seconds_to_cpu = 0.0
         self.seconds_to_gpu = 0.0
 
-    def host_plane(self, group: str, index: int = 0) -> torch.Tensor:
-        """The `index`-th host plane of a cache group (tests)."""
-        return [p for g, p in zip(self.groups, self.host_planes) if g == group][index]
-
     def submit(self, work: KVOffloadWork) -> None:
         """Start one batch: the stores, then the loads."""
         if not work.has_copies:

@@ -94,10 +94,6 @@ class KVOffloadManager:
         """Copies are to be sent or in flight: the engine must keep stepping."""
         return bool(self._pending.stores or self._pending.loads or self._in_flight)
 
-    @property
-    def loads_in_flight(self) -> bool:
-        return bool(self._pending.loads) or any(b.loads for b in self._in_flight)
-
     def take_work(self) -> KVOffloadWork | None:
         """The copies of the step being scheduled, as one batch (None: nothing to do)."""
         batch, self._pending = self._pending, _Batch()
