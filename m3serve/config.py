@@ -33,6 +33,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+KV_OFFLOADING_BACKENDS = ("native",)   # vLLM's default; lmcache is not built in
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int | None = None           # None = the model's sparse block size
@@ -41,6 +44,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"            # auto | fp8 (e4m3, per-layer scales)
     index_cache_dtype: str = "auto"         # auto | fp8 (plain e4m3 cast, docs/model.md §4)
+    # CPU tier below the GPU prefix cache (vLLM's flags): GiB of host memory summed over the TP
+    # ranks of a replica (each rank holds its share); None = no tier
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -54,6 +61,21 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype: unsupported value {self.kv_cache_dtype!r} (auto, fp8)")
         if self.index_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"index_cache_dtype: unsupported value {self.index_cache_dtype!r} (auto, fp8)")
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend: unsupported value {self.kv_offloading_backend!r} "
+                             f"(supported: {', '.join(KV_OFFLOADING_BACKENDS)})")
+        size = self.kv_offloading_size
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+                raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs prefix caching: the CPU tier holds prefix-cached "
+                                 "blocks (drop --no-enable-prefix-caching)")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        """Bytes of the CPU tier over all TP ranks of a replica (0 = no tier)."""
+        return 0 if self.kv_offloading_size is None else int(self.kv_offloading_size * (1 << 30))
 
 
 @dataclass(frozen=True)

@@ -144,14 +144,18 @@ class LLMEngine:
         if self.client is not None:
             return self.client.states()
         core = self.core
-        while core.scheduler.has_finished_requests() and not core.scheduler.has_unfinished_requests():
-            core.step()                  # report finished requests to the worker, as a step would
+        while ((core.scheduler.has_finished_requests() or core.scheduler.has_offload_work)
+               and not core.scheduler.has_unfinished_requests()):
+            core.step()                  # report finished requests to the worker (and finish the
+                                         # copies to the CPU tier), as the next steps would
         kv = core.kv_manager
         return [EngineState(query_id=0, dp_rank=0, num_running=core.scheduler.num_running,
                             num_waiting=core.scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
                             num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
                             ranks=core.executor.describe(), num_preemptions=core.scheduler.num_preemptions,
                             prefix_cache_hits=kv.prefix_cache_hits,
+                            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
+                            num_offload_refs=kv.num_offload_refs,
                             num_deferred_steps=core.scheduler.num_deferred_steps)]
 
     def shutdown(self) -> None:

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def _nothing_to_run(so: SchedulerOutput) -> bool:
     """A step without tokens, news for the ranks, or KV-transfer work for them."""
     return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
-                or so.kv_connector_metadata is not None)
+                or so.kv_connector_metadata is not None or so.kv_offload is not None)
 
 
 def async_scheduling_applies(config: EngineConfig) -> bool:
@@ -43,7 +43,10 @@ class EngineCore:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.kv_manager = KVCacheManager(executor.num_blocks, executor.block_size,
-                                         enable_caching=config.cache.enable_prefix_caching)
+                                         enable_caching=config.cache.enable_prefix_caching,
+                                         num_cpu_blocks=getattr(executor, "num_cpu_blocks", 0))
+        # bytes of one block over every cache group and rank (the CPU tier's unit of transfer)
+        self.cpu_block_bytes = getattr(executor, "cpu_block_bytes", 0)
         connector = None
         if config.kv_transfer.enabled:
             from m3serve.disagg.connector import KVTransferScheduler
@@ -92,7 +95,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
-                or self.scheduler.has_kv_transfer_work or self.scheduler.has_grammar_work)
+                or self.scheduler.has_kv_transfer_work or self.scheduler.has_grammar_work
+                or self.scheduler.has_offload_work)
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
@@ -125,6 +129,10 @@ class EngineCore:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
         else:
             runner_output = self.executor.execute_model(scheduler_output)
+        if scheduler_output.kv_offload is not None and scheduler_output.kv_offload.poll:
+            if runner_output.kv_offload is None:
+                raise RuntimeError("the step asks for CPU-tier copy reports, but the ranks sent none")
+            self.scheduler.offload_done(runner_output.kv_offload)
         outputs = []
         if self._deferred is not None:
             if runner_output.previous is None:

@@ -17,9 +17,10 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     WAITING_FOR_REMOTE_KV = 3   # holds its blocks while a prefill worker's KV is pulled into them
     WAITING_FOR_GRAMMAR = 4     # no blocks; its structured-outputs grammar is being compiled
-    FINISHED_STOPPED = 5
-    FINISHED_LENGTH = 6
-    FINISHED_ABORTED = 7
+    WAITING_FOR_CPU_KV = 5      # holds its blocks while its prefix is copied back from the CPU tier
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH = 7
+    FINISHED_ABORTED = 8
 
     @property
     def is_finished(self) -> bool:
@@ -59,6 +60,10 @@ class Request:
         # disagg.params.KVTransferParams: prefill for a decode worker, or pull the prompt's KV
         self.kv_transfer_params = kv_transfer_params
         self.num_external_tokens = 0   # prompt tokens whose KV a pull brings (0 = none)
+        self.num_restored_tokens = 0   # tokens of its last admission loaded from the CPU tier
+        # its prefix lookup is counted in the hit-rate counters (once per admission, not per
+        # step it waits at the head of the queue)
+        self.lookup_counted = False
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
