@@ -53,8 +53,8 @@ def cmd_make_tiny(args) -> int:
         return 0
     from m3serve.model.tiny import make_tiny
 
-    path = make_tiny(args.dir, seed=args.seed)
-    print(f"wrote the tiny MiniMax-M3 checkpoint to {path}")
+    path = make_tiny(args.dir, seed=args.seed, vision=args.vision)
+    print(f"wrote the tiny MiniMax-M3 checkpoint{' with a vision tower' if args.vision else ''} to {path}")
     return 0
 
 
@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--target", default=None, help="the target checkpoint the draft is sized for "
                                                       "(default: the embedded tiny model)")
     tiny.add_argument("--no-weights", action="store_true", help="config.json only (use --load-format dummy)")
+    tiny.add_argument("--vision", action="store_true",
+                      help="add a small vision tower, projector and patch-merge MLP (images and video)")
     tiny.add_argument("--train-steps", type=int, default=0,
                       help="EAGLE3: distil the draft from the target's greedy outputs for this many epochs")
     tiny.set_defaults(func=cmd_make_tiny)
