@@ -19,10 +19,19 @@ class ModelConfig:
     load_format: str = "auto"         # auto (read the checkpoint) | dummy (random weights, real shapes)
     quantization: str | None = None   # None | fp8 (online: per-channel weights, per-token activations)
     hf_overrides: str | dict | None = None   # JSON laid over config.json (vLLM's --hf-overrides)
+    language_model_only: bool = False        # skip the vision tower: text-only serving
+    limit_mm_per_prompt: str | dict | None = None   # JSON {"image": N, "video": M}; None = 16 / 2
+    mm_processor_kwargs: str | dict | None = None   # JSON defaults of the image / video processor
 
     def __post_init__(self):
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", _json_object_option(self.hf_overrides, "hf_overrides"))
+        object.__setattr__(self, "limit_mm_per_prompt", _mm_limits(self.limit_mm_per_prompt))
+        if self.mm_processor_kwargs is not None:
+            from m3serve.multimodal.processor import ProcessorOptions
+            kwargs = _json_object_option(self.mm_processor_kwargs, "mm_processor_kwargs")
+            ProcessorOptions.from_kwargs(kwargs)      # checked here, applied per request
+            object.__setattr__(self, "mm_processor_kwargs", kwargs)
         if self.quantization not in (None, "fp8", "fp8_per_channel"):
             raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8)")
         if self.load_format not in ("auto", "dummy"):
@@ -350,6 +359,27 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+DEFAULT_MM_LIMITS = {"image": 16, "video": 2}
+
+
+def _mm_limits(raw) -> dict:
+    """--limit-mm-per-prompt (vLLM's JSON form, e.g. '{"image": 4, "video": 0}') -> a complete
+    {"image": n, "video": m}; modalities left out keep their defaults."""
+    if raw is None:
+        return dict(DEFAULT_MM_LIMITS)
+    given = _json_object_option(raw, "limit_mm_per_prompt")
+    out = dict(DEFAULT_MM_LIMITS)
+    for key, value in given.items():
+        if key not in DEFAULT_MM_LIMITS:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {key!r} (image, video)")
+        if isinstance(value, dict):          # vLLM's richer form {"count": n, ...}
+            value = value.get("count")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"limit_mm_per_prompt.{key} must be a non-negative integer, got {value!r}")
+        out[key] = value
+    return out
 
 
 def _json_object_option(raw, option: str) -> dict:

@@ -52,6 +52,8 @@ class LLMEngine:
             self.worker, self.model_config = executor.worker, executor.model_config
             self.core = self.front = EngineCore(config, executor)
         self.eos_token_id = self.model_config.eos_token_id
+        from m3serve.multimodal.processor import ProcessorOptions
+        self.mm_options = ProcessorOptions.from_kwargs(config.model.mm_processor_kwargs)
         self.states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
 
@@ -72,11 +74,30 @@ class LLMEngine:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]).ids
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
+    def encode_media(self, prompt, ids: list[int]) -> tuple[list[int], list | None]:
+        """A dict prompt's `multi_modal_data` (and `mm_processor_kwargs`): the prompt ids with
+        each marker expanded to its placeholder span, and the engine inputs (None: no media)."""
+        if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
+            return ids, None
+        from m3serve.multimodal.inputs import (expand_prompt, media_token_ids, process_multi_modal_data,
+                                               to_engine_input)
+        from m3serve.multimodal.processor import ProcessorOptions
+        options = ProcessorOptions.from_kwargs(prompt.get("mm_processor_kwargs"), self.mm_options)
+        items = process_multi_modal_data(prompt["multi_modal_data"], options,
+                                         self.config.model.limit_mm_per_prompt)
+        marker_ids = media_token_ids(self.tokenizer.token_to_id)
+        expanded = expand_prompt(ids, items, marker_ids, lambda text: self.tokenizer.encode(text).ids)
+        if len(expanded) > (self.config.model.max_model_len or self.model_config.max_position_embeddings):
+            raise ValueError(f"the prompt with its images and videos is {len(expanded)} tokens, longer "
+                             f"than the model's context")
+        return expanded, [to_engine_input(x) for x in items]
+
     def add_request(self, request_id: str, prompt, params: SamplingParams, cache_salt: str | None = None,
                     defer_admission: bool = False) -> RequestState:
         """Submit one request; ValueError if it is refused. With engine processes,
         `defer_admission` leaves the verdict to `settle()` (one round trip for a batch)."""
         text, ids = self.encode_prompt(prompt)
+        ids, mm_inputs = self.encode_media(prompt, ids)
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, self.tokenizer)
@@ -85,7 +106,8 @@ class LLMEngine:
             if self.eos_token_id is not None:
                 seq.params.add_eos_token_ids([self.eos_token_id])
             requests.append(EngineCoreRequest(seq.request_id, ids, seq.params, self.eos_token_id,
-                                              arrival_time=time.time(), cache_salt=cache_salt))
+                                              arrival_time=time.time(), cache_salt=cache_salt,
+                                              mm_inputs=mm_inputs))
         self.front.add_requests(requests)
         if self.client is not None and not defer_admission:
             self.client.settle()

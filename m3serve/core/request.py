@@ -49,6 +49,8 @@ class Request:
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
         kv_transfer_params: Any = None,
+        mm_inputs: list | None = None,
+        mm_spans: list[tuple[int, int, str]] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -59,6 +61,11 @@ class Request:
         # disagg.params.KVTransferParams: prefill for a decode worker, or pull the prompt's KV
         self.kv_transfer_params = kv_transfer_params
         self.num_external_tokens = 0   # prompt tokens whose KV a pull brings (0 = none)
+        # protocol.MultiModalInput per image / video, kept for the whole life of the request so
+        # a recompute (preemption, a failed KV pull) can encode them again; and the
+        # (start, end, content hash) of each one's placeholder tokens (prefix-cache keys)
+        self.mm_inputs = list(mm_inputs or [])
+        self.mm_spans = list(mm_spans or [])
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

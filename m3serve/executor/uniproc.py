@@ -22,6 +22,11 @@ class UniProcExecutor:
             out.kv_connector_output = [self.worker.kv_result]
         return out
 
+    @property
+    def has_vision(self) -> bool:
+        """Whether the ranks hold a vision encoder (images and videos accepted)."""
+        return self.worker.runner.vision is not None
+
     def kv_rank_metadata(self) -> list:
         return [self.worker.kv_connector.rank_metadata()]
 

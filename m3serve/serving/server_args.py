@@ -19,7 +19,6 @@ NOT_APPLICABLE_FLAGS = {
     "--trust-remote-code": "m3serve implements MiniMax-M3 itself and runs no checkpoint code",
     "--enable-chunked-prefill": "prefill is always chunked by --max-num-batched-tokens",
     "--disable-log-requests": "m3serve does not log request contents",
-    "--language-model-only": "m3serve serves the text model only",
     "--attention-backend": "m3serve has one attention implementation per device",
     "--moe-backend": "m3serve has one fused-MoE implementation per device",
     "--linear-backend": "m3serve picks its GEMM kernels itself",
