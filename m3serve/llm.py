@@ -242,10 +242,36 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several (a list of lists)."""
+             add_generation_prompt: bool = True, media_policy=None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several (a list of lists). Messages may hold
+        `image_url` / `video_url` / `image_pil` parts; `media_policy` (`multimodal.media.
+        MediaPolicy`) bounds fetching and decoding them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = load_chat_template(self.engine.model_dir)
-        prompts = [render_chat(template, conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                               chat_template_kwargs=chat_template_kwargs) for conv in conversations]
+        prompts = []
+        for conv in conversations:
+            text = render_chat(template, conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                               chat_template_kwargs=chat_template_kwargs)
+            data = self._chat_media(conv, media_policy)
+            prompts.append({"prompt": text, "multi_modal_data": data} if data else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_media(self, conversation, policy) -> dict:
+        """`multi_modal_data` of a conversation's image / video parts, decoded (data: and
+        http(s) URLs; file:// only under `policy.allowed_local_media_path`)."""
+        from m3serve.multimodal.media import MediaPolicy, decode_image, decode_video, load_bytes
+        from m3serve.multimodal.parts import collect_media_parts
+        policy = policy or MediaPolicy()
+        data: dict[str, list] = {}
+        for part in collect_media_parts(conversation):
+            try:
+                if part.modality == "image":
+                    value = part.source if not isinstance(part.source, str) else \
+                        decode_image(load_bytes(part.source, "image", policy), policy)
+                else:
+                    frames, fps = decode_video(load_bytes(part.source, "video", policy), policy)
+                    value = {"frames": frames, "fps": fps}
+            except ValueError as e:
+                raise ValueError(f"{part.where}: {e}") from None
+            data.setdefault(part.modality, []).append(value)
+        return data

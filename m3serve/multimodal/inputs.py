@@ -12,14 +12,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from m3serve.multimodal.markers import MARKERS, MODALITIES, SPAN_MARKERS, check_limits
 from m3serve.multimodal.processor import (ProcessorOptions, VisionItem, placeholder_token_ids,
                                           preprocess_image, preprocess_video)
 from m3serve.protocol import MultiModalInput
-
-MARKERS = {"image": "]<]image[>[", "video": "]<]video[>["}
-SPAN_MARKERS = {"image_start": "]<]start of image[>[", "image_end": "]<]end of image[>["}
-MODALITIES = ("image", "video")
-
 
 def media_token_ids(token_to_id: Callable[[str], int | None]) -> dict[str, int]:
     """The ids of the four vision markers in a tokenizer; ValueError if one is missing."""
@@ -53,14 +49,6 @@ def _as_list(value, modality: str) -> list:
             return [value]
         return list(value) if isinstance(value, (list, tuple)) else [value]
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def check_limits(counts: dict[str, int], limits: dict[str, int]) -> None:
-    for modality in MODALITIES:
-        n, limit = counts.get(modality, 0), limits.get(modality, 0)
-        if n > limit:
-            raise ValueError(f"too many {modality}s in one prompt: {n}, at most {limit} "
-                             f"(--limit-mm-per-prompt)")
 
 
 def process_multi_modal_data(data: dict, options: ProcessorOptions, limits: dict[str, int]) -> list[VisionItem]:

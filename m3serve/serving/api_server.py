@@ -118,6 +118,17 @@ def _parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
     return parsed
 
 
+def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
+    from m3serve.config import DEFAULT_MM_LIMITS
+    from m3serve.multimodal.media import MediaPolicy
+    from m3serve.serving.media_front import MediaFront
+    engine = getattr(client, "config", None)
+    model = getattr(engine, "model", None)
+    limits = getattr(model, "limit_mm_per_prompt", None) or dict(DEFAULT_MM_LIMITS)
+    policy = MediaPolicy.from_flags(config.allowed_local_media_path, config.allowed_media_domains)
+    return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None))
+
+
 def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,
               model_name: str, kv_transfer=None, sampling_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app. `client` is an `EngineCoreClient` (or a stand-in with its methods); it
@@ -144,7 +155,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None,
-            stream_interval=config.stream_interval)
+            stream_interval=config.stream_interval, media=_media_front(client, tokenizer, config))
         if getattr(client, "config", None) is not None:
             logger.info(describe_engine(client.config, client.info))
         logger.info("serving %s (%s)", model_name, model_dir)
@@ -152,6 +163,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             yield
         finally:
             holder["ctx"].engine.close()
+            holder["ctx"].media.close()
             client.shutdown()
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}

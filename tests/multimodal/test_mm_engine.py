@@ -149,3 +149,29 @@ def test_bad_media_requests(tiny_vision_dir, tiny_dir):
         skipped.generate({"prompt": "]<]image[>[", "multi_modal_data": {"image": image(30, 30, 1)}},
                          GREEDY, use_tqdm=False)
     assert_all_blocks_free(llm)
+
+
+def test_chat_with_image_parts_equals_generate(tiny_vision_dir):
+    """LLM.chat with an image_url data URL and an image_pil part answers as generate does with
+    the decoded images in the rendered prompt's marker positions."""
+    from PIL import Image
+
+    from media_samples import data_url, png_bytes
+    from m3serve.multimodal.media import decode_image
+    from m3serve.serving.chat_template import load_chat_template, render_chat
+    llm = LLM(model=str(tiny_vision_dir), dtype="float32")
+    second = Image.fromarray(image(70, 40, 9))
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "what differs between"},
+        {"type": "image_url", "image_url": {"url": data_url(png_bytes(90, 60, seed=8))}},
+        {"type": "text", "text": "and"}, {"type": "image_pil", "image_pil": second}]}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = render_chat(load_chat_template(tiny_vision_dir), messages)
+    assert text.count("]<]image[>[") == 2
+    ref = llm.generate({"prompt": text, "multi_modal_data": {"image": [decode_image(png_bytes(90, 60, seed=8)), second]}},
+                       GREEDY, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ref.prompt_token_ids
+    assert chat.outputs[0].token_ids == ref.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\]: corrupt or truncated"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {
+            "url": data_url(png_bytes(200, 200)[:400])}}]}], GREEDY, use_tqdm=False)
