@@ -55,7 +55,8 @@ def collect_media_parts(messages) -> list[MediaPart]:
             continue
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") in PART_TYPES:
-                where = f"messages[{i}].content[{j}]"
+                # a part converted from another API carries its own request path
+                where = part.get("_where") if isinstance(part.get("_where"), str) else f"messages[{i}].content[{j}]"
                 parts.append(MediaPart(PART_TYPES[part["type"]], where, _source(part, where)))
     return parts
 

@@ -143,3 +143,40 @@ def test_text_only_model_refuses_images(server):
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="without a vision tower"):
         ask(c, messages(data_url(IMAGE)))
+
+
+def test_anthropic_image_blocks(vision_server, client):
+    """A Messages request with a base64 image block (and one by URL) answers as Chat Completions
+    does for the same turn; a bad one is a 400 naming the block."""
+    import base64
+
+    import anthropic
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages(data_url(IMAGE)), max_tokens=8,
+                                          temperature=0)
+    claude = anthropic.Anthropic(base_url=vision_server.url, api_key="unused", max_retries=0)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(IMAGE).decode()}}
+    r = claude.messages.create(model=MODEL_NAME, max_tokens=8, extra_body={"temperature": 0.0}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "describe"}, block]}])
+    assert "".join(b.text for b in r.content if b.type == "text") == chat.choices[0].message.content
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                       "data": base64.b64encode(IMAGE[:300]).decode()}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL_NAME, max_tokens=8, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "x"}, bad]}])
+    assert "messages.0.content.1: corrupt or truncated" in str(e.value)
+
+
+def test_responses_input_image(vision_server, client):
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages(data_url(IMAGE)), max_tokens=8,
+                                          temperature=0)
+    r = client.responses.create(model=MODEL_NAME, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "describe"},
+                                     {"type": "input_image", "image_url": data_url(IMAGE)}]}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, max_output_tokens=8, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"nope")}]}])
+    assert "input[0].content[0]: not a recognised image format" in e.value.message
