@@ -40,15 +40,14 @@ def pixel_values(item: MultiModalInput) -> torch.Tensor:
 
 
 def _as_list(value, modality: str) -> list:
-    if modality == "video":
-        # one video: a [T, H, W, 3] array, or a list of frames (PIL images or [H, W, 3] arrays)
-        if isinstance(value, np.ndarray) and value.ndim == 4:
-            return [value]
-        if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (list, tuple)) \
-                and not (isinstance(value[0], np.ndarray) and value[0].ndim == 4):
-            return [value]
-        return list(value) if isinstance(value, (list, tuple)) else [value]
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    """One item or a list of items. A video is a [T, H, W, 3] array, a {"frames", "fps"} dict,
+    or a list of frames (PIL images or [H, W, 3] arrays); a list of those is several videos."""
+    if not isinstance(value, (list, tuple)):
+        return [value]
+    if modality == "video" and value and not isinstance(value[0], (list, tuple, dict)) \
+            and not (isinstance(value[0], np.ndarray) and value[0].ndim == 4):
+        return [value]                        # the frames of one video
+    return list(value)
 
 
 def process_multi_modal_data(data: dict, options: ProcessorOptions, limits: dict[str, int]) -> list[VisionItem]:

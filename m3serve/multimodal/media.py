@@ -197,6 +197,8 @@ def decode_video(data: bytes, policy: MediaPolicy = MediaPolicy()) -> tuple[np.n
                 if len(frames) > 4096:
                     raise ValueError("video has more than 4096 frames")
             rate = float(stream.average_rate) if stream.average_rate else None
+    except av.FFmpegError as e:            # some of these are ValueErrors too: say what failed
+        raise ValueError(f"cannot decode the video ({type(e).__name__}: {e})") from None
     except ValueError:
         raise
     except Exception as e:

@@ -180,3 +180,19 @@ def test_responses_input_image(vision_server, client):
         client.responses.create(model=MODEL_NAME, max_output_tokens=8, input=[
             {"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"nope")}]}])
     assert "input[0].content[0]: not a recognised image format" in e.value.message
+
+
+def test_video_url(client, offline):
+    """A video file by data URL: decoded with PyAV, answered as the offline engine does with the
+    same bytes (timestamps in the prompt); a file that is no video is a 400."""
+    pytest.importorskip("av")
+    from media_samples import mp4_bytes
+    url = data_url(mp4_bytes(), "video/mp4")
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what happens"},
+                                         {"type": "video_url", "video_url": {"url": url}}]}]
+    text, num_prompt = offline(msgs)
+    r = ask(client, msgs)
+    assert r.choices[0].message.content == text and r.usage.prompt_tokens == num_prompt
+    msgs[0]["content"][1]["video_url"]["url"] = data_url(b"\x00" * 200, "video/mp4")
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[1\]: cannot decode the video"):
+        ask(client, msgs)

@@ -54,3 +54,19 @@ BAD_IMAGES = [
     ("unsupported format", ppm_bytes(), "format PPM is not supported"),
     ("empty", b"", "empty"),
 ]
+
+
+def mp4_bytes(num_frames=6, width=84, height=56, fps=4) -> bytes:
+    """A short MPEG-4 video of random frames (needs PyAV)."""
+    import av
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(num_frames):
+            array = np.random.default_rng(100 + i).integers(0, 256, (height, width, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
