@@ -287,6 +287,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
         body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
         ctx().check_model(body.model)
         prompt, ids, _, _ = await ctx().engine.off_loop(chat.render_request, ctx(), body)
+        ids, _ = await ctx().media.prepare(body.messages, ids, body.mm_processor_kwargs)   # image spans
         return {"prompt": prompt, "token_ids": ids}
 
     @app.post("/v1/completions")
@@ -316,7 +317,11 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _read_body(request, TokenizeRequest, config.max_request_body_bytes)
-        return await ctx().engine.off_loop(tokenize_api.tokenize, ctx(), body)
+        out = await ctx().engine.off_loop(tokenize_api.tokenize, ctx(), body)
+        if body.messages is not None:          # images count as their placeholder tokens
+            ids, _ = await ctx().media.prepare(body.messages, out["tokens"])
+            out.update(count=len(ids), tokens=ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

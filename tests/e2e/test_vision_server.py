@@ -196,3 +196,14 @@ def test_video_url(client, offline):
     msgs[0]["content"][1]["video_url"]["url"] = data_url(b"\x00" * 200, "video/mp4")
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[1\]: cannot decode the video"):
         ask(client, msgs)
+
+
+def test_tokenize_and_render_count_the_image(vision_server, client, offline):
+    import httpx
+    msgs = messages(data_url(IMAGE))
+    _, num_prompt = offline(msgs)
+    r = httpx.post(vision_server.url + "/tokenize", json={"model": MODEL_NAME, "messages": msgs}, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] == num_prompt
+    r = httpx.post(vision_server.url + "/v1/chat/completions/render", json={"model": MODEL_NAME, "messages": msgs},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()["token_ids"]) == num_prompt
