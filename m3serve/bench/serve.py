@@ -48,8 +48,14 @@ def _build_payload(endpoint_type: str, model: str, request: SampleRequest, ignor
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.images and endpoint_type != "chat":
+        raise ValueError("images (--dataset-name random-mm) need the chat endpoint (--backend openai-chat)")
     if endpoint_type == "chat":
-        payload["messages"] = [{"role": "user", "content": request.prompt}]
+        content = request.prompt
+        if request.images:
+            content = [{"type": "text", "text": request.prompt}] + [
+                {"type": "image_url", "image_url": {"url": url}} for url in request.images]
+        payload["messages"] = [{"role": "user", "content": content}]
         payload["max_completion_tokens"] = request.expected_output_len
     else:
         payload["prompt"] = request.prompt
@@ -444,7 +450,12 @@ def add_common_args(parser: argparse.ArgumentParser, inferencex: bool = False) -
     parser.add_argument("--tokenizer", default=None,
                         help="directory with tokenizer.json (or the file, or a hub id) used to build "
                              "prompts; default: --model, else the model directory the server reports")
-    parser.add_argument("--dataset-name", choices=("random",), default="random")
+    parser.add_argument("--dataset-name", choices=("random", "random-mm"), default="random",
+                        help="random-mm: the random prompts with random images (chat endpoint)")
+    parser.add_argument("--random-mm-base-items-per-request", type=int, default=1,
+                        help="random-mm: images per request")
+    parser.add_argument("--random-mm-image-sizes", default="672x672",
+                        help="random-mm: comma-separated WIDTHxHEIGHT sizes, one drawn per image")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=None,
@@ -588,6 +599,14 @@ def make_requests(args: argparse.Namespace, view: TokenizerView, num_prompts: in
     requests = sample_random_requests(view, num_prompts, seed=args.seed, **common)
     warmups = (sample_random_requests(view, num_warmups, seed=args.seed + 1_000_003, **common)
                if num_warmups else [])
+    if getattr(args, "dataset_name", "random") == "random-mm":
+        from m3serve.bench.datasets import add_random_images, parse_image_sizes
+        if args.random_mm_base_items_per_request < 1:
+            raise ValueError("--random-mm-base-items-per-request must be >= 1")
+        sizes = parse_image_sizes(args.random_mm_image_sizes)
+        n = args.random_mm_base_items_per_request
+        requests = add_random_images(requests, n, sizes, args.seed)
+        warmups = add_random_images(warmups, n, sizes, args.seed + 1_000_003)
     return requests, warmups
 
 

@@ -207,3 +207,26 @@ def test_tokenize_and_render_count_the_image(vision_server, client, offline):
     r = httpx.post(vision_server.url + "/v1/chat/completions/render", json={"model": MODEL_NAME, "messages": msgs},
                    timeout=60)
     assert r.status_code == 200 and len(r.json()["token_ids"]) == num_prompt
+
+
+def test_bench_image_workload(vision_server):
+    """`m3serve bench serve --dataset-name random-mm`: every request carries its images and the
+    server counts their tokens in each prompt (two 672² images: 2 x 576 placeholders)."""
+    import argparse
+
+    from m3serve.bench import serve
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--base-url", vision_server.url, "--backend", "openai-chat", "--model", MODEL_NAME,
+                              "--tokenizer", str(vision_server_model(vision_server)), "--dataset-name", "random-mm",
+                              "--random-mm-base-items-per-request", "2", "--random-mm-image-sizes", "672x672",
+                              "--random-input-len", "16", "--random-output-len", "4", "--num-prompts", "3",
+                              "--ignore-eos", "--disable-tqdm"])
+    result = serve.main(args)
+    assert result["completed"] == 3 and result["failed"] == 0
+    assert result["total_input_tokens"] >= 3 * 2 * 576
+
+
+def vision_server_model(server):
+    import httpx
+    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["root"]
