@@ -211,7 +211,8 @@ def test_tokenize_and_render_count_the_image(vision_server, client, offline):
 
 def test_bench_image_workload(vision_server):
     """`m3serve bench serve --dataset-name random-mm`: every request carries its images and the
-    server counts their tokens in each prompt (two 672² images: 2 x 576 placeholders)."""
+    server counts their tokens in each prompt (two images of 224² or 336²: at least 2 x 64
+    placeholders)."""
     import argparse
 
     from m3serve.bench import serve
@@ -219,12 +220,12 @@ def test_bench_image_workload(vision_server):
     serve.add_cli_args(parser)
     args = parser.parse_args(["--base-url", vision_server.url, "--backend", "openai-chat", "--model", MODEL_NAME,
                               "--tokenizer", str(vision_server_model(vision_server)), "--dataset-name", "random-mm",
-                              "--random-mm-base-items-per-request", "2", "--random-mm-image-sizes", "672x672",
+                              "--random-mm-base-items-per-request", "2", "--random-mm-image-sizes", "224x224,336x336",
                               "--random-input-len", "16", "--random-output-len", "4", "--num-prompts", "3",
                               "--ignore-eos", "--disable-tqdm"])
     result = serve.main(args)
     assert result["completed"] == 3 and result["failed"] == 0
-    assert result["total_input_tokens"] >= 3 * 2 * 576
+    assert result["total_input_tokens"] >= 3 * (16 + 2 * 64)
 
 
 def vision_server_model(server):
