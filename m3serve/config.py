@@ -72,6 +72,9 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096    # admission bound of the waiting queue (server answers 503 past it)
     long_prefill_token_threshold: int = 0   # tokens one request may compute per step (0 = no cap)
     max_num_partial_prefills: int = 0       # requests prefilling in one step at most (0 = no cap)
+    # image / video placeholder tokens whose encoding one step may start (None = the step's
+    # token budget); an item larger than the budget is encoded alone in its step
+    max_num_encoder_input_tokens: int | None = None
     # schedule step N+1 while step N runs on the device (its argmax tokens feed N+1 there);
     # None: on wherever it applies (vLLM's default), True: on or a start-up error, False: off
     async_scheduling: bool | None = None
@@ -87,6 +90,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens <= 0:
+            raise ValueError(f"max_num_encoder_input_tokens must be positive, got "
+                             f"{self.max_num_encoder_input_tokens}")
 
     def effective_long_prefill_threshold(self, max_model_len: int) -> int:
         """The per-request token cap the scheduler applies (0 = none): the flag's value, or, with

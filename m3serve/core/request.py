@@ -66,6 +66,9 @@ class Request:
         # (start, end, content hash) of each one's placeholder tokens (prefix-cache keys)
         self.mm_inputs = list(mm_inputs or [])
         self.mm_spans = list(mm_spans or [])
+        # indices of mm_inputs whose encoding a step has started (the worker keeps the features
+        # until the request finishes, preemption included)
+        self.mm_encoded: set[int] = set()
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

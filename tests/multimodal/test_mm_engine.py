@@ -94,6 +94,24 @@ def test_greedy_equals_transformers(tiny_vision_dir, expected, flags):
     assert_all_blocks_free(llm)
 
 
+def test_encoder_budget_spreads_images_over_steps(tiny_vision_dir, expected):
+    """--max-num-encoder-input-tokens 10: the two images (6 and 10 placeholder tokens) are
+    encoded in different steps (the chunk stops before the second), with the same answer; an
+    image larger than the budget still runs, alone."""
+    def encode_steps(budget, name):
+        llm = LLM(model=str(tiny_vision_dir), dtype="float32", max_num_encoder_input_tokens=budget)
+        runner, steps = llm.engine.worker.runner, []
+        encoder = runner.vision
+        runner.vision = lambda *a: steps.append(llm.engine.core.num_steps) or encoder(*a)
+        out = llm.generate({"prompt": CASES[name][0], "multi_modal_data": CASES[name][1]}, GREEDY, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == expected[name][1]
+        assert_all_blocks_free(llm)
+        return steps
+    assert len(set(encode_steps(10, "two_images"))) == 2
+    assert len(set(encode_steps(16, "two_images"))) == 1
+    assert len(encode_steps(4, "one_image")) == 1          # 20 tokens, over the budget of 4
+
+
 def test_encoder_runs_once_per_image_under_chunking(tiny_vision_dir):
     llm = LLM(model=str(tiny_vision_dir), dtype="float32", max_num_batched_tokens=16)
     runner = llm.engine.worker.runner
