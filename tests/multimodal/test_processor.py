@@ -95,3 +95,21 @@ def test_placeholder_expansion():
     out = placeholder_token_ids(video, ids, encode_text=lambda s: markers.append(s) or [9])
     assert markers == ["]<]0.0 seconds[>[", "]<]1.0 seconds[>[", "]<]2.0 seconds[>["]
     assert out == ([9, 3] + [2] * 6 + [4]) * 3
+
+
+def test_equals_recorded_transformers_outputs():
+    """Without torchvision (CI): our pixel values against digests of transformers' processors'
+    outputs for seeded inputs, recorded with `python tests/multimodal/hf_vision.py FILE` where
+    torchvision is installed (the tests above compare live there)."""
+    import json
+    from pathlib import Path
+
+    from hf_vision import digest, digest_cases
+    recorded = json.loads((Path(__file__).parent / "hf_processor_digests.json").read_text())
+    assert set(recorded) == set(digest_cases())
+    for name, (kind, array) in digest_cases().items():
+        item = preprocess_image(array) if kind == "image" else preprocess_video(array)
+        want = recorded[name]
+        assert [list(g) for g in item.grids] == want["grids"], name
+        assert list(item.pixel_values.shape) == want["shape"], name
+        assert digest(item.pixel_values) == want["sha256"], name
