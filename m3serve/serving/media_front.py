@@ -42,12 +42,16 @@ class MediaFront:
         """(prompt ids with placeholder spans, engine inputs or None) for a rendered chat."""
         parts = collect_media_parts(messages)
         if not parts:
-            if any(t in ids for t in self._marker_ids()):
-                raise ValueError(f"the prompt holds a {MARKERS['image']} or {MARKERS['video']} marker "
-                                 f"but no image or video part")
+            if self._marker_ids():      # a scan of the whole prompt: off the event loop too
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._check_no_markers, ids)
             return ids, None
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, functools.partial(self._prepare, parts, ids, request_kwargs))
+
+    def _check_no_markers(self, ids: list[int]) -> None:
+        if any(t in ids for t in self._marker_ids()):
+            raise ValueError(f"the prompt holds a {MARKERS['image']} or {MARKERS['video']} marker "
+                             f"but no image or video part")
 
     @functools.cache
     def _marker_ids(self) -> tuple[int, ...]:
