@@ -19,10 +19,19 @@ class ModelConfig:
     load_format: str = "auto"         # auto (read the checkpoint) | dummy (random weights, real shapes)
     quantization: str | None = None   # None | fp8 (online: per-channel weights, per-token activations)
     hf_overrides: str | dict | None = None   # JSON laid over config.json (vLLM's --hf-overrides)
+    language_model_only: bool = False        # skip the vision tower: text-only serving
+    limit_mm_per_prompt: str | dict | None = None   # JSON {"image": N, "video": M}; None = 16 / 2
+    mm_processor_kwargs: str | dict | None = None   # JSON defaults of the image / video processor
 
     def __post_init__(self):
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", _json_object_option(self.hf_overrides, "hf_overrides"))
+        object.__setattr__(self, "limit_mm_per_prompt", _mm_limits(self.limit_mm_per_prompt))
+        if self.mm_processor_kwargs is not None:
+            from m3serve.multimodal.processor import ProcessorOptions
+            kwargs = _json_object_option(self.mm_processor_kwargs, "mm_processor_kwargs")
+            ProcessorOptions.from_kwargs(kwargs)      # checked here, applied per request
+            object.__setattr__(self, "mm_processor_kwargs", kwargs)
         if self.quantization not in (None, "fp8", "fp8_per_channel"):
             raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8)")
         if self.load_format not in ("auto", "dummy"):
@@ -85,6 +94,9 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096    # admission bound of the waiting queue (server answers 503 past it)
     long_prefill_token_threshold: int = 0   # tokens one request may compute per step (0 = no cap)
     max_num_partial_prefills: int = 0       # requests prefilling in one step at most (0 = no cap)
+    # image / video placeholder tokens whose encoding one step may start (None = the step's
+    # token budget); an item larger than the budget is encoded alone in its step
+    max_num_encoder_input_tokens: int | None = None
     # schedule step N+1 while step N runs on the device (its argmax tokens feed N+1 there);
     # None: on wherever it applies (vLLM's default), True: on or a start-up error, False: off
     async_scheduling: bool | None = None
@@ -100,6 +112,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens <= 0:
+            raise ValueError(f"max_num_encoder_input_tokens must be positive, got "
+                             f"{self.max_num_encoder_input_tokens}")
 
     def effective_long_prefill_threshold(self, max_model_len: int) -> int:
         """The per-request token cap the scheduler applies (0 = none): the flag's value, or, with
@@ -373,6 +388,27 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+DEFAULT_MM_LIMITS = {"image": 16, "video": 2}
+
+
+def _mm_limits(raw) -> dict:
+    """--limit-mm-per-prompt (vLLM's JSON form, e.g. '{"image": 4, "video": 0}') -> a complete
+    {"image": n, "video": m}; modalities left out keep their defaults."""
+    if raw is None:
+        return dict(DEFAULT_MM_LIMITS)
+    given = _json_object_option(raw, "limit_mm_per_prompt")
+    out = dict(DEFAULT_MM_LIMITS)
+    for key, value in given.items():
+        if key not in DEFAULT_MM_LIMITS:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {key!r} (image, video)")
+        if isinstance(value, dict):          # vLLM's richer form {"count": n, ...}
+            value = value.get("count")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"limit_mm_per_prompt.{key} must be a non-negative integer, got {value!r}")
+        out[key] = value
+    return out
 
 
 def _json_object_option(raw, option: str) -> dict:

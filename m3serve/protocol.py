@@ -16,6 +16,19 @@ from m3serve.disagg.params import KVTransferParams
 from m3serve.sampling_params import SamplingParams
 
 
+class MultiModalInput(msgspec.Struct):
+    """One preprocessed image or video of a request (`multimodal/processor.py`): its patches as
+    raw float32 bytes ([num_patches, 1176], the vision tower's order), the (t, h, w) grid of each
+    attention segment, the placeholder tokens it fills, and a content hash (prefix-cache key)."""
+
+    modality: str                       # "image" | "video"
+    pixel_values: bytes
+    num_patches: int
+    grids: list[tuple[int, int, int]]
+    num_tokens: int
+    content_hash: str
+
+
 class EngineCoreRequest(msgspec.Struct):
     """One sequence for the scheduler (n > 1 is fanned out into children by the API process)."""
 
@@ -26,6 +39,7 @@ class EngineCoreRequest(msgspec.Struct):
     arrival_time: float
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None   # P/D: prefill for, or pull from, another worker
+    mm_inputs: list[MultiModalInput] | None = None       # images / videos, in prompt order per modality
 
 
 class AddRequests(msgspec.Struct, tag="add"):

@@ -61,3 +61,10 @@ def hf_checkpoints(tiny_dir, tmp_path_factory):
         for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             (d / f).write_bytes((tiny_dir / f).read_bytes())
     return text, hf_dir, orig_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dir(tmp_path_factory) -> Path:
+    """The tiny checkpoint with its small vision tower (`make-tiny --vision`)."""
+    from m3serve.model.tiny import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tiny_vision"), seed=0, vision=True)

@@ -74,7 +74,22 @@ class EngineCore:
         if request.sampling_params.structured_outputs is not None:
             from m3serve.worker.structured import check_request
             check_request(request.sampling_params, self.config.speculative.enabled)
+        if request.mm_inputs:
+            self._check_media(request)
         self.scheduler.add_request(request)
+
+    def _check_media(self, request: Request) -> None:
+        """Images and videos need a vision tower and a plain (non-speculative) engine; their
+        placeholders must add up. Sets the request's prefix-cache spans."""
+        from m3serve.multimodal.inputs import media_spans
+        if not self.executor.has_vision:
+            raise ValueError("this model is served without a vision tower (a text-only checkpoint, "
+                             "or --language-model-only): images and videos are not accepted")
+        if self.config.speculative.enabled:
+            raise ValueError("images and videos are not supported with speculative decoding yet")
+        cfg = self.executor.model_config
+        spans = media_spans(request.prompt_token_ids, request.mm_inputs, cfg.image_token_id, cfg.video_token_id)
+        request.mm_spans = [(s, e, x.content_hash) for (s, e), x in zip(spans, request.mm_inputs)]
 
     def add_requests(self, requests) -> None:
         """Admit `protocol.EngineCoreRequest`s (the children of one request) all or none:
@@ -84,7 +99,8 @@ class EngineCore:
             for r in requests:
                 self.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params,
                                          r.eos_token_id, arrival_time=r.arrival_time,
-                                         cache_salt=r.cache_salt, kv_transfer_params=r.kv_transfer_params))
+                                         cache_salt=r.cache_salt, kv_transfer_params=r.kv_transfer_params,
+                                         mm_inputs=r.mm_inputs))
                 added.append(r.request_id)
         except Exception:
             self.abort_requests(added)

@@ -50,6 +50,8 @@ class Request:
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
         kv_transfer_params: Any = None,
+        mm_inputs: list | None = None,
+        mm_spans: list[tuple[int, int, str]] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -64,6 +66,14 @@ class Request:
         # its prefix lookup is counted in the hit-rate counters (once per admission, not per
         # step it waits at the head of the queue)
         self.lookup_counted = False
+        # protocol.MultiModalInput per image / video, kept for the whole life of the request so
+        # a recompute (preemption, a failed KV pull) can encode them again; and the
+        # (start, end, content hash) of each one's placeholder tokens (prefix-cache keys)
+        self.mm_inputs = list(mm_inputs or [])
+        self.mm_spans = list(mm_spans or [])
+        # indices of mm_inputs whose encoding a step has started (the worker keeps the features
+        # until the request finishes, preemption included)
+        self.mm_encoded: set[int] = set()
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

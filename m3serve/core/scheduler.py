@@ -230,6 +230,35 @@ class Scheduler:
         """True while finished ids wait to be reported to the worker by the next schedule()."""
         return bool(self.finished_req_ids)
 
+    # ---------------------------------------------------------------- images and videos
+
+    @property
+    def _encoder_budget(self) -> int:
+        return self.config.max_num_encoder_input_tokens or self.config.max_num_batched_tokens
+
+    def _encoder_plan(self, request: Request, start: int, num_new: int, left: int) -> tuple[int, list[int]]:
+        """(tokens to schedule, media items whose encoding this chunk starts): the chunk
+        [start, start + num_new) is cut before the first item not yet encoded that the step's
+        encoder budget `left` cannot take (0 when that item begins at or before `start`). An
+        item larger than the whole budget is taken when the step has encoded nothing yet, so
+        it runs alone rather than never."""
+        end = start + num_new
+        cost, items = 0, []
+        pending = sorted((s, e, k) for k, (s, e, _) in enumerate(request.mm_spans)
+                         if k not in request.mm_encoded and e > start and s < end)
+        for s, _, k in pending:
+            n = request.mm_inputs[k].num_tokens
+            if cost + n <= left or (cost == 0 and left == self._encoder_budget):
+                cost += n
+                items.append(k)
+                continue
+            return max(0, s - start), items
+        return num_new, items
+
+    def _commit_encodes(self, request: Request, items: list[int]) -> int:
+        request.mm_encoded.update(items)
+        return sum(request.mm_inputs[k].num_tokens for k in items)
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
@@ -242,6 +271,7 @@ class Scheduler:
         if self.grammar_waiting:
             self._grammar_events()
         budget = self.config.max_num_batched_tokens
+        encoder_left = self._encoder_budget
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
@@ -266,6 +296,8 @@ class Scheduler:
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             prefill = self._is_prefill(request)
+            if num_new > 0 and request.mm_spans:
+                num_new, encodes = self._encoder_plan(request, request.num_computed_tokens, num_new, encoder_left)
             if num_new <= 0 or (prefill and prefills == self._prefill_cap):
                 i += 1
                 continue
@@ -295,6 +327,8 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
             prefills += prefill
+            if request.mm_spans:
+                encoder_left -= self._commit_encodes(request, encodes)
             i += 1
 
         # A step that had to preempt is short of blocks; admitting now would only thrash.
@@ -327,6 +361,10 @@ class Scheduler:
                             continue
                         # nothing else will free any: admit it without the tier's blocks
             num_new = min(request.num_tokens - num_hit, budget, self._long_cap)
+            if request.mm_spans:
+                num_new, encodes = self._encoder_plan(request, num_hit, num_new, encoder_left)
+                if num_new <= 0:
+                    break    # its next image waits for the next step's encoder budget
             new_block_ids = self.kv_manager.allocate_slots(request, num_new, 0 if pulled else num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is None:
@@ -346,7 +384,7 @@ class Scheduler:
                     req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit))
+                    num_computed_tokens=num_hit, mm_inputs=request.mm_inputs))
                 self._num_tokens_sent[request.request_id] = request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -354,6 +392,8 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
             prefills += 1
+            if request.mm_spans:
+                encoder_left -= self._commit_encodes(request, encodes)
 
         deferred = self.async_scheduling and bool(scheduled) and all(map(self._deferrable, scheduled))
         sampled = [r.request_id for r in scheduled

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from m3serve.disagg.messages import KVConnectorMetadata, RankResult
+from m3serve.protocol import MultiModalInput
 from m3serve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,10 @@ class NewRequestData:
     """Tokens whose KV is already in the cache before this step: a prefix hit (a multiple of
     block_size) or KV pulled from a prefill worker (any count). This step computes positions
     [num_computed_tokens, + num_scheduled_tokens)."""
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    """protocol.MultiModalInput per image / video of the prompt; the worker encodes each one
+    the first time a step computes one of its placeholder positions, and keeps the features
+    until the request finishes."""
 
 
 @dataclass

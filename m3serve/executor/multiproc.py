@@ -146,6 +146,11 @@ class MultiprocExecutor:
         finally:
             self._step_started = None
 
+    @property
+    def has_vision(self) -> bool:
+        """Whether the ranks hold a vision encoder (images and videos accepted)."""
+        return self.worker.runner.vision is not None
+
     def kv_rank_metadata(self) -> list:
         return self._kv_ranks
 

@@ -27,6 +27,11 @@ class UniProcExecutor:
             out.kv_offload = self.worker.offload_report()
         return out
 
+    @property
+    def has_vision(self) -> bool:
+        """Whether the ranks hold a vision encoder (images and videos accepted)."""
+        return self.worker.runner.vision is not None
+
     def kv_rank_metadata(self) -> list:
         return [self.worker.kv_connector.rank_metadata()]
 

@@ -46,11 +46,15 @@ class Worker:
         self.device = device if device is not None else resolve_device(config.model.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model, self.model_config, _ = load_model(
+        self.model, self.model_config, loaded_dir = load_model(
             model_dir, dtype=config.model.dtype, parallel=parallel, device=self.device,
             progress=progress, load_format=config.model.load_format, seed=config.model.seed,
             quantization=config.model.quantization, hf_overrides=config.model.hf_overrides)
         cfg = self.model_config
+        self.vision = None
+        if not config.model.language_model_only and config.model.load_format != "dummy":
+            from m3serve.model.loader import load_vision_encoder
+            self.vision = load_vision_encoder(cfg, loaded_dir, self.model.dtype, self.device)
         self.block_size = config.cache.block_size or cfg.index_block_size
         if self.block_size != cfg.index_block_size:
             raise ValueError(f"block_size {self.block_size} must equal the model's sparse block size "
@@ -113,6 +117,7 @@ class Worker:
             index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
             sample_everywhere=self.proposer is not None,
             extra_positions=config.speculative.num_speculative_tokens)
+        self.runner.vision = self.vision
         if self.is_driver and self.proposer is None:
             from m3serve.worker.structured import GrammarBook
             self.runner.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)

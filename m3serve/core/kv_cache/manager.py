@@ -55,7 +55,8 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         request.block_hashes.extend(request_block_hashes(
-            request.all_token_ids, self.block_size, request.cache_salt, request.block_hashes))
+            request.all_token_ids, self.block_size, request.cache_salt, request.block_hashes,
+            request.mm_spans))
 
     def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[list[KVBlock], int]:
         """Longest run of the request's leading full blocks found in the prefix cache.
