@@ -56,10 +56,11 @@ def cmd_make_tiny(args) -> int:
         return 0
     from m3serve.model.tiny import make_tiny
 
-    path = make_tiny(args.dir, seed=args.seed, flavor=args.flavor, quantization=args.quantization)
+    path = make_tiny(args.dir, seed=args.seed, flavor=args.flavor, vision=args.vision,
+                     quantization=args.quantization)
     name = "MiniMax-M3.1-Flash (MSA in every layer)" if args.flavor == "m3.1-flash" else "MiniMax-M3"
     kind = f" {args.quantization}" if args.quantization else ""
-    print(f"wrote the tiny {name}{kind} checkpoint to {path}")
+    print(f"wrote the tiny {name}{kind} checkpoint{' with a vision tower' if args.vision else ''} to {path}")
     return 0
 
 
@@ -114,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "scale block stays on one rank at TP 2 and 4); mxfp8-nvfp4 is M3.1-Flash's "
                            "(with --flavor m3.1-flash)")
     tiny.add_argument("--no-weights", action="store_true", help="config.json only (use --load-format dummy)")
+    tiny.add_argument("--vision", action="store_true",
+                      help="add a small vision tower, projector and patch-merge MLP (images and video)")
     tiny.add_argument("--train-steps", type=int, default=0,
                       help="EAGLE3: distil the draft from the target's greedy outputs for this many epochs")
     tiny.set_defaults(func=cmd_make_tiny)

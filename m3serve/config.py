@@ -21,10 +21,19 @@ class ModelConfig:
     # 4-bit routed and shared experts); a quantised checkpoint's own format needs no flag
     quantization: str | None = None
     hf_overrides: str | dict | None = None   # JSON laid over config.json (vLLM's --hf-overrides)
+    language_model_only: bool = False        # skip the vision tower: text-only serving
+    limit_mm_per_prompt: str | dict | None = None   # JSON {"image": N, "video": M}; None = 16 / 2
+    mm_processor_kwargs: str | dict | None = None   # JSON defaults of the image / video processor
 
     def __post_init__(self):
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", _json_object_option(self.hf_overrides, "hf_overrides"))
+        object.__setattr__(self, "limit_mm_per_prompt", _mm_limits(self.limit_mm_per_prompt))
+        if self.mm_processor_kwargs is not None:
+            from m3serve.multimodal.processor import ProcessorOptions
+            kwargs = _json_object_option(self.mm_processor_kwargs, "mm_processor_kwargs")
+            ProcessorOptions.from_kwargs(kwargs)      # checked here, applied per request
+            object.__setattr__(self, "mm_processor_kwargs", kwargs)
         if self.quantization not in (None, "fp8", "fp8_per_channel", "mxfp4", "nvfp4"):
             raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8, mxfp4, nvfp4)")
         if self.load_format not in ("auto", "dummy"):
@@ -35,6 +44,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
+KV_OFFLOADING_BACKENDS = ("native",)   # vLLM's default; lmcache is not built in
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int | None = None           # None = the model's sparse block size
@@ -43,6 +55,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"            # auto | fp8 (e4m3, per-layer scales)
     index_cache_dtype: str = "auto"         # auto | fp8 (plain e4m3 cast, docs/model.md §4)
+    # CPU tier below the GPU prefix cache (vLLM's flags): GiB of host memory summed over the TP
+    # ranks of a replica (each rank holds its share); None = no tier
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -56,6 +72,21 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype: unsupported value {self.kv_cache_dtype!r} (auto, fp8)")
         if self.index_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"index_cache_dtype: unsupported value {self.index_cache_dtype!r} (auto, fp8)")
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend: unsupported value {self.kv_offloading_backend!r} "
+                             f"(supported: {', '.join(KV_OFFLOADING_BACKENDS)})")
+        size = self.kv_offloading_size
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+                raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs prefix caching: the CPU tier holds prefix-cached "
+                                 "blocks (drop --no-enable-prefix-caching)")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        """Bytes of the CPU tier over all TP ranks of a replica (0 = no tier)."""
+        return 0 if self.kv_offloading_size is None else int(self.kv_offloading_size * (1 << 30))
 
 
 @dataclass(frozen=True)
@@ -65,6 +96,9 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096    # admission bound of the waiting queue (server answers 503 past it)
     long_prefill_token_threshold: int = 0   # tokens one request may compute per step (0 = no cap)
     max_num_partial_prefills: int = 0       # requests prefilling in one step at most (0 = no cap)
+    # image / video placeholder tokens whose encoding one step may start (None = the step's
+    # token budget); an item larger than the budget is encoded alone in its step
+    max_num_encoder_input_tokens: int | None = None
     # schedule step N+1 while step N runs on the device (its argmax tokens feed N+1 there);
     # None: on wherever it applies (vLLM's default), True: on or a start-up error, False: off
     async_scheduling: bool | None = None
@@ -80,6 +114,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens <= 0:
+            raise ValueError(f"max_num_encoder_input_tokens must be positive, got "
+                             f"{self.max_num_encoder_input_tokens}")
 
     def effective_long_prefill_threshold(self, max_model_len: int) -> int:
         """The per-request token cap the scheduler applies (0 = none): the flag's value, or, with
@@ -353,6 +390,27 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+DEFAULT_MM_LIMITS = {"image": 16, "video": 2}
+
+
+def _mm_limits(raw) -> dict:
+    """--limit-mm-per-prompt (vLLM's JSON form, e.g. '{"image": 4, "video": 0}') -> a complete
+    {"image": n, "video": m}; modalities left out keep their defaults."""
+    if raw is None:
+        return dict(DEFAULT_MM_LIMITS)
+    given = _json_object_option(raw, "limit_mm_per_prompt")
+    out = dict(DEFAULT_MM_LIMITS)
+    for key, value in given.items():
+        if key not in DEFAULT_MM_LIMITS:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {key!r} (image, video)")
+        if isinstance(value, dict):          # vLLM's richer form {"count": n, ...}
+            value = value.get("count")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"limit_mm_per_prompt.{key} must be a non-negative integer, got {value!r}")
+        out[key] = value
+    return out
 
 
 def _json_object_option(raw, option: str) -> dict:

@@ -52,6 +52,8 @@ class LLMEngine:
             self.worker, self.model_config = executor.worker, executor.model_config
             self.core = self.front = EngineCore(config, executor)
         self.eos_token_id = self.model_config.eos_token_id
+        from m3serve.multimodal.processor import ProcessorOptions
+        self.mm_options = ProcessorOptions.from_kwargs(config.model.mm_processor_kwargs)
         self.states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
 
@@ -72,11 +74,30 @@ class LLMEngine:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]).ids
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
+    def encode_media(self, prompt, ids: list[int]) -> tuple[list[int], list | None]:
+        """A dict prompt's `multi_modal_data` (and `mm_processor_kwargs`): the prompt ids with
+        each marker expanded to its placeholder span, and the engine inputs (None: no media)."""
+        if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
+            return ids, None
+        from m3serve.multimodal.inputs import (expand_prompt, media_token_ids, process_multi_modal_data,
+                                               to_engine_input)
+        from m3serve.multimodal.processor import ProcessorOptions
+        options = ProcessorOptions.from_kwargs(prompt.get("mm_processor_kwargs"), self.mm_options)
+        items = process_multi_modal_data(prompt["multi_modal_data"], options,
+                                         self.config.model.limit_mm_per_prompt)
+        marker_ids = media_token_ids(self.tokenizer.token_to_id)
+        expanded = expand_prompt(ids, items, marker_ids, lambda text: self.tokenizer.encode(text).ids)
+        if len(expanded) > (self.config.model.max_model_len or self.model_config.max_position_embeddings):
+            raise ValueError(f"the prompt with its images and videos is {len(expanded)} tokens, longer "
+                             f"than the model's context")
+        return expanded, [to_engine_input(x) for x in items]
+
     def add_request(self, request_id: str, prompt, params: SamplingParams, cache_salt: str | None = None,
                     defer_admission: bool = False) -> RequestState:
         """Submit one request; ValueError if it is refused. With engine processes,
         `defer_admission` leaves the verdict to `settle()` (one round trip for a batch)."""
         text, ids = self.encode_prompt(prompt)
+        ids, mm_inputs = self.encode_media(prompt, ids)
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, self.tokenizer)
@@ -85,7 +106,8 @@ class LLMEngine:
             if self.eos_token_id is not None:
                 seq.params.add_eos_token_ids([self.eos_token_id])
             requests.append(EngineCoreRequest(seq.request_id, ids, seq.params, self.eos_token_id,
-                                              arrival_time=time.time(), cache_salt=cache_salt))
+                                              arrival_time=time.time(), cache_salt=cache_salt,
+                                              mm_inputs=mm_inputs))
         self.front.add_requests(requests)
         if self.client is not None and not defer_admission:
             self.client.settle()
@@ -144,14 +166,18 @@ class LLMEngine:
         if self.client is not None:
             return self.client.states()
         core = self.core
-        while core.scheduler.has_finished_requests() and not core.scheduler.has_unfinished_requests():
-            core.step()                  # report finished requests to the worker, as a step would
+        while ((core.scheduler.has_finished_requests() or core.scheduler.has_offload_work)
+               and not core.scheduler.has_unfinished_requests()):
+            core.step()                  # report finished requests to the worker (and finish the
+                                         # copies to the CPU tier), as the next steps would
         kv = core.kv_manager
         return [EngineState(query_id=0, dp_rank=0, num_running=core.scheduler.num_running,
                             num_waiting=core.scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
                             num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
                             ranks=core.executor.describe(), num_preemptions=core.scheduler.num_preemptions,
                             prefix_cache_hits=kv.prefix_cache_hits,
+                            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
+                            num_offload_refs=kv.num_offload_refs,
                             num_deferred_steps=core.scheduler.num_deferred_steps)]
 
     def shutdown(self) -> None:
@@ -220,10 +246,36 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several (a list of lists)."""
+             add_generation_prompt: bool = True, media_policy=None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several (a list of lists). Messages may hold
+        `image_url` / `video_url` / `image_pil` parts; `media_policy` (`multimodal.media.
+        MediaPolicy`) bounds fetching and decoding them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = load_chat_template(self.engine.model_dir)
-        prompts = [render_chat(template, conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                               chat_template_kwargs=chat_template_kwargs) for conv in conversations]
+        prompts = []
+        for conv in conversations:
+            text = render_chat(template, conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                               chat_template_kwargs=chat_template_kwargs)
+            data = self._chat_media(conv, media_policy)
+            prompts.append({"prompt": text, "multi_modal_data": data} if data else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_media(self, conversation, policy) -> dict:
+        """`multi_modal_data` of a conversation's image / video parts, decoded (data: and
+        http(s) URLs; file:// only under `policy.allowed_local_media_path`)."""
+        from m3serve.multimodal.media import MediaPolicy, decode_image, decode_video, load_bytes
+        from m3serve.multimodal.parts import collect_media_parts
+        policy = policy or MediaPolicy()
+        data: dict[str, list] = {}
+        for part in collect_media_parts(conversation):
+            try:
+                if part.modality == "image":
+                    value = part.source if not isinstance(part.source, str) else \
+                        decode_image(load_bytes(part.source, "image", policy), policy)
+                else:
+                    frames, fps = decode_video(load_bytes(part.source, "video", policy), policy)
+                    value = {"frames": frames, "fps": fps}
+            except ValueError as e:
+                raise ValueError(f"{part.where}: {e}") from None
+            data.setdefault(part.modality, []).append(value)
+        return data

@@ -16,6 +16,19 @@ from m3serve.disagg.params import KVTransferParams
 from m3serve.sampling_params import SamplingParams
 
 
+class MultiModalInput(msgspec.Struct):
+    """One preprocessed image or video of a request (`multimodal/processor.py`): its patches as
+    raw float32 bytes ([num_patches, 1176], the vision tower's order), the (t, h, w) grid of each
+    attention segment, the placeholder tokens it fills, and a content hash (prefix-cache key)."""
+
+    modality: str                       # "image" | "video"
+    pixel_values: bytes
+    num_patches: int
+    grids: list[tuple[int, int, int]]
+    num_tokens: int
+    content_hash: str
+
+
 class EngineCoreRequest(msgspec.Struct):
     """One sequence for the scheduler (n > 1 is fanned out into children by the API process)."""
 
@@ -26,6 +39,7 @@ class EngineCoreRequest(msgspec.Struct):
     arrival_time: float
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None   # P/D: prefill for, or pull from, another worker
+    mm_inputs: list[MultiModalInput] | None = None       # images / videos, in prompt order per modality
 
 
 class AddRequests(msgspec.Struct, tag="add"):
@@ -127,6 +141,17 @@ class EngineStats(msgspec.Struct):
     kv_num_descriptors: int = 0
     kv_xfer_seconds_sum: float = 0.0
     kv_xfer_count: int = 0
+    # CPU tier (--kv-offloading-size); zeros without it. Queries count the prompt tokens of every
+    # request looked up in the tier (vLLM's external prefix cache), hits the tokens loaded back.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_bytes_to_cpu: int = 0
+    kv_offload_bytes_to_gpu: int = 0
+    kv_offload_seconds_to_cpu: float = 0.0
+    kv_offload_seconds_to_gpu: float = 0.0
+    kv_offload_evictions: int = 0
+    kv_offload_usage: float = 0.0     # fraction of the tier's slots holding a block
+    kv_offload_num_slots: int = 0
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
@@ -153,6 +178,8 @@ class EngineState(msgspec.Struct, tag="state"):
     ranks: list[dict[str, Any]]
     num_preemptions: int = 0
     prefix_cache_hits: int = 0
+    external_prefix_cache_hits: int = 0   # prompt tokens loaded back from the CPU tier
+    num_offload_refs: int = 0             # GPU blocks and CPU slots held by copies in flight
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

@@ -64,6 +64,13 @@ def hf_checkpoints(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_dir(tmp_path_factory) -> Path:
+    """The tiny checkpoint with its small vision tower (`make-tiny --vision`)."""
+    from m3serve.model.tiny import make_tiny
+    return make_tiny(tmp_path_factory.mktemp("tiny_vision"), seed=0, vision=True)
+
+
+@pytest.fixture(scope="session")
 def quant_dir(tmp_path_factory):
     """quant_dir(fmt, flavor="m3") -> the tiny model written by `make-tiny --quantization fmt
     --flavor flavor` (once per session, format and flavor)."""

@@ -32,6 +32,7 @@ class SampleRequest:
     prompt_len: int
     expected_output_len: int
     messages: list[dict] | None = None
+    images: tuple[str, ...] = ()      # data URLs sent as image_url parts (chat only)
 
 
 def length_bounds(length: int, range_ratio: float, mode: str) -> tuple[int, int]:
@@ -197,3 +198,43 @@ def sample_random_requests(tokenizer: Any, num_requests: int, input_len: int, ou
         prompt, prompt_len = build_prompt(view, n_in, rng)
         requests.append(SampleRequest(prompt, prompt_len, n_out))
     return requests
+
+
+def parse_image_sizes(text: str) -> list[tuple[int, int]]:
+    """"672x672,1920x1080" -> [(672, 672), (1920, 1080)] (width x height)."""
+    sizes = []
+    for item in text.split(","):
+        try:
+            w, h = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"image size {item!r} is not WIDTHxHEIGHT") from None
+        if w < 1 or h < 1:
+            raise ValueError(f"image size {item!r} must be positive")
+        sizes.append((w, h))
+    return sizes
+
+
+def random_image_url(width: int, height: int, rng: np.random.Generator) -> str:
+    """A data URL of a JPEG of random pixels (needs Pillow)."""
+    import base64
+    import io
+
+    from PIL import Image
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def add_random_images(requests: list[SampleRequest], items_per_request: int, sizes: list[tuple[int, int]],
+                      seed: int = 0) -> list[SampleRequest]:
+    """The random-mm dataset (vLLM's name): each request of the random dataset with
+    `items_per_request` random images, each of a size drawn from `sizes`. Images repeat across
+    requests only by chance of identical pixels, so the prefix cache never shares them."""
+    import dataclasses
+    rng = np.random.default_rng([seed, 2])
+    out = []
+    for r in requests:
+        images = tuple(random_image_url(*sizes[rng.integers(len(sizes))], rng) for _ in range(items_per_request))
+        out.append(dataclasses.replace(r, images=images))
+    return out

@@ -30,7 +30,7 @@ from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRec
                                    parse_percentiles, percentile_key)
 
 ENDPOINT_TYPES = ("completions", "chat")
-DATASET_NAMES = ("random", "agentic", "agentic-trace")
+DATASET_NAMES = ("random", "random-mm", "agentic", "agentic-trace")
 AGENTIC_DATASETS = ("agentic", "agentic-trace")
 _DEFAULT_ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # vLLM's names for the two request formats, kept in the result JSON for comparability.
@@ -51,9 +51,17 @@ def _build_payload(endpoint_type: str, model: str, request: SampleRequest, ignor
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.images and endpoint_type != "chat":
+        raise ValueError("images (--dataset-name random-mm) need the chat endpoint (--backend openai-chat)")
     if endpoint_type == "chat":
-        payload["messages"] = (request.messages if request.messages is not None
-                               else [{"role": "user", "content": request.prompt}])
+        if request.messages is not None:
+            payload["messages"] = request.messages
+        else:
+            content = request.prompt
+            if request.images:
+                content = [{"type": "text", "text": request.prompt}] + [
+                    {"type": "image_url", "image_url": {"url": url}} for url in request.images]
+            payload["messages"] = [{"role": "user", "content": content}]
         payload["max_completion_tokens"] = request.expected_output_len
     else:
         payload["prompt"] = request.prompt
@@ -483,12 +491,17 @@ def add_common_args(parser: argparse.ArgumentParser, inferencex: bool = False) -
                         help="directory with tokenizer.json (or the file, or a hub id) used to build "
                              "prompts; default: --model, else the model directory the server reports")
     parser.add_argument("--dataset-name", choices=DATASET_NAMES, default="random",
-                        help="random: independent random prompts; agentic: synthetic multi-turn "
+                        help="random: independent random prompts; random-mm: the random prompts "
+                             "with random images (chat endpoint); agentic: synthetic multi-turn "
                              "sessions (--agentic-*); agentic-trace: sessions replayed from the "
                              "JSONL trace at --dataset-path")
     parser.add_argument("--dataset-path", default=None,
                         help="JSONL trace for --dataset-name agentic-trace (m3serve sessions or "
                              "InferenceX AgentX / Weka traces; docs/benchmarks.md)")
+    parser.add_argument("--random-mm-base-items-per-request", type=int, default=1,
+                        help="random-mm: images per request")
+    parser.add_argument("--random-mm-image-sizes", default="672x672",
+                        help="random-mm: comma-separated WIDTHxHEIGHT sizes, one drawn per image")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=None,
@@ -662,6 +675,14 @@ def make_requests(args: argparse.Namespace, view: TokenizerView, num_prompts: in
     requests = sample_random_requests(view, num_prompts, seed=args.seed, **common)
     warmups = (sample_random_requests(view, num_warmups, seed=args.seed + 1_000_003, **common)
                if num_warmups else [])
+    if getattr(args, "dataset_name", "random") == "random-mm":
+        from m3serve.bench.datasets import add_random_images, parse_image_sizes
+        if args.random_mm_base_items_per_request < 1:
+            raise ValueError("--random-mm-base-items-per-request must be >= 1")
+        sizes = parse_image_sizes(args.random_mm_image_sizes)
+        n = args.random_mm_base_items_per_request
+        requests = add_random_images(requests, n, sizes, args.seed)
+        warmups = add_random_images(warmups, n, sizes, args.seed + 1_000_003)
     return requests, warmups
 
 

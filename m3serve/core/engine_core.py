@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def _nothing_to_run(so: SchedulerOutput) -> bool:
     """A step without tokens, news for the ranks, or KV-transfer work for them."""
     return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
-                or so.kv_connector_metadata is not None)
+                or so.kv_connector_metadata is not None or so.kv_offload is not None)
 
 
 def async_scheduling_applies(config: EngineConfig) -> bool:
@@ -43,7 +43,10 @@ class EngineCore:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.kv_manager = KVCacheManager(executor.num_blocks, executor.block_size,
-                                         enable_caching=config.cache.enable_prefix_caching)
+                                         enable_caching=config.cache.enable_prefix_caching,
+                                         num_cpu_blocks=getattr(executor, "num_cpu_blocks", 0))
+        # bytes of one block over every cache group and rank (the CPU tier's unit of transfer)
+        self.cpu_block_bytes = getattr(executor, "cpu_block_bytes", 0)
         connector = None
         if config.kv_transfer.enabled:
             from m3serve.disagg.connector import KVTransferScheduler
@@ -71,7 +74,22 @@ class EngineCore:
         if request.sampling_params.structured_outputs is not None:
             from m3serve.worker.structured import check_request
             check_request(request.sampling_params, self.config.speculative.enabled)
+        if request.mm_inputs:
+            self._check_media(request)
         self.scheduler.add_request(request)
+
+    def _check_media(self, request: Request) -> None:
+        """Images and videos need a vision tower and a plain (non-speculative) engine; their
+        placeholders must add up. Sets the request's prefix-cache spans."""
+        from m3serve.multimodal.inputs import media_spans
+        if not self.executor.has_vision:
+            raise ValueError("this model is served without a vision tower (a text-only checkpoint, "
+                             "or --language-model-only): images and videos are not accepted")
+        if self.config.speculative.enabled:
+            raise ValueError("images and videos are not supported with speculative decoding yet")
+        cfg = self.executor.model_config
+        spans = media_spans(request.prompt_token_ids, request.mm_inputs, cfg.image_token_id, cfg.video_token_id)
+        request.mm_spans = [(s, e, x.content_hash) for (s, e), x in zip(spans, request.mm_inputs)]
 
     def add_requests(self, requests) -> None:
         """Admit `protocol.EngineCoreRequest`s (the children of one request) all or none:
@@ -81,7 +99,8 @@ class EngineCore:
             for r in requests:
                 self.add_request(Request(r.request_id, r.prompt_token_ids, r.sampling_params,
                                          r.eos_token_id, arrival_time=r.arrival_time,
-                                         cache_salt=r.cache_salt, kv_transfer_params=r.kv_transfer_params))
+                                         cache_salt=r.cache_salt, kv_transfer_params=r.kv_transfer_params,
+                                         mm_inputs=r.mm_inputs))
                 added.append(r.request_id)
         except Exception:
             self.abort_requests(added)
@@ -92,7 +111,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
-                or self.scheduler.has_kv_transfer_work or self.scheduler.has_grammar_work)
+                or self.scheduler.has_kv_transfer_work or self.scheduler.has_grammar_work
+                or self.scheduler.has_offload_work)
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
@@ -125,6 +145,10 @@ class EngineCore:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
         else:
             runner_output = self.executor.execute_model(scheduler_output)
+        if scheduler_output.kv_offload is not None and scheduler_output.kv_offload.poll:
+            if runner_output.kv_offload is None:
+                raise RuntimeError("the step asks for CPU-tier copy reports, but the ranks sent none")
+            self.scheduler.offload_done(runner_output.kv_offload)
         outputs = []
         if self._deferred is not None:
             if runner_output.previous is None:

@@ -201,8 +201,14 @@ class ReplicaBook:
         for name in ("num_running", "num_waiting", "num_free_blocks", "num_usable_blocks",
                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps",
                      "num_step_errors", "spec_num_drafts", "spec_num_draft_tokens",
-                     "spec_num_accepted_tokens", "iteration_tokens_sum"):
+                     "spec_num_accepted_tokens", "iteration_tokens_sum", "external_prefix_cache_queries",
+                     "external_prefix_cache_hits", "kv_offload_bytes_to_cpu", "kv_offload_bytes_to_gpu",
+                     "kv_offload_seconds_to_cpu", "kv_offload_seconds_to_gpu", "kv_offload_evictions",
+                     "kv_offload_num_slots"):
             setattr(total, name, sum(getattr(s, name) for s in stats))
+        if total.kv_offload_num_slots:
+            total.kv_offload_usage = sum(s.kv_offload_usage * s.kv_offload_num_slots
+                                         for s in stats) / total.kv_offload_num_slots
         total.iteration_token_counts = [sum(col) for col in zip(*(s.iteration_token_counts for s in stats))]
         total.spec_accepted_per_position = [sum(col) for col in zip(*(s.spec_accepted_per_position
                                                                       for s in stats))]

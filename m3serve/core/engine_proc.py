@@ -73,6 +73,8 @@ class EngineLoop:
             return 0
         if scheduler.has_grammar_work:
             return _GRAMMAR_POLL_MS
+        if scheduler.has_offload_work:      # copies to or from the CPU tier (a load is TTFT)
+            return _KV_PULL_POLL_MS
         if scheduler.has_kv_transfer_work:
             return _KV_PULL_POLL_MS if scheduler.connector.pulls_in_flight else _KV_HOLD_POLL_MS
         return _LOCKSTEP_IDLE_POLL_MS if lockstep else _IDLE_POLL_MS
@@ -119,7 +121,18 @@ class EngineLoop:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
             spec_synthetic_acceptance=self.core.config.speculative.rejection_sample_method == "synthetic"
-            and self.core.config.speculative.enabled, **self._kv_stats())
+            and self.core.config.speculative.enabled, **self._kv_stats(), **self._offload_stats())
+
+    def _offload_stats(self) -> dict:
+        offload = self.core.kv_manager.offload
+        if offload is None:
+            return {}
+        s, tier, unit = offload.stats, offload.tier, self.core.cpu_block_bytes
+        return dict(external_prefix_cache_queries=s.queries, external_prefix_cache_hits=s.hits,
+                    kv_offload_bytes_to_cpu=s.blocks_to_cpu * unit, kv_offload_bytes_to_gpu=s.blocks_to_gpu * unit,
+                    kv_offload_seconds_to_cpu=s.seconds_to_cpu, kv_offload_seconds_to_gpu=s.seconds_to_gpu,
+                    kv_offload_evictions=tier.num_evictions, kv_offload_usage=tier.usage,
+                    kv_offload_num_slots=tier.num_slots)
 
     def _kv_stats(self) -> dict:
         connector = self.core.scheduler.connector
@@ -135,6 +148,8 @@ class EngineLoop:
             num_usable_blocks=kv.num_usable_blocks, integrity_error=self.core.integrity_error(),
             ranks=self.core.executor.describe(), num_preemptions=scheduler.num_preemptions,
             prefix_cache_hits=kv.prefix_cache_hits, spec_num_drafts=scheduler.spec_stats.num_drafts,
+            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
+            num_offload_refs=kv.num_offload_refs,
             spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
             num_deferred_steps=scheduler.num_deferred_steps, traced_bytes=memtrace.traced_bytes())

@@ -17,9 +17,10 @@ class RequestStatus(enum.IntEnum):
     PREEMPTED = 2
     WAITING_FOR_REMOTE_KV = 3   # holds its blocks while a prefill worker's KV is pulled into them
     WAITING_FOR_GRAMMAR = 4     # no blocks; its structured-outputs grammar is being compiled
-    FINISHED_STOPPED = 5
-    FINISHED_LENGTH = 6
-    FINISHED_ABORTED = 7
+    WAITING_FOR_CPU_KV = 5      # holds its blocks while its prefix is copied back from the CPU tier
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH = 7
+    FINISHED_ABORTED = 8
 
     @property
     def is_finished(self) -> bool:
@@ -49,6 +50,8 @@ class Request:
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
         kv_transfer_params: Any = None,
+        mm_inputs: list | None = None,
+        mm_spans: list[tuple[int, int, str]] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -59,6 +62,18 @@ class Request:
         # disagg.params.KVTransferParams: prefill for a decode worker, or pull the prompt's KV
         self.kv_transfer_params = kv_transfer_params
         self.num_external_tokens = 0   # prompt tokens whose KV a pull brings (0 = none)
+        self.num_restored_tokens = 0   # tokens of its last admission loaded from the CPU tier
+        # its prefix lookup is counted in the hit-rate counters (once per admission, not per
+        # step it waits at the head of the queue)
+        self.lookup_counted = False
+        # protocol.MultiModalInput per image / video, kept for the whole life of the request so
+        # a recompute (preemption, a failed KV pull) can encode them again; and the
+        # (start, end, content hash) of each one's placeholder tokens (prefix-cache keys)
+        self.mm_inputs = list(mm_inputs or [])
+        self.mm_spans = list(mm_spans or [])
+        # indices of mm_inputs whose encoding a step has started (the worker keeps the features
+        # until the request finishes, preemption included)
+        self.mm_encoded: set[int] = set()
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

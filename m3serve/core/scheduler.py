@@ -4,6 +4,8 @@ One rule, no phases: every request's `num_computed_tokens` chases its token coun
 tokens) within the step's token budget. Running requests go first (decode, next prefill chunk),
 then waiting ones in arrival order (a long prompt is split across steps: chunked prefill). When
 the KV pool runs dry, the most recently admitted running request is preempted and recomputed later.
+A prefix the GPU pool lost but the CPU tier holds is loaded back first, the request waiting
+outside the queue meanwhile (like one pulling its KV from a prefill worker).
 """
 from __future__ import annotations
 
@@ -79,6 +81,10 @@ class Scheduler:
         # requests whose grammar is being compiled wait here, outside the queue, holding nothing.
         self.grammars = grammars
         self.grammar_waiting: dict[str, Request] = {}
+        # CPU tier: requests whose prefix is being copied back, with their status before and the
+        # tokens they have computed once it is in (an aborted one stays until its copy is over)
+        self.loading: dict[str, tuple[Request, RequestStatus, int]] = {}
+        self.num_restores = 0
         # --long-prefill-token-threshold: no request computes more tokens than this in one step
         # (a long prompt is chunked, so the decodes sharing its steps wait less); drafts fit
         threshold = scheduler_config.effective_long_prefill_threshold(max_model_len)
@@ -159,6 +165,9 @@ class Scheduler:
                 # a pull may still write into its blocks: they are freed when it is over
                 self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
                 self.connector.abort_pull(rid)
+            elif request.status == RequestStatus.WAITING_FOR_CPU_KV:
+                # likewise a load from the CPU tier (`offload_done` frees them)
+                self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
             else:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
 
@@ -195,7 +204,13 @@ class Scheduler:
         return len(self.waiting) + len(self.grammar_waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + self.num_waiting + len(self.remote_waiting)
+        return (len(self.running) + self.num_waiting + len(self.remote_waiting)
+                + sum(not r.is_finished for r, _, _ in self.loading.values()))
+
+    @property
+    def has_offload_work(self) -> bool:
+        """Copies to or from the CPU tier are due or in flight: keep calling schedule()."""
+        return self.kv_manager.has_offload_work
 
     @property
     def has_grammar_work(self) -> bool:
@@ -215,6 +230,35 @@ class Scheduler:
         """True while finished ids wait to be reported to the worker by the next schedule()."""
         return bool(self.finished_req_ids)
 
+    # ---------------------------------------------------------------- images and videos
+
+    @property
+    def _encoder_budget(self) -> int:
+        return self.config.max_num_encoder_input_tokens or self.config.max_num_batched_tokens
+
+    def _encoder_plan(self, request: Request, start: int, num_new: int, left: int) -> tuple[int, list[int]]:
+        """(tokens to schedule, media items whose encoding this chunk starts): the chunk
+        [start, start + num_new) is cut before the first item not yet encoded that the step's
+        encoder budget `left` cannot take (0 when that item begins at or before `start`). An
+        item larger than the whole budget is taken when the step has encoded nothing yet, so
+        it runs alone rather than never."""
+        end = start + num_new
+        cost, items = 0, []
+        pending = sorted((s, e, k) for k, (s, e, _) in enumerate(request.mm_spans)
+                         if k not in request.mm_encoded and e > start and s < end)
+        for s, _, k in pending:
+            n = request.mm_inputs[k].num_tokens
+            if cost + n <= left or (cost == 0 and left == self._encoder_budget):
+                cost += n
+                items.append(k)
+                continue
+            return max(0, s - start), items
+        return num_new, items
+
+    def _commit_encodes(self, request: Request, items: list[int]) -> int:
+        request.mm_encoded.update(items)
+        return sum(request.mm_inputs[k].num_tokens for k in items)
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
@@ -227,6 +271,7 @@ class Scheduler:
         if self.grammar_waiting:
             self._grammar_events()
         budget = self.config.max_num_batched_tokens
+        encoder_left = self._encoder_budget
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
@@ -237,6 +282,9 @@ class Scheduler:
         # Requests with a token in flight cannot be preempted (it would be lost): when blocks run
         # out, this step schedules what fits and the next one, after the tokens land, preempts.
         in_flight = self.async_scheduling and any(r.num_output_placeholders for r in self.running)
+        # Blocks being copied to the CPU tier come back within a step or two: wait, not preempt.
+        if self.kv_manager.offload is not None and self.kv_manager.offload.num_stores_in_flight:
+            in_flight = True
         short_of_blocks = False
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
@@ -248,6 +296,8 @@ class Scheduler:
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             prefill = self._is_prefill(request)
+            if num_new > 0 and request.mm_spans:
+                num_new, encodes = self._encoder_plan(request, request.num_computed_tokens, num_new, encoder_left)
             if num_new <= 0 or (prefill and prefills == self._prefill_cap):
                 i += 1
                 continue
@@ -277,6 +327,8 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
             prefills += prefill
+            if request.mm_spans:
+                encoder_left -= self._commit_encodes(request, encodes)
             i += 1
 
         # A step that had to preempt is short of blocks; admitting now would only thrash.
@@ -289,19 +341,38 @@ class Scheduler:
             elif getattr(request.sampling_params, "prompt_logprobs", None) is not None:
                 hit_blocks, num_hit = [], 0  # hits would skip the positions that need logprobs
             else:
-                hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request)
+                count = not request.lookup_counted
+                request.lookup_counted = True
+                hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request, count)
                 if self.connector is not None and self.connector.wants_pull(request):
                     started = self._start_pull(request, hit_blocks, num_hit)
                     if started is None:
                         break    # no blocks for it yet
                     if started:
                         continue
+                elif self.kv_manager.offload is not None:
+                    started = self._start_load(request, hit_blocks, num_hit, count)
+                    if started:
+                        continue
+                    if started is None:      # not enough free blocks for it yet
+                        if self.running or self.kv_manager.has_offload_work:
+                            break            # they come back as requests end and copies land
+                        if self._release_restored(request):
+                            continue
+                        # nothing else will free any: admit it without the tier's blocks
             num_new = min(request.num_tokens - num_hit, budget, self._long_cap)
+            if request.mm_spans:
+                num_new, encodes = self._encoder_plan(request, num_hit, num_new, encoder_left)
+                if num_new <= 0:
+                    break    # its next image waits for the next step's encoder budget
             new_block_ids = self.kv_manager.allocate_slots(request, num_new, 0 if pulled else num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is None:
+                if not self.running and self._release_restored(request):
+                    continue     # the blocks other restored requests held may be enough now
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            request.lookup_counted = False           # a later admission (after preemption) counts again
             request.num_computed_tokens = num_hit
             if request.status == RequestStatus.PREEMPTED:
                 self._add_cached(cached, request, self.kv_manager.get_block_ids(request.request_id),
@@ -313,7 +384,7 @@ class Scheduler:
                     req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit))
+                    num_computed_tokens=num_hit, mm_inputs=request.mm_inputs))
                 self._num_tokens_sent[request.request_id] = request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -321,6 +392,8 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
             prefills += 1
+            if request.mm_spans:
+                encoder_left -= self._commit_encodes(request, encodes)
 
         deferred = self.async_scheduling and bool(scheduled) and all(map(self._deferrable, scheduled))
         sampled = [r.request_id for r in scheduled
@@ -335,6 +408,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
             deferred=deferred, sampled_req_ids=sampled if deferred else [],
+            kv_offload=self.kv_manager.take_offload_work(),
         )
         self.finished_req_ids = set()
         # Advance now: the KV of these tokens is being written by this step.
@@ -382,6 +456,7 @@ class Scheduler:
         if self.kv_manager.allocate_slots(request, 0, num_kv, hit_blocks) is None:
             return None
         self.waiting.popleft()
+        request.lookup_counted = False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_cached_tokens = num_hit
         request.num_external_tokens = num_kv
@@ -389,6 +464,57 @@ class Scheduler:
         self.connector.begin_pull(request, self.kv_manager.get_block_ids(request.request_id),
                                   num_hit // self.kv_manager.block_size, num_kv)
         return True
+
+    # ---------------------------------------------------------------- CPU tier
+
+    def _start_load(self, request: Request, hit_blocks, num_hit: int, count: bool = True) -> bool | None:
+        """Load the blocks past the GPU hit that the CPU tier holds into fresh blocks of the
+        request, which waits in `loading` meanwhile. None: not enough free blocks; False:
+        the tier has none of them (admit it as usual)."""
+        slots = self.kv_manager.get_cpu_hits(request, len(hit_blocks), count)
+        if not slots:
+            return False
+        # only when the whole prompt fits now: a loaded request waits holding its blocks, and
+        # several such waiting for each other's blocks would stall (see `_release_restored`)
+        kv = self.kv_manager
+        need = (cdiv(request.num_tokens + self.num_lookahead_tokens, kv.block_size) - len(hit_blocks)
+                + sum(1 for b in hit_blocks if b.ref_cnt == 0))
+        if need > kv.num_free_blocks or not kv.start_load(request, hit_blocks, num_hit, slots):
+            return None
+        self.waiting.popleft()
+        request.lookup_counted = False
+        num_computed = num_hit + len(slots) * self.kv_manager.block_size
+        self.loading[request.request_id] = (request, request.status, num_computed)
+        request.status = RequestStatus.WAITING_FOR_CPU_KV
+        request.num_restored_tokens = num_computed - num_hit
+        self.num_restores += 1
+        return True
+
+    def _release_restored(self, head: Request) -> bool:
+        """Nothing runs and the head of the queue cannot get its blocks: requests behind it
+        that hold restored blocks let go of them (they stay in the GPU prefix cache, so a later
+        admission hits them there). Whether any did."""
+        released = False
+        for request in self.waiting:
+            if (request is not head and request.num_restored_tokens and not request.num_external_tokens
+                    and self.kv_manager.has_blocks(request.request_id)):
+                self.kv_manager.free(request)
+                request.num_computed_tokens = request.num_restored_tokens = 0
+                released = True
+        return released
+
+    def offload_done(self, report) -> None:
+        """The workers' progress on the CPU-tier copies: requests whose prefix is in go back to
+        the head of the queue with it computed; aborted ones free their blocks only now."""
+        for req_id in self.kv_manager.complete_offload(report):
+            request, status, num_computed = self.loading.pop(req_id)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self.kv_manager.free(request)
+                continue
+            request.num_computed_tokens = num_computed
+            self.kv_manager.cache_blocks(request, num_computed)   # others may hit them now
+            request.status = status
+            self.waiting.appendleft(request)
 
     def _connector_events(self) -> None:
         for req_id in self.connector.holds_to_free():
@@ -568,12 +694,18 @@ class Scheduler:
         waiting_ids = [r.request_id for r in self.waiting]
         pulling = [rid for rid, r in self.remote_waiting.items() if not r.is_finished]
         compiling = list(self.grammar_waiting)
-        everyone = running_ids + waiting_ids + pulling + compiling
+        loading = [rid for rid, (r, _, _) in self.loading.items() if not r.is_finished]
+        everyone = running_ids + waiting_ids + pulling + compiling + loading
         if len(set(everyone)) != len(everyone):
             problems.append(f"a request is queued twice: running={running_ids} waiting={waiting_ids} "
-                            f"pulling={pulling} compiling={compiling}")
+                            f"pulling={pulling} compiling={compiling} loading={loading}")
         if set(everyone) != set(self.requests):
-            problems.append("running + waiting + pulling + compiling differ from the known requests")
+            problems.append("running + waiting + pulling + compiling + loading differ from the known requests")
+        for r, _, _ in self.loading.values():
+            if r.status not in (RequestStatus.WAITING_FOR_CPU_KV, RequestStatus.FINISHED_ABORTED):
+                problems.append(f"{r!r} is loading from the CPU tier")
+            if not self.kv_manager.has_blocks(r.request_id):
+                problems.append(f"{r!r} is loading from the CPU tier without blocks")
         for r in self.grammar_waiting.values():
             if r.status != RequestStatus.WAITING_FOR_GRAMMAR:
                 problems.append(f"{r!r} is waiting for its grammar")
@@ -590,8 +722,9 @@ class Scheduler:
                 problems.append(f"{r!r} is waiting for remote KV")
         holders = set(self.kv_manager.request_ids)
         # requests whose pull has ended wait at the head of the queue with their blocks
-        may_hold = set(running_ids) | set(self.remote_waiting) | set(self.held) | {
-            r.request_id for r in self.waiting if getattr(r, "num_external_tokens", 0)}
+        may_hold = set(running_ids) | set(self.remote_waiting) | set(self.held) | set(self.loading) | {
+            r.request_id for r in self.waiting
+            if getattr(r, "num_external_tokens", 0) or getattr(r, "num_restored_tokens", 0)}
         if not holders <= may_hold:
             problems.append(f"requests that may not hold blocks do: {sorted(holders - may_hold)}")
         if problems:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from m3serve.disagg.messages import KVConnectorMetadata, RankResult
+from m3serve.protocol import MultiModalInput
 from m3serve.sampling_params import SamplingParams
 
 
@@ -28,6 +31,10 @@ class NewRequestData:
     """Tokens whose KV is already in the cache before this step: a prefix hit (a multiple of
     block_size) or KV pulled from a prefill worker (any count). This step computes positions
     [num_computed_tokens, + num_scheduled_tokens)."""
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    """protocol.MultiModalInput per image / video of the prompt; the worker encodes each one
+    the first time a step computes one of its placeholder positions, and keeps the features
+    until the request finishes."""
 
 
 @dataclass
@@ -57,6 +64,34 @@ class CachedRequestData:
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+
+class KVOffloadWork(msgspec.Struct):
+    """Copies between the GPU block pool and the CPU tier that every rank makes this step, each
+    of its own shard, on a side stream (in this order: the stores, then the loads). A message
+    with any copy is one batch; batches complete in the order they were sent."""
+    store_block_ids: list[int] = []
+    """GPU blocks to copy out (every cache group) ..."""
+    store_slots: list[int] = []
+    """... into these CPU slots (same length)."""
+    load_slots: list[int] = []
+    """CPU slots to copy back ..."""
+    load_block_ids: list[int] = []
+    """... into these GPU blocks (same length)."""
+    poll: bool = False
+    """Batches are in flight: report how many have completed on every rank."""
+
+    @property
+    def has_copies(self) -> bool:
+        return bool(self.store_block_ids or self.load_slots)
+
+
+class KVOffloadReport(msgspec.Struct):
+    """The ranks' progress on the copies: batches completed on every rank since start, and
+    the driver rank's time spent copying each way (seconds, since start)."""
+    num_batches_done: int = 0
+    seconds_to_cpu: float = 0.0
+    seconds_to_gpu: float = 0.0
 
 
 @dataclass
@@ -91,6 +126,8 @@ class SchedulerOutput:
     sampled_req_ids: list[str] = field(default_factory=list)
     """Deferred steps: the requests whose context is complete after the step (their sampled token
     is real; the others are partial prefill chunks)."""
+    kv_offload: KVOffloadWork | None = None
+    """Copies to and from the CPU tier this step (None = none, nothing in flight)."""
 
     @property
     def num_scheduled_reqs(self) -> int:
@@ -120,6 +157,8 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     """req_id -> why the request cannot go on, by what it asked for (its sampled token is void):
     the scheduler finishes it with that client error and the step's other requests go on."""
+    kv_offload: KVOffloadReport | None = None
+    """When the step's `kv_offload.poll` asked for it: the copies completed on every rank."""
 
 
 @dataclass

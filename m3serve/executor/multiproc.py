@@ -24,7 +24,7 @@ from m3serve.distributed import destroy_rank_groups
 from m3serve.executor import ExecutorFailure, ReplicasStopping
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
 from m3serve.executor.rank import (agree_num_blocks, gather_kv_metadata, gather_kv_results, join_world,
-                                   rank_report, run_follower)
+                                   rank_report, reduce_offload_report, run_follower)
 from m3serve.executor.supervisor import Supervisor
 from m3serve.worker.model_runner import DPStep
 
@@ -76,6 +76,10 @@ class MultiprocExecutor:
         self.num_blocks = agree_num_blocks(self.groups, self.worker)
         self.model_config = self.worker.model_config
         self.block_size = self.worker.block_size
+        self.num_cpu_blocks = self.worker.num_cpu_blocks
+        # every rank holds its own shard of a block: the tier moves this many bytes per block
+        self.cpu_block_bytes = (self.worker.offload.bytes_per_block * layout.tp
+                                if self.worker.offload is not None else 0)
         self.channel = (ControlChannel(self.groups.tp_cpu, rank, layout.tp) if layout.tp > 1 else None)
         self._kv_ranks = None
         if config.kv_transfer.enabled:
@@ -122,7 +126,8 @@ class MultiprocExecutor:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:
             dp = self._agree(so) if self.needs_lockstep else None
-            if self.needs_lockstep and dp is None and not (so.finished_req_ids or so.preempted_req_ids):
+            if (self.needs_lockstep and dp is None and not (so.finished_req_ids or so.preempted_req_ids)
+                    and so.kv_offload is None):
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             self._step_started = time.monotonic()
             if self.channel is not None:
@@ -130,6 +135,8 @@ class MultiprocExecutor:
             out = self.worker.execute_model(so, dp)
             if so.kv_connector_metadata is not None and so.kv_connector_metadata.poll:
                 out.kv_connector_output = gather_kv_results(self.channel, self.worker)
+            if so.kv_offload is not None and so.kv_offload.poll:
+                out.kv_offload = reduce_offload_report(self.groups, self.worker)
             return out
         except ReplicasStopping:
             raise
@@ -138,6 +145,11 @@ class MultiprocExecutor:
             raise ExecutorFailure(f"rank {self.rank}: engine step failed: {reason}") from e
         finally:
             self._step_started = None
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the ranks hold a vision encoder (images and videos accepted)."""
+        return self.worker.runner.vision is not None
 
     def kv_rank_metadata(self) -> list:
         return self._kv_ranks

@@ -43,12 +43,25 @@ def join_world(config: EngineConfig, rank: int, master_port: int) -> tuple[RankG
 
 
 def agree_num_blocks(groups: RankGroups, worker) -> int:
-    """Every rank sizes its KV cache; the engine uses the smallest count, so that one block id
-    means a page on every rank. Allocates it."""
-    count = torch.tensor([worker.available_blocks()], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=groups.world_cpu)
-    worker.initialize(int(count.item()))
-    return int(count.item())
+    """Every rank sizes its KV cache (and its share of the CPU tier); the engine uses the
+    smallest counts, so that one block id (one CPU slot) means a page on every rank. Allocates
+    them."""
+    counts = torch.tensor([worker.available_blocks(), worker.available_cpu_blocks()], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=groups.world_cpu)
+    num_blocks, num_cpu_blocks = counts.tolist()
+    worker.initialize(num_blocks, num_cpu_blocks)
+    return num_blocks
+
+
+def reduce_offload_report(groups: RankGroups, worker):
+    """The CPU-tier copies completed on every rank of the TP group (the smallest count: a
+    batch is over only when every rank's share is), with the driver's copy times."""
+    report = worker.offload_report()
+    if groups.layout.tp > 1:
+        done = torch.tensor([report.num_batches_done], dtype=torch.int64)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=groups.tp_cpu)
+        report.num_batches_done = int(done.item())
+    return report
 
 
 def gather_kv_metadata(channel: ControlChannel | None, worker) -> list | None:
@@ -107,6 +120,8 @@ def _follow(config: EngineConfig, model_dir: str, rank: int, master_port: int) -
             worker.execute_model(so, message.dp)
             if so.kv_connector_metadata is not None and so.kv_connector_metadata.poll:
                 gather_kv_results(channel, worker)
+            if so.kv_offload is not None and so.kv_offload.poll:
+                reduce_offload_report(groups, worker)
         elif isinstance(message, Describe):
             channel.gather_reports(rank_report(worker, groups))
         elif isinstance(message, Stop):

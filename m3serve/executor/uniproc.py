@@ -14,13 +14,23 @@ class UniProcExecutor:
         self.worker.initialize(self.worker.available_blocks())
         self.model_config = self.worker.model_config
         self.block_size, self.num_blocks = self.worker.block_size, self.worker.num_blocks
+        self.num_cpu_blocks = self.worker.num_cpu_blocks
+        self.cpu_block_bytes = self.worker.offload.bytes_per_block if self.worker.offload is not None else 0
 
     def execute_model(self, scheduler_output):
         out = self.worker.execute_model(scheduler_output)
         meta = scheduler_output.kv_connector_metadata
         if meta is not None and meta.poll:
             out.kv_connector_output = [self.worker.kv_result]
+        work = scheduler_output.kv_offload
+        if work is not None and work.poll:
+            out.kv_offload = self.worker.offload_report()
         return out
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the ranks hold a vision encoder (images and videos accepted)."""
+        return self.worker.runner.vision is not None
 
     def kv_rank_metadata(self) -> list:
         return [self.worker.kv_connector.rank_metadata()]

@@ -84,6 +84,10 @@ class M3Config:
     eos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
     vision_config: dict | None = field(default=None, compare=False)
+    # the VL wrapper's placeholder ids and projector width (None in a bare text config)
+    image_token_id: int | None = field(default=None, compare=False)
+    video_token_id: int | None = field(default=None, compare=False)
+    projector_hidden_size: int | None = field(default=None, compare=False)
     # YaRN context extension (rope_type "yarn", e.g. through --hf-overrides); None = plain RoPE
     rope_yarn: YarnScaling | None = None
     # (rank, size): this one-GPU model is one rank's view of expert parallelism over `size`
@@ -108,6 +112,7 @@ class M3Config:
         d = {f.name: getattr(self, f.name) for f in fields(self)
              if f.name not in ("rope_theta", "rotary_dim", "index_init_blocks", "torch_dtype",
                                "vision_config", "layer_types", "mlp_layer_types", "rope_yarn",
+                               "image_token_id", "video_token_id", "projector_hidden_size",
                                "expert_view", "flavor")}
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
@@ -300,7 +305,20 @@ def parse_config(raw: dict) -> M3Config:
         torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype")
                         or raw.get("dtype") or "bfloat16"),
         vision_config=vision,
+        image_token_id=_optional_int(raw, "image_token_index", "image_token_id") if vision is not None else None,
+        video_token_id=_optional_int(raw, "video_token_index", "video_token_id") if vision is not None else None,
+        projector_hidden_size=_optional_int(raw, "projector_hidden_size") if vision is not None else None,
     )
+
+
+def _optional_int(raw: dict, *keys: str) -> int | None:
+    for key in keys:
+        value = raw.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _bad(key, value, "must be an integer")
+            return value
+    return None
 
 
 def _expert_view(view, num_experts: int) -> tuple[int, int] | None:

@@ -3,8 +3,9 @@ safetensors tensor by tensor into this rank's shards of a freshly built model.
 
 Two name schemes are accepted and brought to one canonical form (the original checkpoint names
 without the `language_model.` prefix): the original MiniMax-M3 names and the names transformers'
-`save_pretrained` writes (fused gate_up, stacked experts, `self_attn.indexer.*`). Vision, projector
-and MTP tensors are skipped. Any missing, unexpected, duplicated or mis-shaped tensor, or an
+`save_pretrained` writes (fused gate_up, stacked experts, `self_attn.indexer.*`). MTP tensors are
+skipped; vision, projector and merge-MLP tensors are skipped by the text pass and loaded, just as
+strictly, by `load_vision_encoder` (unless the model is served language-model-only). Any missing, unexpected, duplicated or mis-shaped tensor, or an
 unreadable file, raises a ValueError naming the tensor and the file; the half-built model is dropped.
 """
 from __future__ import annotations
@@ -397,3 +398,37 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
     if online and net.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
     return net.eval(), cfg, model_dir
+
+
+def checkpoint_has_vision(model_dir: Path) -> bool:
+    """Whether the checkpoint ships vision-tower tensors (read from the file headers only)."""
+    from m3serve.model.vision import is_vision_name
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if any(is_vision_name(k) for k in f.keys()):
+                    return True
+        except Exception as e:
+            raise ValueError(f"corrupt safetensors file {path}: {e}") from None
+    return False
+
+
+def load_vision_encoder(cfg: M3Config, model_dir: Path, dtype: torch.dtype, device="cpu"):
+    """The vision encoder of a checkpoint whose config has a `vision_config` and whose files have
+    vision tensors, else None. Every tensor of `model.vision.vision_shapes` must be there exactly
+    once with its shape (either naming); anything else under the vision prefixes is an error."""
+    from m3serve.model.vision import (VisionEncoder, canonical_vision_name, is_vision_name,
+                                      parse_vision_config, vision_shapes)
+    if cfg.vision_config is None or not checkpoint_has_vision(model_dir):
+        return None
+    vcfg = parse_vision_config(cfg.vision_config, cfg.projector_hidden_size, cfg.hidden_size)
+    with torch.device(device):
+        encoder = VisionEncoder(vcfg, dtype)
+
+    def entries():
+        for path, key, tensor in iter_checkpoint(weight_files(model_dir)):
+            if is_vision_name(key):
+                yield path.name, key, [(canonical_vision_name(key), tensor)]
+    fill_parameters(encoder, cfg, entries(), f"checkpoint {model_dir} (vision tower)", progress=False,
+                    expected=vision_shapes(vcfg), to_param=lambda name: (name, None))
+    return encoder.eval()

@@ -172,11 +172,13 @@ class MiniMaxM3ForCausalLM(nn.Module):
             attn.kv_cache, attn.index_cache = kv, idx
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, taps: tuple[int, ...] = ()):
+                meta: AttentionMetadata, taps: tuple[int, ...] = (), inputs_embeds: torch.Tensor | None = None):
         """-> final hidden states [T, H]; with `taps` (layer ids, ascending) also the residual
-        stream entering each of those layers, concatenated: [T, len(taps) * H] (EAGLE3's input)."""
+        stream entering each of those layers, concatenated: [T, len(taps) * H] (EAGLE3's input).
+        `inputs_embeds` [T, H] replaces the token embeddings (image / video features in place of
+        their placeholders)."""
         m = self.model
-        x = m.embed_tokens(input_ids)
+        x = m.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = m.rotary.cos_sin(positions, x.dtype)
         residual = None
         streams = []

@@ -143,10 +143,47 @@ def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3", quantization: str | None = None) -> Path:
+# the vision tower of `make_tiny(vision=True)`: the real structure at small widths; head 20 keeps
+# the real model's RoPE shape (3 axes x 6 channels rotated, the last 2 channels passed through)
+TINY_VISION = {"model_type": "clip_vision_model", "hidden_size": 40, "intermediate_size": 80,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 14, "image_size": 56,
+               "num_channels": 3, "layer_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "gelu",
+               "vision_segment_max_frames": 4,
+               "img_token_compression_config": {"image_token_compression_method": "patch_merge",
+                                                "spatial_merge_size": 2, "temporal_patch_size": 2}}
+
+
+def random_vision_weights(raw: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random vision, projector and merge-MLP tensors in the original names (fp32 patch
+    convolution, bf16 rest, as the real checkpoint), from their own generator so the text
+    weights do not depend on whether a vision tower is written."""
+    from m3serve.model.vision import parse_vision_config, vision_shapes
+    vcfg = parse_vision_config(raw["vision_config"], raw["projector_hidden_size"],
+                               raw["text_config"]["hidden_size"])
+    gen = torch.Generator().manual_seed(seed + 7919)
+    out = {}
+    for name, shape in vision_shapes(vcfg).items():
+        if len(shape) == 1:
+            base = 1.0 if name.endswith("norm1.weight") or name.endswith("norm2.weight") \
+                or name.endswith("layrnorm.weight") else 0.0
+            t = base + torch.randn(shape, generator=gen) * 0.1
+        else:
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            t = torch.randn(shape, generator=gen) / fan_in ** 0.5
+        dtype = torch.float32 if "patch_embedding" in name else torch.bfloat16
+        out[name] = t.to(dtype).contiguous()
+    return out
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3", vision: bool = False,
+              quantization: str | None = None) -> Path:
     """Write the tiny checkpoint of `flavor` into `out_dir` (created if needed). Same seed,
-    flavor and quantization -> same bytes. `quantization`: one of `QUANTIZED` (wider MLPs,
-    weights in that checkpoint layout)."""
+    flavor, vision and quantization -> same bytes.
+    `vision` adds a small vision tower, projector and merge MLP (`TINY_VISION`) and points the
+    image / video placeholder ids at the tokenizer's markers; the text weights stay the same.
+    `quantization`: one of `QUANTIZED` (wider MLPs, text weights in that checkpoint layout)."""
     from m3serve.model.tokenizer_build import special_token_ids, write_tiny_tokenizer
 
     out = Path(out_dir)
@@ -154,6 +191,9 @@ def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3", quantizati
     write_tiny_tokenizer(out)                 # the stored TINY_VOCAB-token tokenizer
     ids = special_token_ids(out)
     raw = tiny_config_dict(TINY_VOCAB, bos_token_id=ids["bos"], eos_token_id=ids["eos"], flavor=flavor)
+    if vision:
+        raw["vision_config"] = dict(TINY_VISION)
+        raw["image_token_index"], raw["video_token_index"] = ids["image"], ids["video"]
     if quantization is not None:
         from m3serve.model.formats import quantizable_modules
         if quantization not in QUANTIZED:
@@ -166,6 +206,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3", quantizati
     if quantization is not None:
         weights = quantized_weights(cfg, raw, weights)
     weights = {"language_model." + k: v for k, v in weights.items()}
+    if vision:
+        weights.update(random_vision_weights(raw, seed))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(

@@ -118,6 +118,17 @@ def _parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
     return parsed
 
 
+def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
+    from m3serve.config import DEFAULT_MM_LIMITS
+    from m3serve.multimodal.media import MediaPolicy
+    from m3serve.serving.media_front import MediaFront
+    engine = getattr(client, "config", None)
+    model = getattr(engine, "model", None)
+    limits = getattr(model, "limit_mm_per_prompt", None) or dict(DEFAULT_MM_LIMITS)
+    policy = MediaPolicy.from_flags(config.allowed_local_media_path, config.allowed_media_domains)
+    return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None))
+
+
 def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,
               model_name: str, kv_transfer=None, sampling_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app. `client` is an `EngineCoreClient` (or a stand-in with its methods); it
@@ -144,7 +155,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None,
-            stream_interval=config.stream_interval)
+            stream_interval=config.stream_interval, media=_media_front(client, tokenizer, config))
         if getattr(client, "config", None) is not None:
             logger.info(describe_engine(client.config, client.info))
         logger.info("serving %s (%s)", model_name, model_dir)
@@ -152,6 +163,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             yield
         finally:
             holder["ctx"].engine.close()
+            holder["ctx"].media.close()
             client.shutdown()
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -275,6 +287,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
         body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
         ctx().check_model(body.model)
         prompt, ids, _, _ = await ctx().engine.off_loop(chat.render_request, ctx(), body)
+        ids, _ = await ctx().media.prepare(body.messages, ids, body.mm_processor_kwargs)   # image spans
         return {"prompt": prompt, "token_ids": ids}
 
     @app.post("/v1/completions")
@@ -304,7 +317,11 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _read_body(request, TokenizeRequest, config.max_request_body_bytes)
-        return await ctx().engine.off_loop(tokenize_api.tokenize, ctx(), body)
+        out = await ctx().engine.off_loop(tokenize_api.tokenize, ctx(), body)
+        if body.messages is not None:          # images count as their placeholder tokens
+            ids, _ = await ctx().media.prepare(body.messages, out["tokens"])
+            out.update(count=len(ids), tokens=ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -16,6 +16,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from m3serve.multimodal.parts import PART_TYPES, part_marker
+
 VALID_ROLES = ("system", "developer", "user", "assistant", "tool")
 THINKING_MODES = ("enabled", "disabled", "adaptive")
 # MiniMax-M3.1's reasoning-effort levels, most to least; the template writes the level into the
@@ -66,10 +68,13 @@ def _join_text_parts(content: list, index: int) -> str:
         if not isinstance(part, dict):
             raise ValueError(f"messages[{index}].content[{part_index}] must be an object, got {part!r}")
         part_type = part.get("type")
+        if part_type in PART_TYPES:               # the modality's marker; pixels come separately
+            texts.append(part_marker(part, f"messages[{index}].content[{part_index}]"))
+            continue
         if part_type != "text":
             raise ValueError(
                 f"messages[{index}].content[{part_index}].type {part_type!r} is not supported "
-                f"(only 'text' parts are accepted)"
+                f"(text, image_url, video_url)"
             )
         text = part.get("text")
         if not isinstance(text, str):

@@ -144,7 +144,8 @@ def describe_engine(config, info) -> str:
         f"parallel: TP {p.tensor_parallel_size} x DP {p.data_parallel_size}"
         f"{', expert parallel' if p.enable_expert_parallel else ''}",
         f"KV cache dtype {c.kv_cache_dtype}, index cache dtype {c.index_cache_dtype}, prefix caching "
-        f"{'on' if c.enable_prefix_caching else 'off'}",
+        f"{'on' if c.enable_prefix_caching else 'off'}"
+        f"{f', CPU tier {c.kv_offloading_size:g} GiB ({c.kv_offloading_backend})' if c.kv_offloading_size else ''}",
         f"scheduler: {s.max_num_batched_tokens} tokens per step, {s.max_num_seqs} running, "
         f"{s.max_waiting_requests} waiting at most, async scheduling "
         f"{'off (' + blocker + ')' if (blocker := config.async_scheduling_off()) else 'on'}"

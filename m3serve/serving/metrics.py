@@ -46,6 +46,8 @@ class _EngineCollector:
             ("kv_transfer_held_blocks", "KV blocks held for decode workers.", s.kv_held_blocks),
             ("kv_transfer_active_pulls", "Requests pulling their prompt's KV from a prefill worker.",
              s.kv_pulls_active),
+            ("kv_offload_usage_perc", "Fraction of the CPU tier's blocks holding a prefix (1 = full).",
+             s.kv_offload_usage),
         ):
             gauge = GaugeMetricFamily(f"m3serve:{metric}", doc, labels=labels)
             gauge.add_metric(name, value)
@@ -67,6 +69,11 @@ class _EngineCollector:
              s.kv_fallbacks + self.metrics.kv_unreachable_count),
             ("nixl_bytes_transferred", "Bytes of KV pulled.", s.kv_bytes_transferred),
             ("nixl_num_descriptors", "Transfer descriptors posted for KV pulls.", s.kv_num_descriptors),
+            ("external_prefix_cache_queries", "Prompt tokens of requests looked up in the CPU tier.",
+             s.external_prefix_cache_queries),
+            ("external_prefix_cache_hits", "Prompt tokens loaded back from the CPU tier.",
+             s.external_prefix_cache_hits),
+            ("kv_offload_evictions", "Blocks the CPU tier dropped to make room.", s.kv_offload_evictions),
         ):
             counter = CounterMetricFamily(f"m3serve:{metric}", doc, labels=labels)
             counter.add_metric(name, value)
@@ -90,6 +97,16 @@ class _EngineCollector:
             bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
             steps.add_metric(name, list(zip(bounds, cumulative)), sum_value=s.iteration_tokens_sum)
             yield steps
+        for metric, doc, to_cpu, to_gpu in (
+            ("kv_offload_bytes", "Bytes of KV copied between the GPU pool and the CPU tier (all ranks).",
+             s.kv_offload_bytes_to_cpu, s.kv_offload_bytes_to_gpu),
+            ("kv_offload_seconds", "Time the copies between the GPU pool and the CPU tier took (driver rank).",
+             s.kv_offload_seconds_to_cpu, s.kv_offload_seconds_to_gpu),
+        ):
+            counter = CounterMetricFamily(f"m3serve:{metric}", doc, labels=labels + ["direction"])
+            counter.add_metric(name + ["to_cpu"], to_cpu)
+            counter.add_metric(name + ["to_gpu"], to_gpu)
+            yield counter
         xfer = SummaryMetricFamily("m3serve:nixl_xfer_time_seconds", "Duration of each rank's KV pulls.",
                                    labels=labels)
         xfer.add_metric(name, count_value=s.kv_xfer_count, sum_value=s.kv_xfer_seconds_sum)

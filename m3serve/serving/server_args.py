@@ -19,7 +19,6 @@ NOT_APPLICABLE_FLAGS = {
     "--trust-remote-code": "m3serve implements MiniMax-M3 itself and runs no checkpoint code",
     "--enable-chunked-prefill": "prefill is always chunked by --max-num-batched-tokens",
     "--disable-log-requests": "m3serve does not log request contents",
-    "--language-model-only": "m3serve serves the text model only",
     "--attention-backend": "m3serve has one attention implementation per device",
     "--moe-backend": "m3serve has one fused-MoE implementation per device",
     "--linear-backend": "m3serve picks its GEMM kernels itself",
@@ -49,6 +48,8 @@ class ServerConfig:
     stream_interval: int = 1            # a streamed chunk waits for this many new tokens
     enable_response_store: bool = False  # /v1/responses: keep responses for previous_response_id
     responses_signing_key: str | None = None  # HMAC key of reasoning blobs (None: random per process)
+    allowed_local_media_path: str | None = None   # file:// media only under this directory
+    allowed_media_domains: str | None = None      # comma-separated hosts http(s) media may come from
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -129,6 +130,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                                 default=None, help=why)
         else:
             compat.add_argument(flag, dest=f"compat_{name}", action="store_true", default=None, help=why)
+    group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="images / videos may be file:// URLs under this directory (default: none)")
+    group.add_argument("--allowed-media-domains", default=None, metavar="HOSTS",
+                       help="comma-separated hosts http(s) image / video URLs may name (default: any)")
     group.add_argument("--metric-names", choices=METRIC_NAMES, default="both",
                        help="/metrics names: m3serve:*, vLLM's vllm:* (for dashboards and alerts built "
                             "for vLLM), or both (default)")
@@ -151,7 +156,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         engine_ready_timeout_s=args.engine_ready_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s,
         disable_fastapi_docs=args.disable_fastapi_docs, metric_names=args.metric_names,
         stream_interval=args.stream_interval, enable_response_store=args.enable_response_store,
-        responses_signing_key=args.responses_signing_key)
+        responses_signing_key=args.responses_signing_key,
+        allowed_local_media_path=args.allowed_local_media_path, allowed_media_domains=args.allowed_media_domains)
 
 
 def not_applicable_given(args: argparse.Namespace) -> list[str]:

@@ -85,6 +85,15 @@ class Proposer:
         return [CacheGroupSpec("mtp", layers, 2 * kv_heads * D * kv_bytes),
                 CacheGroupSpec("mtp_index", layers, self.target_cfg.index_head_dim * index_bytes)]
 
+    def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
+        """The draft's caches as (group, view with the block id first), for the CPU tier."""
+        if self.method == "eagle3":
+            return [("draft", self.draft.kv_cache[0]), ("draft", self.draft.kv_cache[1])]
+        planes = []
+        for attn in self.draft.attention_layers:
+            planes += [("mtp", attn.kv_cache[0]), ("mtp", attn.kv_cache[1]), ("mtp_index", attn.index_cache)]
+        return planes
+
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
         dev = self.device
         if self.method == "eagle3":

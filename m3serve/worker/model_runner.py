@@ -72,6 +72,8 @@ class ModelRunner:
         self.spec_graphs = None       # worker.spec_graphs.SpecDecodeGraphs, with the proposer on a GPU
         self.rejection = None         # spec.rejection.RejectionSampler, with the proposer
         self.record_selections: list | None = None   # tests: sparse layers append their choices
+        self.vision = None            # model.vision.VisionEncoder when images are served (set by the worker)
+        self.media: dict = {}         # request id -> worker.media.MediaFeatures
         self.hidden: torch.Tensor | None = None      # the last step's final hidden states
         self.num_graph_steps = self.num_eager_steps = 0
         self.grammars = None          # worker.structured.GrammarBook on the sampling rank (set by the worker)
@@ -157,6 +159,7 @@ class ModelRunner:
         if self.grammars is not None:
             for req_id in so.finished_req_ids:
                 self.grammars.drop(req_id)
+        self._track_media(so)
         prev, self._deferred = self._deferred, None
         placeholders = self.batch.apply(so, prev.sampled if prev is not None else ())
         if not so.num_scheduled_tokens:
@@ -188,6 +191,37 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[[t] for t in sampled],
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, failed=self.failed,
                                  previous=previous)
+
+    # ------------------------------------------------------------ images and videos
+
+    def _track_media(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.media.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            if new.mm_inputs:
+                from m3serve.worker.media import MediaFeatures
+                self.media[new.req_id] = MediaFeatures(new.prompt_token_ids, new.mm_inputs,
+                                                       self.cfg.image_token_id, self.cfg.video_token_id)
+
+    def _media_embeds(self, batch: ScheduledBatch | None):
+        """(step token slots [k], features [k, H]) of the placeholders this step computes
+        (encoding the images it reaches for the first time), or None."""
+        if batch is None or not self.media:
+            return None
+        slots, rows = [], []
+        start = batch.seq_lens - batch.num_scheduled                       # [R]
+        for i, req_id in enumerate(batch.req_ids):
+            media = self.media.get(req_id)
+            if media is None:
+                continue
+            found = media.rows(int(start[i]), int(batch.seq_lens[i]), self.vision)
+            if found is not None:
+                offsets, feats = found
+                slots.append(torch.from_numpy(offsets + int(batch.query_start_loc[i])))
+                rows.append(feats)
+        if not slots:
+            return None
+        return torch.cat(slots).to(self.device), torch.cat(rows)
 
     # ------------------------------------------------------------ async scheduling
 
@@ -265,21 +299,22 @@ class ModelRunner:
     def _forward(self, batch: ScheduledBatch | None, dp: DPStep | None, feed=None):
         """-> (final hidden states [T, H], local logits [R, V_local] of each request's last
         token, argmax ids [R] or None when not computed yet)."""
-        b = self._graph_size(batch, dp)
+        media = self._media_embeds(batch)
+        b = None if media is not None else self._graph_size(batch, dp)
         if b is not None:
             self.num_graph_steps += 1
             self._stage(batch, pad_to=b, feed=feed)
             n = batch.num_reqs if batch is not None else 0
             return self.graphs.replay(b, n)
         self.num_eager_steps += 1
-        hidden = self._eager(batch, dp, feed=feed)
+        hidden = self._eager(batch, dp, feed=feed, media=media)
         if batch is None:
             return hidden, None, None
         last = self.buffers.query_start_loc[1:batch.num_reqs + 1].long() - 1
         return hidden, self.model.lm_head.local_logits(hidden[last]), None
 
     def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None, taps: tuple[int, ...] = (),
-               feed=None) -> torch.Tensor:
+               feed=None, media=None) -> torch.Tensor:
         if batch is None:                       # a padding forward: one token on the null page
             self._stage(None, pad_to=1)
             n, t, decode, qsl, seq = 1, 1, True, [0, 1], [1]
@@ -290,7 +325,12 @@ class ModelRunner:
         ids, positions, meta = self.buffers.inputs(
             n, t, decode, qsl, seq, dp_padded_tokens=dp.num_tokens if dp is not None else 0,
             record_selections=self.record_selections)
-        out = self.model(ids, positions, meta, taps)
+        embeds = None
+        if media is not None:
+            slots, feats = media
+            embeds = self.model.model.embed_tokens(ids)
+            embeds[slots] = feats.to(embeds.dtype)
+        out = self.model(ids, positions, meta, taps, inputs_embeds=embeds)
         self.hidden, self.step_taps = out if taps else (out, None)
         self.step_inputs = (ids, positions, meta)
         return self.hidden

@@ -46,11 +46,15 @@ class Worker:
         self.device = device if device is not None else resolve_device(config.model.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model, self.model_config, _ = load_model(
+        self.model, self.model_config, loaded_dir = load_model(
             model_dir, dtype=config.model.dtype, parallel=parallel, device=self.device,
             progress=progress, load_format=config.model.load_format, seed=config.model.seed,
             quantization=config.model.quantization, hf_overrides=config.model.hf_overrides)
         cfg = self.model_config
+        self.vision = None
+        if not config.model.language_model_only and config.model.load_format != "dummy":
+            from m3serve.model.loader import load_vision_encoder
+            self.vision = load_vision_encoder(cfg, loaded_dir, self.model.dtype, self.device)
         self.block_size = config.cache.block_size or cfg.index_block_size
         if self.block_size != cfg.index_block_size:
             raise ValueError(f"block_size {self.block_size} must equal the model's sparse block size "
@@ -72,13 +76,29 @@ class Worker:
         self.num_blocks = 0
         self.kv_connector = None      # disagg.connector.WorkerConnector with --kv-transfer-config
         self.kv_result = None         # its last report (disagg.messages.RankResult)
+        self.offload = None           # worker.kv_offload.KVOffloadWorker with --kv-offloading-size
+        self.num_cpu_blocks = 0
 
     def available_blocks(self) -> int:
         """KV blocks (both cache groups) that fit in this rank's budget."""
         return num_blocks_for_memory(self.cache_specs, self.block_size, self._kv_cache_bytes())
 
-    def initialize(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` blocks of both cache groups and capture the decode graphs."""
+    def available_cpu_blocks(self) -> int:
+        """Blocks (every cache group) of this rank's share of the CPU tier (0 = no tier)."""
+        total = self.config.cache.kv_offloading_bytes
+        if not total:
+            return 0
+        share = total // self.parallel.tp.size
+        per_block = sum(s.bytes_per_block(self.block_size) for s in self.cache_specs)
+        if share < per_block:
+            raise ValueError(f"kv_offloading_size {self.config.cache.kv_offloading_size} GiB gives each of the "
+                             f"{self.parallel.tp.size} TP rank(s) {share} bytes, less than one KV block "
+                             f"({per_block} bytes on a rank)")
+        return share // per_block
+
+    def initialize(self, num_blocks: int, num_cpu_blocks: int | None = None) -> None:
+        """Allocate `num_blocks` blocks of both cache groups (and `num_cpu_blocks` in the CPU
+        tier, by default this rank's share) and capture the decode graphs."""
         if num_blocks < 2:
             raise ValueError(f"the KV cache budget ({self._kv_cache_bytes()} bytes) holds fewer than "
                              f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
@@ -101,6 +121,7 @@ class Worker:
             index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
             sample_everywhere=self.proposer is not None,
             extra_positions=config.speculative.num_speculative_tokens)
+        self.runner.vision = self.vision
         if self.is_driver and self.proposer is None:
             from m3serve.worker.structured import GrammarBook
             self.runner.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
@@ -127,8 +148,28 @@ class Worker:
             logger.info("warmed up the prefill kernels in %.1f s", time.perf_counter() - start)
         if config.kv_transfer.enabled:
             self._register_kv_transfer()
+        self.num_cpu_blocks = self.available_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
+        if self.num_cpu_blocks:
+            from m3serve.worker.kv_offload import KVOffloadWorker
+            start = time.perf_counter()
+            self.offload = KVOffloadWorker(self._cache_planes(), self.num_cpu_blocks, self.device)
+            logger.info("CPU tier: %d blocks (%.2f GiB of %shost memory on this rank) in %.1f s",
+                        self.num_cpu_blocks, self.num_cpu_blocks * self.offload.bytes_per_block / (1 << 30),
+                        "pinned " if self.offload.cuda else "", time.perf_counter() - start)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
                     self.block_size, (num_blocks - 1) * self.block_size, self.device)
+
+    def _cache_planes(self) -> list[tuple[str, torch.Tensor]]:
+        """Every cache tensor indexed by block id, as (group, view with the block id first):
+        each layer's K and V, each sparse layer's index keys, and the draft's caches."""
+        runner = self.runner
+        planes = []
+        for kv in runner.kv_caches:
+            planes += [("main", kv[0]), ("main", kv[1])]
+        planes += [("index", index) for index in runner.index_caches if index is not None]
+        if self.proposer is not None:
+            planes += self.proposer.cache_planes()
+        return planes
 
     def _register_kv_transfer(self) -> None:
         """Hand this rank's cache planes (every layer's K/V, every sparse layer's index keys) to
@@ -165,6 +206,11 @@ class Worker:
         meta = scheduler_output.kv_connector_metadata
         if meta is not None and self.kv_connector is not None:
             self.kv_connector.start(meta)
+        work = scheduler_output.kv_offload
+        if work is not None and work.has_copies:
+            if self.offload is None:
+                raise RuntimeError("the step asks for CPU-tier copies, but this rank has no CPU tier")
+            self.offload.submit(work)      # on the side stream: it overlaps the forward
         out = self.runner.execute_model(scheduler_output, dp)
         if meta is not None and meta.poll:
             if self.kv_connector is None:
@@ -172,9 +218,16 @@ class Worker:
             self.kv_result = self.kv_connector.poll()
         return out
 
+    def offload_report(self):
+        """This rank's progress on the CPU-tier copies (`KVOffloadReport`)."""
+        from m3serve.core.scheduler_output import KVOffloadReport
+        return KVOffloadReport(self.offload.poll(), self.offload.seconds_to_cpu, self.offload.seconds_to_gpu)
+
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if self.offload is not None:
+            self.offload.shutdown()
 
     def describe(self) -> dict:
         """What this rank is and holds (for state reports and tests)."""
@@ -189,6 +242,7 @@ class Worker:
             "num_local_experts": ex.num_local if ex else 0, "first_expert": ex.first if ex else 0,
             "expert_inter_local": ex.inter_local if ex else 0,
             "vocab_rows": self.model.lm_head.rows, "num_blocks": self.num_blocks,
+            "num_cpu_blocks": self.num_cpu_blocks,
             "num_batch_rows": self.runner.batch.num_rows if self.runner else 0,
             "index_cache_layers": ([i for i, c in enumerate(self.runner.index_caches) if c is not None]
                                    if self.runner else []),

@@ -247,7 +247,7 @@ HOSTILE = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.source"),
     ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}, "messages.0.content.0.text"),

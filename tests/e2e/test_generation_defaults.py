@@ -27,7 +27,7 @@ def test_generation_config_defaults_through_the_server(tiny_dir, tmp_path):
         assert "request sampling defaults from the generation config" in log
         assert "engine configuration:" in log and "memory plan:" in log and "KV blocks of 16 tokens" in log
         assert "async scheduling on" in log
-        for flag in ("--trust-remote-code", "--language-model-only", "--attention-backend FLASH_ATTN"):
+        for flag in ("--trust-remote-code", "--attention-backend FLASH_ATTN"):
             assert f"accepted, not applicable: {flag}" in log, flag
         assert "--compilation-config keys not applicable here, ignored: {'pass_config'" in log
         models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]

@@ -181,7 +181,7 @@ HOSTILE = [
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input[0].type"),
     ({"input": [7]}, "input[0]"),
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]},

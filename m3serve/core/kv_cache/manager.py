@@ -2,12 +2,15 @@
 
 Both cache groups (main K/V and the key-only index cache) share page size and block tables, so
 one list of block ids per request covers them all. KV that arrives from elsewhere (a prefix hit
-or a remote prefill) enters through the same `num_new_computed_tokens` argument.
+or a remote prefill) enters through the same `num_new_computed_tokens` argument. With a CPU tier
+(`num_cpu_blocks`), freed prefix-cached blocks are copied out and lost prefixes loaded back
+(`offload.py`).
 """
 from __future__ import annotations
 
 from m3serve.core.kv_cache.block_pool import BlockPool, KVBlock
 from m3serve.core.kv_cache.hashing import request_block_hashes
+from m3serve.core.kv_cache.offload import KVOffloadManager
 from m3serve.core.request import Request
 
 
@@ -21,12 +24,13 @@ class KVCacheManager:
     Block 0 is the pool's null block (never allocated), so `num_blocks - 1` blocks are usable.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.offload = KVOffloadManager(self.block_pool, num_cpu_blocks) if enable_caching and num_cpu_blocks else None
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -51,14 +55,15 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         request.block_hashes.extend(request_block_hashes(
-            request.all_token_ids, self.block_size, request.cache_salt, request.block_hashes))
+            request.all_token_ids, self.block_size, request.cache_salt, request.block_hashes,
+            request.mm_spans))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, count: bool = True) -> tuple[list[KVBlock], int]:
         """Longest run of the request's leading full blocks found in the prefix cache.
 
         Returns the blocks (not yet referenced; pass them to `allocate_slots`) and the number of
         tokens they cover. The last token is never a hit, so the step that follows has logits to
-        sample from. Each call counts towards `prefix_cache_queries` / `prefix_cache_hits`.
+        sample from. With `count`, the call counts towards `prefix_cache_queries` / `_hits`.
         """
         if not self.enable_caching:
             return [], 0
@@ -71,9 +76,52 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
+        if count:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    def get_cpu_hits(self, request: Request, num_gpu_hit_blocks: int, count: bool = True) -> list[int]:
+        """CPU-tier slots of the request's full blocks that follow its GPU hit (the leading run
+        the tier holds; the last token is never a hit). With `count`, the call counts towards
+        the tier's queries (its hits count when a load starts)."""
+        if self.offload is None:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if count:
+            self.offload.stats.queries += request.num_tokens
+        return self.offload.lookup(request.block_hashes[num_gpu_hit_blocks:max_hit_blocks])
+
+    def start_load(self, request: Request, hit_blocks: list[KVBlock], num_hit: int, slots: list[int]) -> bool:
+        """Give a fresh request blocks for its GPU hit plus `slots`, and queue the copy of the
+        slots into its new blocks. False (nothing allocated): the pool cannot cover them."""
+        num_loaded = len(slots) * self.block_size
+        if self.allocate_slots(request, 0, num_hit + num_loaded, hit_blocks) is None:
+            return False
+        block_ids = self.get_block_ids(request.request_id)[len(hit_blocks):]
+        self.offload.start_load(request.request_id, slots, block_ids)
+        self.offload.stats.hits += num_loaded
+        return True
+
+    def take_offload_work(self):
+        """The copies to and from the CPU tier for the step being scheduled (or None)."""
+        return self.offload.take_work() if self.offload is not None else None
+
+    def complete_offload(self, report) -> list[str]:
+        """Apply the workers' report of finished copies; the requests whose loads are over."""
+        return self.offload.complete(report) if self.offload is not None else []
+
+    @property
+    def num_offload_refs(self) -> int:
+        """GPU block references and CPU slot pins held by copies pending or in flight."""
+        if self.offload is None:
+            return 0
+        refs, pins = self.offload.references()
+        return sum(refs.values()) + sum(pins.values())
+
+    @property
+    def has_offload_work(self) -> bool:
+        return self.offload is not None and self.offload.has_work
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVBlock] | None = None,
@@ -135,6 +183,8 @@ class KVCacheManager:
         blocks = self._req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
+            if self.offload is not None:
+                self.offload.on_free(blocks)
             self.block_pool.free_blocks(blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -149,7 +199,12 @@ class KVCacheManager:
         return list(self._req_to_blocks)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Forget every cached block, in both tiers; only when nothing is held or in flight."""
+        if self.offload is not None and self.offload.has_work:
+            return False
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        return self.offload.tier.reset() if self.offload is not None else True
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if refcounts disagree with the block lists the requests hold."""
@@ -165,6 +220,16 @@ class KVCacheManager:
                 problems.append(f"request {request_id!r}: more cached blocks than blocks")
         if set(self._num_cached_blocks) != set(self._req_to_blocks):
             problems.append("cached-block counters and block lists track different requests")
+        if self.offload is not None:
+            store_refs, pins = self.offload.references()
+            for block_id, n in store_refs.items():
+                expected[block_id] = expected.get(block_id, 0) + n
+            problems += self.offload.tier.check_integrity(pins)
+            for request_id, block_ids in self.offload.load_targets().items():
+                held = set(self.get_block_ids(request_id))
+                if not set(block_ids) <= held:
+                    problems.append(f"a load writes into blocks {sorted(set(block_ids) - held)} that "
+                                    f"request {request_id!r} does not hold")
         if problems:
             raise RuntimeError("KV cache manager integrity check failed:\n  " + "\n  ".join(problems))
         self.block_pool.check_integrity(expected)

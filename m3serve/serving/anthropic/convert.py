@@ -8,7 +8,9 @@ path (`messages.1.content.0.input: ...`). What maps where:
   which M3's template renders back as `<mm:think>…</mm:think>` on every earlier turn;
   `redacted_thinking` holds no readable text and is skipped; `tool_use` → `tool_calls` (input as
   the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it);
-- `image` / `document` blocks → a 400 until vision lands;
+- `image` blocks of user turns (base64 or url sources) → `image_url` parts in place (the
+  prompt's image markers; the pixels are fetched and decoded by the media front);
+- `document` blocks → a 400 (not supported);
 - `cache_control` on any block or tool is accepted (prefix caching is automatic);
 - `output_config.effort` → the template's `reasoning_effort` (MiniMax-M3.1's levels).
 """
@@ -23,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 # Claude Code sends roles outside Anthropic's two for context it injects; they are user turns.
 _USER_ROLES = ("user", "ctx", "msg")
-_NOT_YET = ("image", "document")
+_NOT_YET = ("document",)
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _TOOL_ERROR_PREFIX = "Error: "
 
 
@@ -99,25 +102,58 @@ def _tool_result(block: dict, path: str) -> dict:
     return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
 
 
+def _image_part(block: dict, path: str) -> dict:
+    """An `image` block -> an `image_url` part (a data URL for base64 sources)."""
+    source = _obj(block.get("source"), f"{path}.source")
+    kind = _string(source, "type", f"{path}.source")
+    if kind == "base64":
+        media_type = _string(source, "media_type", f"{path}.source")
+        if media_type not in _IMAGE_TYPES:
+            _fail(f"{path}.source.media_type", f"must be one of {', '.join(_IMAGE_TYPES)}, got {media_type!r}")
+        url = f"data:{media_type};base64,{_string(source, 'data', f'{path}.source')}"
+    elif kind == "url":
+        url = _string(source, "url", f"{path}.source")
+    else:
+        _fail(f"{path}.source.type", f"must be 'base64' or 'url', got {kind!r}")
+    return {"type": "image_url", "image_url": {"url": url}, "_where": path}
+
+
+def _user_content(texts: list) -> str | list:
+    """Joined text, or (with images) text and image parts in order, texts joined by newlines."""
+    if all(isinstance(t, str) for t in texts):
+        return "\n".join(texts)
+    parts, previous_text = [], False
+    for t in texts:
+        if isinstance(t, str):
+            parts.append({"type": "text", "text": ("\n" if previous_text else "") + t})
+        else:
+            parts.append(t)
+        previous_text = isinstance(t, str)
+    return parts
+
+
 def _user_messages(content: list, path: str) -> list[dict]:
-    """A user turn: runs of text become user messages, each tool_result a tool message, in order."""
+    """A user turn: runs of text (and images) become user messages, each tool_result a tool
+    message, in order."""
     out: list[dict] = []
-    texts: list[str] = []
+    texts: list = []
     for i, block in enumerate(content):
         where = f"{path}.{i}"
         block = _obj(block, where)
         kind = _block_type(block, where)
         if kind == "text":
             texts.append(_string(block, "text", where))
+        elif kind == "image":
+            texts.append(_image_part(block, where))
         elif kind == "tool_result":
             if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
+                out.append({"role": "user", "content": _user_content(texts)})
                 texts = []
             out.append(_tool_result(block, where))
         else:
-            _fail(f"{where}.type", f"{kind!r} is not a user content block (expected text or tool_result)")
+            _fail(f"{where}.type", f"{kind!r} is not a user content block (expected text, image or tool_result)")
     if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append({"role": "user", "content": _user_content(texts)})
     return out
 
 

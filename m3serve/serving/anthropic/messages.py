@@ -47,6 +47,7 @@ class Prompt:
     form: ChatForm
     thinking_mode: str | None       # the template's mode in effect (request, else server default)
     tool_parser: str | None         # None: no tool parsing (no tools, or tool_choice none)
+    mm_inputs: list | None = None   # the request's images (protocol.MultiModalInput), in order
 
 
 def render(ctx: ServerContext, request: CountTokensRequest) -> Prompt:
@@ -66,9 +67,18 @@ def render(ctx: ServerContext, request: CountTokensRequest) -> Prompt:
     return Prompt(text, ctx.engine.encode(text), form, kwargs.get("thinking_mode"), tool_parser)
 
 
+async def render_with_media(ctx: ServerContext, request: CountTokensRequest) -> Prompt:
+    """`render` off the event loop, then the images: fetched, decoded and expanded into their
+    placeholder spans (counted in the prompt's tokens)."""
+    prompt = await ctx.engine.off_loop(render, ctx, request)
+    if ctx.media is not None:
+        prompt.token_ids, prompt.mm_inputs = await ctx.media.prepare(prompt.form.messages, prompt.token_ids)
+    return prompt
+
+
 async def count_tokens(ctx: ServerContext, request: CountTokensRequest) -> dict:
     ctx.check_model(request.model)
-    prompt = await ctx.engine.off_loop(render, ctx, request)
+    prompt = await render_with_media(ctx, request)
     return {"input_tokens": len(prompt.token_ids)}
 
 
@@ -117,7 +127,7 @@ class Generation:
     async def start(self) -> None:
         """Submit the first leg; the engine's refusal raises here, before any response."""
         stream = self.ctx.engine.generate(self.request_id, self.prompt.text, self.prompt.token_ids,
-                                          self._first_params, self.arrival)
+                                          self._first_params, self.arrival, mm_inputs=self.prompt.mm_inputs)
         [self._stream] = await admit([stream])
 
     async def _leg(self, stream) -> AsyncIterator[str]:
@@ -153,7 +163,8 @@ class Generation:
             self.finish_reason = "max_tokens"
             return
         params = _params(self.request, self.ctx, remaining, self.stops, self._grammar("disabled"))
-        stream = self.ctx.engine.generate(self.request_id + "-answer", None, ids, params, self.arrival)
+        stream = self.ctx.engine.generate(self.request_id + "-answer", None, ids, params, self.arrival,
+                                          mm_inputs=self.prompt.mm_inputs)
         [stream] = await admit([stream])
         async for text in self._leg(stream):
             yield text
@@ -187,7 +198,7 @@ def _builder(prompt: Prompt, ctx: ServerContext) -> BlockBuilder:
 
 async def create_message(ctx: ServerContext, request: MessagesRequest, arrival_time: float, is_disconnected):
     ctx.check_model(request.model)
-    prompt = await ctx.engine.off_loop(render, ctx, request)
+    prompt = await render_with_media(ctx, request)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     run = Generation(ctx, request, prompt, message_id, arrival_time)
     await run.start()

@@ -74,6 +74,6 @@ def register(app: FastAPI, ctx, read_body, body_limit: int, retry_after_s: int) 
             body = await body_of(request, CountTokensRequest)
             c = ctx()
             c.check_model(body.model)
-            prompt = await c.engine.off_loop(messages.render, c, body)
+            prompt = await messages.render_with_media(c, body)
             return {"prompt": prompt.text, "token_ids": prompt.token_ids}
         return await _answer(work, retry_after_s)

@@ -133,6 +133,9 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
         raise ValueError(f"top_logprobs must be in [0, 20], got {request.top_logprobs}")
     prompt, ids, (tools, tool_choice, use_tools), kwargs = await ctx.engine.off_loop(render_request, ctx, request)
+    mm_inputs = None
+    if ctx.media is not None:
+        ids, mm_inputs = await ctx.media.prepare(request.messages, ids, request.mm_processor_kwargs)
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")   # checked though unused
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -148,7 +151,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     kv = await resolve_kv_transfer(ctx, request.kv_transfer_params, [ids], request.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await admit([ctx.engine.generate(request_id, prompt, ids, params, arrival_time,
-                                                request.cache_salt, kv)])
+                                                request.cache_salt, kv, mm_inputs=mm_inputs)])
     choices = [_Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
                for _ in range(request.n)]
     header = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}

@@ -34,6 +34,7 @@ class ServerContext:
     enable_auto_tool_choice: bool = False
     kv_transfer: object = None      # config.KVTransferConfig of the engine (None: no P/D)
     stream_interval: int = 1        # a streamed chunk waits for this many new tokens (--stream-interval)
+    media: object = None            # serving.media_front.MediaFront: images and video in messages
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str | None) -> None:

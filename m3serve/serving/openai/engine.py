@@ -106,7 +106,7 @@ class ServingEngine:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, arrival_time: float, cache_salt: str | None = None,
-                       kv_transfer_params=None) -> AsyncIterator[RequestState]:
+                       kv_transfer_params=None, mm_inputs=None) -> AsyncIterator[RequestState]:
         """Submit one request (n children); yield its state once admitted (no tokens yet),
         then after every batch of engine outputs until all children finish. Raises ValueError /
         EngineOverloaded / EngineError before the first yield when the engine refuses it.
@@ -121,7 +121,7 @@ class ServingEngine:
                 seq.params.add_eos_token_ids([self.eos_token_id])
             requests.append(EngineCoreRequest(seq.request_id, prompt_token_ids, seq.params,
                                               self.eos_token_id, time.time(), cache_salt,
-                                              kv_transfer_params))
+                                              kv_transfer_params, mm_inputs))
         queue = await self.client.add_requests(request_id, requests)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         by_id = {seq.request_id: seq for seq in state.sequences}

@@ -273,6 +273,7 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    mm_processor_kwargs: dict[str, Any] | None = None   # per-request image / video processor options
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -227,6 +227,9 @@ class ResponsesAPI:
         ctx.check_model(request.model)
         chat, messages = self._prepare(ctx, request)
         prompt, ids, (tools, tool_choice, use_tools), kwargs = await ctx.engine.off_loop(render_request, ctx, chat)
+        mm_inputs = None
+        if ctx.media is not None:
+            ids, mm_inputs = await ctx.media.prepare(chat.messages, ids)
         max_tokens = ctx.engine.resolve_max_tokens(len(ids), chat.max_tokens)
         params = chat.sampling_params(max_tokens, None, ctx.engine.sampling_defaults)
         if use_tools and tool_choice != "auto":
@@ -234,7 +237,7 @@ class ResponsesAPI:
                 grammar=tool_call_grammar(tools, tool_choice, kwargs.get("thinking_mode")))
         response_id = _id("resp")
         [stream] = await admit([ctx.engine.generate(response_id, prompt, ids, params, arrival_time,
-                                                    chat.cache_salt)])
+                                                    chat.cache_salt, mm_inputs=mm_inputs)])
         choice = _Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
         sign = self.signer.sign if "reasoning.encrypted_content" in (request.include or []) else None
         store = self.store is not None and request.store is not False

@@ -136,6 +136,25 @@ def _text_of_parts(content: Any, param: str, kinds: tuple[str, ...] = _TEXT_PART
     return "".join(texts)
 
 
+def _user_content(content: Any, param: str):
+    """A user / system message's content: its text, or (with `input_image` parts) the text and
+    `image_url` parts in order; the image parts keep their request path for errors."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of_parts(content, param)
+    parts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise _bad(f"{where}.image_url", "must be a URL string (file_id inputs are not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": url}, "_where": where})
+        else:
+            parts.append({"type": "text", "text": _text_of_parts([part], param)})
+    return parts
+
+
 def _reasoning_text(item: dict, param: str, signer: ReasoningSigner) -> str:
     blob = item.get("encrypted_content")
     if blob is not None:
@@ -187,7 +206,8 @@ def input_messages(items: Any, prior: list[dict], signer: ReasoningSigner) -> li
                 raise _bad(f"{param}.role", f"must be one of {', '.join(_ROLES)}, got {_shown(role)}")
             if "content" not in item:
                 raise _bad(f"{param}.content", "is required")
-            text = _text_of_parts(item["content"], f"{param}.content")
+            text = (_text_of_parts(item["content"], f"{param}.content") if role == "assistant"
+                    else _user_content(item["content"], f"{param}.content"))
             if role == "assistant":
                 if turn is not None and not turn["content"] and not turn.get("tool_calls"):
                     turn["content"] = text

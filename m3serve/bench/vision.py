@@ -1,0 +1,90 @@
+"""`python -m m3serve.bench.vision`: the vision encoder at the real checkpoint's widths (1280
+wide, 32 layers, projector and merge MLP into 6144) with random weights on one device: bf16
+against the float32 encoder (the one tested equal to transformers), images per second at 672²
+and at a 1920 x 1080 screenshot (after the default resize), one image per forward and 16, the
+CPU preprocessing time, and the encoder-cache bytes per image. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+
+def _random_(encoder, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in encoder.named_parameters():
+            if p.dim() == 1:
+                base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+                t = base + 0.02 * torch.randn(p.shape, generator=gen)
+            else:
+                t = torch.randn(p.shape, generator=gen) / (p[0].numel() ** 0.5)
+            p.copy_(t)
+
+
+def _timed(fn, device, iters: int) -> float:
+    """Mean seconds per call after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def main(argv=None) -> None:
+    from m3serve.model.known_configs import __path__ as known
+    from m3serve.model.vision import VisionEncoder, parse_vision_config
+    from m3serve.multimodal.processor import preprocess_image
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    raw = json.loads((__import__("pathlib").Path(known[0]) / "MiniMax-M3.json").read_text())
+    vision = dict(raw["vision_config"], num_hidden_layers=args.layers)
+    cfg = parse_vision_config(vision, raw["projector_hidden_size"], raw["text_config"]["hidden_size"])
+    ref = VisionEncoder(cfg, torch.float32)
+    _random_(ref, 0)
+    fast = VisionEncoder(cfg, torch.bfloat16)
+    fast.load_state_dict(ref.state_dict())
+    ref, fast = ref.to(device).eval(), fast.to(device).eval()
+    rng = np.random.default_rng(0)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "layers": args.layers, "params": sum(p.numel() for p in ref.parameters())}
+    for name, (w, h) in {"672x672": (672, 672), "1920x1080": (1920, 1080)}.items():
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        start = time.perf_counter()
+        item = preprocess_image(pixels)
+        prep_s = time.perf_counter() - start
+        pv = item.pixel_values.to(device)
+        want = ref(pv, item.grids).float()
+        got = fast(pv, item.grids).float()
+        cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+        entry = {"resized": [item.grids[0][2] * 14, item.grids[0][1] * 14], "patches": item.num_patches,
+                 "tokens": item.num_tokens, "preprocess_ms": round(prep_s * 1e3, 2),
+                 "bf16_vs_fp32_max_abs_over_max": float((got - want).abs().max() / want.abs().max()),
+                 "bf16_vs_fp32_cosine_min": float(cos.min()), "bf16_vs_fp32_cosine_mean": float(cos.mean()),
+                 "encoder_cache_bytes": item.num_tokens * cfg.text_hidden_size * 2}
+        for batch in (1, 16):
+            pvs, grids = torch.cat([pv] * batch), item.grids * batch
+            seconds = _timed(lambda: fast(pvs, grids), device, args.iters)
+            entry[f"images_per_s_batch{batch}"] = round(batch / seconds, 2)
+            entry[f"ms_per_forward_batch{batch}"] = round(seconds * 1e3, 2)
+        report[name] = entry
+    if device.type == "cuda":
+        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

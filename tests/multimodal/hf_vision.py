@@ -1,0 +1,71 @@
+"""transformers' `minimax_m3_vl` image and video processors for reference tests.
+
+They need torchvision. A torchvision wheel built for another torch (a CUDA build next to the CPU
+torch) fails at import while registering its compiled operators, which these processors never
+use; that registration is skipped here. Without torchvision the tests that need it skip.
+"""
+from unittest import mock
+
+import pytest
+import torch
+
+
+def import_torchvision():
+    try:
+        import torchvision  # noqa: F401
+        return
+    except ImportError:
+        pytest.skip("the transformers processors need torchvision")
+    except RuntimeError:
+        import sys
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+    with mock.patch.object(torch.library, "register_fake", lambda *a, **k: (lambda f: f)):
+        import torchvision  # noqa: F401
+
+
+def hf_processors():
+    """(image processor, video processor) of transformers 5.23."""
+    import_torchvision()
+    from transformers.models.minimax_m3_vl.image_processing_minimax_m3_vl import MiniMaxM3VLImageProcessor
+    from transformers.models.minimax_m3_vl.video_processing_minimax_m3_vl import MiniMaxM3VLVideoProcessor
+    return MiniMaxM3VLImageProcessor(), MiniMaxM3VLVideoProcessor()
+
+
+# Inputs of the recorded transformers outputs (hf_processor_digests.json): seeded arrays, so
+# the digests can be checked where torchvision is missing (CI).
+def digest_cases():
+    import numpy as np
+    cases = {}
+    for w, h in [(150, 100), (20, 12), (672, 672), (1920, 1080), (60, 900), (333, 71)]:
+        cases[f"image_{w}x{h}"] = ("image", np.random.default_rng(w * h).integers(0, 256, (h, w, 3), dtype=np.uint8))
+    cases["video_7x90x130"] = ("video", np.random.default_rng(7).integers(0, 256, (7, 90, 130, 3), dtype=np.uint8))
+    return cases
+
+
+def digest(tensor) -> str:
+    import hashlib
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()
+
+
+def record_digests(path) -> None:
+    """Write transformers' pixel values (as sha256 digests) and grids for `digest_cases()`."""
+    import json
+    image_processor, video_processor = hf_processors()
+    out = {}
+    for name, (kind, array) in digest_cases().items():
+        if kind == "image":
+            ref = image_processor(images=[array], return_tensors="pt")
+            pixels, grids = ref["pixel_values"], ref["image_grid_thw"]
+        else:
+            ref = video_processor(videos=[torch.from_numpy(array).permute(0, 3, 1, 2)], do_resize=True,
+                                  do_sample_frames=False, return_tensors="pt")
+            pixels, grids = ref["pixel_values_videos"], ref["video_grid_thw"]
+        out[name] = {"shape": list(pixels.shape), "grids": grids.tolist(), "sha256": digest(pixels)}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    import sys
+    record_digests(sys.argv[1])

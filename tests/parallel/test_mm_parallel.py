@@ -1,0 +1,34 @@
+"""Images and a video at TP 2 (gloo CPU processes): every rank holds the vision encoder, the
+media travel to the followers with the step, and the tokens equal one in-process rank's."""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from m3serve.llm import LLM
+from m3serve.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multimodal"))
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def requests():
+    rng = np.random.default_rng(7)
+    return [
+        {"prompt": "look ]<]image[>[ and tell", "multi_modal_data": {"image": rng.integers(0, 256, (100, 150, 3), np.uint8)}},
+        {"prompt": "]<]video[>[ then ]<]image[>[", "multi_modal_data": {
+            "video": rng.integers(0, 256, (5, 56, 84, 3), np.uint8), "image": rng.integers(0, 256, (60, 60, 3), np.uint8)}},
+    ]
+
+
+def test_tp2_equals_one_rank(tiny_vision_dir):
+    flags = dict(dtype="float32", max_num_batched_tokens=24, async_scheduling=False)
+    one = LLM(str(tiny_vision_dir), **flags)
+    ref = [o.outputs[0].token_ids for o in one.generate(requests(), GREEDY, use_tqdm=False)]
+    tp = LLM(str(tiny_vision_dir), tensor_parallel_size=2, **flags)
+    try:
+        assert tp.engine.core is None
+        assert [o.outputs[0].token_ids for o in tp.generate(requests(), GREEDY, use_tqdm=False)] == ref
+    finally:
+        tp.shutdown()
