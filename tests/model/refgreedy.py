@@ -18,6 +18,23 @@ def canonical_weights(model_dir) -> dict:
     return out
 
 
+def paged_against_reference(model, ref: ReferenceM3, ids: torch.Tensor) -> tuple[list, list]:
+    """Run ids [180] through the serving model paged (two prefill chunks, then five decode
+    steps) and the reference in one dense pass; assert the logits agree. Returns (each sparse
+    layer's block choices from the paged run, the reference's), in layer order."""
+    from paged import PagedRunner
+    ref_logits, ref_sel = ref.forward(ids)
+    record = []
+    runner = PagedRunner(model, seed=1)
+    logits = [runner.step({0: ids[:70].tolist()}, record), runner.step({0: ids[70:175].tolist()}, record)]
+    for t in ids[175:].tolist():
+        logits.append(runner.step({0: [t]}, record))
+    logits = torch.cat(logits)
+    assert (logits - ref_logits).abs().max() <= 1e-4 * ref_logits.abs().max()
+    n_sparse = len(ref_sel)
+    return [torch.cat(record[i::n_sparse]) for i in range(n_sparse)], ref_sel
+
+
 def reference_model(model_dir) -> ReferenceM3:
     return ReferenceM3(load_config(model_dir), canonical_weights(model_dir))
 

@@ -128,7 +128,7 @@ def test_stop_string_n_and_logprobs(tiny_dir):
 
 def test_prompt_logprobs_match_reference_logits(tiny_dir):
     from m3serve.model.reference import ReferenceM3
-    from test_reference import canonical_weights
+    from refgreedy import canonical_weights
     llm = LLM(model=str(tiny_dir), dtype="float32", max_num_batched_tokens=32)  # chunked
     ids = prompts((70,), seed=13)[0]
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=2),

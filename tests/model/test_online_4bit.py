@@ -11,7 +11,7 @@ from m3serve.llm import LLM
 from m3serve.model.loader import load_model
 from m3serve.model.quantize import quantize_packed
 from test_quant_e2e import assert_reference_greedy, serve
-from test_reference import canonical_weights
+from refgreedy import canonical_weights
 
 FORMATS = {"mxfp4": MXFP4, "nvfp4": NVFP4}
 

@@ -5,7 +5,7 @@ import torch
 
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.model.loader import load_model
-from test_reference import canonical_weights
+from refgreedy import canonical_weights
 
 
 @pytest.fixture(scope="module")
