@@ -16,18 +16,9 @@ from m3serve.bench.agentic_serve import (TurnRecord, parse_prefix_cache_counters
                                          prefix_cache_summary, run_sessions)
 from m3serve.bench.metrics import RequestRecord, e2e_normalized_interactivity
 from m3serve.bench.serve import Target, parse_spec_decode_counters
+from letter_tokenizer import LetterTokenizer
 
 
-class _LetterTokenizer:
-    """One token per lowercase letter."""
-
-    vocab_size = 26
-
-    def encode(self, text):
-        return [ord(c) - ord("a") for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(ord("a") + i) for i in ids)
 
 
 # ---- the synthetic generator ---------------------------------------------------------------
@@ -74,11 +65,11 @@ def test_generator_rejects_bad_config():
 def test_turn_texts_have_the_planned_lengths_and_sessions_do_not_share_a_prefix():
     sessions = generate_sessions(SyntheticConfig(num_sessions=4, num_turns=3, first_input_len=50,
                                                  new_tokens_median=8, max_new_tokens=30), seed=1)
-    texts = turn_texts(_LetterTokenizer(), sessions, seed=1)
+    texts = turn_texts(LetterTokenizer(), sessions, seed=1)
     for session, session_texts in zip(sessions, texts):
         assert [len(t) for t in session_texts] == [t.new_tokens for t in session.turns]
     assert len({t[0][:20] for t in texts}) == 4
-    assert texts == turn_texts(_LetterTokenizer(), sessions, seed=1)
+    assert texts == turn_texts(LetterTokenizer(), sessions, seed=1)
 
 
 # ---- the conversation ----------------------------------------------------------------------
@@ -201,7 +192,7 @@ def test_our_trace_format_replays_as_written(tmp_path):
         SessionSpec("session-1", (TurnSpec(7, 1),))]
     assert load_trace(path, max_sessions=1, max_turns=2) == [
         SessionSpec("s1", (TurnSpec(100, 20), TurnSpec(0, 5, 1.5, text="the tool said hello")))]
-    texts = turn_texts(_LetterTokenizer(), sessions)
+    texts = turn_texts(LetterTokenizer(), sessions)
     assert texts[0][1] == "the tool said hello" and len(texts[0][0]) == 100
 
 

@@ -8,6 +8,7 @@ from m3serve.bench.datasets import (TokenizerView, length_bounds, load_tokenizer
                                     sample_lengths, sample_random_requests)
 from m3serve.bench.metrics import (RequestRecord, compute_metrics, parse_goodput,
                                    parse_percentile_metrics, parse_percentiles)
+from letter_tokenizer import LetterTokenizer
 
 
 def _records():
@@ -156,20 +157,10 @@ def test_prompts_retokenize_to_requested_length_without_special_tokens(tmp_path)
     assert len({r.prompt[:20] for r in reqs}) == len(reqs)
 
 
-class _LetterTokenizer:
-    """Any object with encode/decode: one token per lowercase letter."""
-
-    vocab_size = 26
-
-    def encode(self, text):
-        return [ord(c) - ord("a") for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(ord("a") + i) for i in ids)
 
 
 def test_plain_encode_decode_object_gives_exact_lengths():
-    reqs = sample_random_requests(_LetterTokenizer(), 10, 30, 5, 0.2, "vllm", seed=1)
+    reqs = sample_random_requests(LetterTokenizer(), 10, 30, 5, 0.2, "vllm", seed=1)
     targets, _ = sample_lengths(10, 30, 5, 0.2, "vllm", seed=1)
     assert [len(r.prompt) for r in reqs] == targets == [r.prompt_len for r in reqs]
 
