@@ -181,8 +181,15 @@ class LLMEngine:
                             num_deferred_steps=core.scheduler.num_deferred_steps)]
 
     def shutdown(self) -> None:
+        """Stop the engine processes, or the in-process engine's helpers (grammar compiles, the
+        KV connector's transfer agent and its progress thread, the CPU tier's copies): a
+        transfer agent left to interpreter exit can abort the process. Idempotent."""
         if self.client is not None:
             self.client.shutdown()
+        elif self.core is not None and not getattr(self, "_stopped", False):
+            self._stopped = True
+            self.core.shutdown()
+            self.core.executor.shutdown()
 
 
 class LLM:
