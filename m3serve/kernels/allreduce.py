@@ -120,10 +120,26 @@ class IpcBuffers:
             else:
                 pair = (staging[0](*staging[1]), flag[0](*flag[1]))
                 self._mapped.append(pair)
+                self._reach(pair[0].device)
             bufs.append(pair[0].data_ptr())
             flags.append(pair[1].data_ptr())
         self.buf_ptrs = torch.tensor(bufs, dtype=torch.int64, device=self.device)
         self.flag_ptrs = torch.tensor(flags, dtype=torch.int64, device=self.device)
+
+    def _reach(self, peer: torch.device) -> None:
+        """Make a peer GPU's memory readable by this GPU's kernels: torch enables peer access
+        between two devices the first time it copies between them (the IPC mapping alone does
+        not), so copy both ways."""
+        if peer == self.device:
+            return
+        if not torch.cuda.can_device_access_peer(self.device, peer):
+            raise RuntimeError(f"{self.device} has no peer access to {peer}")
+        here = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        there = torch.zeros(1, dtype=torch.uint8, device=peer)
+        here.copy_(there)
+        there.copy_(here)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(peer)
 
     def close(self) -> None:
         self._mapped.clear()
