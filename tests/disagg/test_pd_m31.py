@@ -20,6 +20,7 @@ from m3serve.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from refgreedy import reference_greedy, reference_model  # noqa: E402
+from test_pd_poisoned_cache import _run  # noqa: E402
 
 
 def _engine(model_dir, role: str) -> LLMEngine:
@@ -27,23 +28,6 @@ def _engine(model_dir, role: str) -> LLMEngine:
         {"kv_connector": "NixlConnector", "kv_role": role}))
     return LLMEngine(config, progress=False)
 
-
-def _run(engine: LLMEngine, request: EngineCoreRequest, timeout_s: float = 60.0):
-    """Step `engine` until `request` finishes: (token ids, kv_transfer_params)."""
-    engine.core.add_requests([request])
-    tokens, params = [], None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for out in engine.core.step():
-            if out.request_id != request.request_id:
-                continue
-            assert out.finish_reason != "error", out
-            tokens += out.new_token_ids
-            params = out.kv_transfer_params or params
-            if out.finish_reason is not None:
-                return tokens, params
-        time.sleep(0.001)
-    raise AssertionError(f"request {request.request_id} did not finish in {timeout_s} s")
 
 
 def _index_planes(engine: LLMEngine) -> list[str]:
@@ -59,10 +43,10 @@ def test_consumer_pulls_every_layers_index_cache(tiny_m31_dir, tiny_dir):
             plane.fill_(float("nan"))
         ids = torch.randint(0, 2000, (75,), generator=torch.Generator().manual_seed(31)).tolist()
         want = reference_greedy(reference_model(tiny_m31_dir), ids, 6)
-        _, params = _run(producer, EngineCoreRequest(
+        _, _, params = _run(producer, EngineCoreRequest(
             f"prefill-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=1), None, time.time(),
             kv_transfer_params=KVTransferParams(do_remote_decode=True)))
-        got, _ = _run(consumer, EngineCoreRequest(
+        got, _, _ = _run(consumer, EngineCoreRequest(
             f"decode-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=6), None, time.time(),
             kv_transfer_params=parse_kv_transfer_params(params)))
         stats = consumer.core.scheduler.connector.stats
