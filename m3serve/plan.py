@@ -66,9 +66,6 @@ def check_layout(cfg: M3Config, parallel: ParallelConfig, format_of=None, quanti
         raise ValueError("impossible parallel layout: " + "; ".join(problems))
 
 
-_BLOCKS = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
-
-
 def _block_problems(cfg: M3Config, parallel: ParallelConfig, format_of, quantization) -> list[str]:
     """Each split reduction width (row-parallel inputs, the routed experts' w2 without expert
     parallelism) whose per-rank share is not a whole number of its format's scale blocks."""
@@ -86,10 +83,8 @@ def _block_problems(cfg: M3Config, parallel: ParallelConfig, format_of, quantiza
         else:
             cases.append(("dense_intermediate_size", p + "mlp.down_proj", cfg.dense_intermediate_size, tp))
         for what, module, k, n in cases:
-            fmt = format_of(module) if format_of is not None else None
-            if quantization in ONLINE_4BIT and (".experts." in module or ".shared_experts." in module):
-                fmt = quantization
-            block = _BLOCKS.get(fmt)
+            fmt = _weight_format(module, format_of, quantization)
+            block = WEIGHT_FORMATS[fmt][1] if fmt is not None else 0
             if block and n > 1 and (k // n) % block:
                 msg = (f"{what}={k} split over {n} ranks is {k // n} per rank, not a multiple of "
                        f"the {fmt} scale block {block}")
@@ -102,16 +97,31 @@ def check_checkpoint_layout(model_dir, model, parallel: ParallelConfig) -> M3Con
     """`check_layout` for a checkpoint directory and the engine's ModelConfig `model`: its
     shapes, and the scale blocks of its stored (or online) quantisation. Returns its config."""
     from m3serve.model.config import load_config, read_config_json
-    from m3serve.model.formats import LAYOUT_FORMATS, detect_scheme
+    from m3serve.model.formats import detect_scheme
     cfg = load_config(model_dir, model.hf_overrides)
-    scheme = detect_scheme(read_config_json(model_dir))
-    format_of = None
-    if scheme is not None:
-        def format_of(module: str):
-            name = scheme.layout_of(module)
-            return None if name is None else LAYOUT_FORMATS[name]
-    check_layout(cfg, parallel, format_of, model.quantization)
+    check_layout(cfg, parallel, _scheme_formats(detect_scheme(read_config_json(model_dir))),
+                 model.quantization)
     return cfg
+
+
+def _scheme_formats(scheme):
+    """format_of(canonical module) -> "mxfp8" | "mxfp4" | "nvfp4" | None for a detected
+    quantisation scheme (None for none)."""
+    from m3serve.model.formats import LAYOUT_FORMATS
+    if scheme is None:
+        return None
+
+    def format_of(module: str):
+        name = scheme.layout_of(module)
+        return None if name is None else LAYOUT_FORMATS[name]
+    return format_of
+
+
+def _weight_format(module: str, format_of, quantization) -> str | None:
+    """The format a linear's weight is held in: online 4-bit experts override the stored one."""
+    if quantization in ONLINE_4BIT and (".experts." in module or ".shared_experts." in module):
+        return quantization
+    return format_of(module) if format_of is not None and module else None
 
 
 @dataclass
@@ -147,11 +157,7 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
     fp8 = quantization in ("fp8", "fp8_per_channel")
 
     def linear(rows: int, cols: int, module: str = "") -> int:   # one linear weight [rows, cols] of this rank
-        fmt = format_of(module) if format_of is not None and module else None
-        if fp8:
-            fmt = "fp8"
-        elif quantization in ONLINE_4BIT and (".experts." in module or ".shared_experts." in module):
-            fmt = quantization
+        fmt = "fp8" if fp8 else _weight_format(module, format_of, quantization)
         if fmt is None:
             return rows * cols * dtype_bytes
         per_byte, block, row_bytes = WEIGHT_FORMATS[fmt]
@@ -255,8 +261,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _read_config(model: str) -> tuple[dict, str, str | None]:
-    """(config.json dict, where it came from, a note on its quantization): a local directory's
+def _read_config(model: str) -> tuple[dict, str]:
+    """(config.json dict, where it came from): a local directory's
     file; a known hub id's copy shipped with m3serve (no network); else the hub's file."""
     from pathlib import Path
 
@@ -271,24 +277,20 @@ def _read_config(model: str) -> tuple[dict, str, str | None]:
     else:
         directory = resolve_model_dir(model, config_only=True)
         raw, source = read_config_json(directory), f"{Path(directory) / 'config.json'}"
-    return raw, source, None
+    return raw, source
 
 
 def stored_formats(raw: dict):
     """(format_of(canonical module) for `plan`, a note): the checkpoint's own formats from its
     quantization_config; one that m3serve cannot read counts as BF16, and the note says so."""
-    from m3serve.model.formats import LAYOUT_FORMATS, detect_scheme
+    from m3serve.model.formats import detect_scheme
     try:
         scheme = detect_scheme(raw)
     except ValueError as e:
         return None, f"the checkpoint's quantization_config is not modelled ({e}): weights count as BF16"
     if scheme is None:
         return None, None
-
-    def format_of(module: str):
-        name = scheme.layout_of(module)
-        return None if name is None else LAYOUT_FORMATS[name]
-    return format_of, f"weights counted in the checkpoint's own formats: {scheme.summary}"
+    return _scheme_formats(scheme), f"weights counted in the checkpoint's own formats: {scheme.summary}"
 
 
 def format_table(cfg: M3Config, parallel: ParallelConfig, args, stored, draft) -> list[dict]:
@@ -311,7 +313,7 @@ def format_table(cfg: M3Config, parallel: ParallelConfig, args, stored, draft) -
 def main(args) -> dict:
     from m3serve.model.config import parse_config
 
-    raw, source, _ = _read_config(args.model)
+    raw, source = _read_config(args.model)
     cfg = parse_config(raw)
     format_of, quant_note = stored_formats(raw)
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

@@ -197,8 +197,8 @@ class MoE(nn.Module):
     @property
     def is_packed(self) -> bool:
         """Any of the routed or shared experts' weights held as packed codes."""
-        return any(getattr(m, "packed", None) for m in (self.experts, self.shared_experts.gate_up_proj,
-                                                         self.shared_experts.down_proj))
+        return any(m.__dict__.get("packed") for m in (self.experts, self.shared_experts.gate_up_proj,
+                                                        self.shared_experts.down_proj))
 
     def _routed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
         """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],

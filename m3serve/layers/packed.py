@@ -31,10 +31,6 @@ class PackedFormat:
     has_global: bool = False
     global_divides: bool = True  # NVFP4: compressed-tensors divides, ModelOpt multiplies
 
-    def bytes_per_element(self) -> float:
-        """Stored bytes per weight element, scales included (global scales ignored)."""
-        return 1 / self.per_byte + 1 / self.block
-
 
 MXFP8 = PackedFormat("mxfp8", "mxfp8", MX_BLOCK, 1, torch.float8_e4m3fn, torch.uint8)
 MXFP4 = PackedFormat("mxfp4", "mxfp4", MX_BLOCK, 2, torch.uint8, torch.uint8)
@@ -42,11 +38,12 @@ NVFP4 = PackedFormat("nvfp4", "nvfp4", NVFP4_BLOCK, 2, torch.uint8, torch.float8
                      has_global=True, global_divides=True)
 NVFP4_MODELOPT = PackedFormat("nvfp4-modelopt", "nvfp4", NVFP4_BLOCK, 2, torch.uint8,
                               torch.float8_e4m3fn, has_global=True, global_divides=False)
-FORMATS = {f.name: f for f in (MXFP8, MXFP4, NVFP4, NVFP4_MODELOPT)}
 
 
 def packed_format(module: nn.Module, attr: str) -> PackedFormat | None:
-    return getattr(module, "packed", {}).get(attr)
+    # `packed` is a plain attribute (in the module's __dict__): reading it there keeps
+    # nn.Module.__getattr__'s raise-and-catch off every forward of an unpacked model
+    return module.__dict__.get("packed", {}).get(attr)
 
 
 def _make(shape, dtype, like: nn.Parameter, k_div: int | None) -> nn.Parameter:

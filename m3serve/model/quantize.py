@@ -39,10 +39,10 @@ def quantize_param_fp8(model: nn.Module, name: str) -> bool:
 
 
 def quantize_packed(w: torch.Tensor, fmt: PackedFormat):
-    """[..., N, K] -> (codes, block scales, global scales [..., N] or None), rows quantised
+    """[..., N, K] -> (codes, block scales, global scales [..., N] or None) in an online format
+    (mxfp4 or nvfp4), rows quantised
     independently in chunks (NVFP4: each row's global scale from its own amax)."""
-    from m3serve.kernels.ref.packed import (nvfp4_global_scale, quantize_mxfp4, quantize_mxfp8,
-                                            quantize_nvfp4)
+    from m3serve.kernels.ref.packed import nvfp4_global_scale, quantize_mxfp4, quantize_nvfp4
     rows = w.reshape(-1, w.shape[-1])
     n, k = rows.shape
     codes = torch.empty((n, k // fmt.per_byte), dtype=fmt.code_dtype, device=w.device)
@@ -54,10 +54,8 @@ def quantize_packed(w: torch.Tensor, fmt: PackedFormat):
         if fmt.kind == "nvfp4":
             glob[i:i + step] = nvfp4_global_scale(part.float().abs().amax(-1))
             codes[i:i + step], scales[i:i + step] = quantize_nvfp4(part, glob[i:i + step])
-        elif fmt.kind == "mxfp4":
+        else:                             # mxfp4 (the online formats are 4-bit)
             codes[i:i + step], scales[i:i + step] = quantize_mxfp4(part)
-        else:
-            codes[i:i + step], scales[i:i + step] = quantize_mxfp8(part)
     lead = w.shape[:-1]
     return (codes.view(*lead, -1), scales.view(*lead, -1), None if glob is None else glob.view(lead))
 
@@ -69,7 +67,7 @@ def quantize_param_experts(model: nn.Module, name: str, fmt: PackedFormat) -> bo
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     experts = isinstance(owner, Experts) and attr in ("w13", "w2")
-    shared = ".shared_experts." in name + "." and attr == "weight" and isinstance(
+    shared = ".shared_experts." in name and attr == "weight" and isinstance(
         owner, (MergedColumnParallelLinear, RowParallelLinear))
     if not (experts or shared):
         return False

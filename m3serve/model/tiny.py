@@ -196,9 +196,6 @@ def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3", vision: bo
         raw["image_token_index"], raw["video_token_index"] = ids["image"], ids["video"]
     if quantization is not None:
         from m3serve.model.formats import quantizable_modules
-        if quantization not in QUANTIZED:
-            raise ValueError(f"quantization: unsupported value {quantization!r} for make-tiny "
-                             f"(supported: {', '.join(QUANTIZED)})")
         raw["text_config"].update(QUANTIZED_WIDTHS)
         raw["quantization_config"] = quantization_config(quantization, quantizable_modules(parse_config(raw)))
     cfg = parse_config(raw)
