@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from m3serve.multimodal.inputs import media_spans, pixel_values
+from m3serve.multimodal.inputs import pixel_values
 
 
 class MediaFeatures:
@@ -23,7 +23,6 @@ class MediaFeatures:
         ids = np.asarray(prompt_ids)
         self.item_of = np.full(n, -1, dtype=np.int32)
         self.row_of = np.zeros(n, dtype=np.int32)
-        media_spans(prompt_ids, self.inputs, image_id, video_id)        # the counts add up
         for modality, token in (("image", image_id), ("video", video_id)):
             positions = np.flatnonzero(ids == token)
             k = 0
@@ -33,14 +32,19 @@ class MediaFeatures:
                     self.item_of[where] = i
                     self.row_of[where] = np.arange(item.num_tokens, dtype=np.int32)
                     k += item.num_tokens
+            if k != len(positions):     # the engine checked the spans at admission
+                raise RuntimeError(f"{len(positions)} {modality} placeholders for {k} tokens of "
+                                   f"{modality} features")
+        placeholders = np.flatnonzero(self.item_of >= 0)
+        self.end = int(placeholders[-1]) + 1 if len(placeholders) else 0   # past the last one
         self.features: list[torch.Tensor | None] = [None] * len(self.inputs)
         self.num_encoded = 0
 
     def rows(self, start: int, end: int, encoder) -> tuple[np.ndarray, torch.Tensor] | None:
         """(offsets in [0, end - start) of the placeholder positions, their features [k, H]),
         or None when the range holds none; encodes the inputs it needs that are not yet."""
-        end = min(end, len(self.item_of))
-        if start >= end:
+        end = min(end, self.end)
+        if start >= end:                # decode steps, text after the last image: nothing to do
             return None
         items = self.item_of[start:end]
         offsets = np.flatnonzero(items >= 0)
