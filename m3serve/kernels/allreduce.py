@@ -19,6 +19,7 @@ program) so that all programs of a call can be resident at once.
 
 A wait that exceeds `max_spins` gives up, sets an error word and produces garbage: `check()`
 raises when that happened (an all-reduce that never completes would otherwise hang the GPU).
+The tests call it; the engine does not yet (it would cost a device synchronisation).
 
 `all_reduce_ref` is the reference: the rank-ordered fp32 sum.
 """
@@ -141,9 +142,6 @@ class IpcBuffers:
         torch.cuda.synchronize(self.device)
         torch.cuda.synchronize(peer)
 
-    def close(self) -> None:
-        self._mapped.clear()
-
 
 class OneShotAllReduce:
     """Sums a contiguous bf16/fp16/fp32 CUDA tensor over the ranks that built `IpcBuffers`
@@ -158,11 +156,15 @@ class OneShotAllReduce:
                 and x.numel() * x.element_size() <= self.buffers.max_bytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.buffers
         if not self.accepts(x):
             raise ValueError(f"one-shot all-reduce takes contiguous bf16/fp16/fp32 CUDA tensors "
-                             f"of at most {b.max_bytes} bytes; got {x.dtype} {tuple(x.shape)} on "
-                             f"{x.device}")
+                             f"of at most {self.buffers.max_bytes} bytes; got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+        return self.launch(x)
+
+    def launch(self, x: torch.Tensor) -> torch.Tensor:
+        """`__call__` for a tensor `accepts` has already taken (the per-layer path)."""
+        b = self.buffers
         n = x.numel()
         if n == 0:
             return x

@@ -14,7 +14,7 @@ class _Fast:
     def accepts(self, x):
         return x.numel() <= self.max_numel
 
-    def __call__(self, x):
+    def launch(self, x):
         self.calls.append(x.numel())
         return x.mul_(10)
 
