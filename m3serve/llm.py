@@ -39,6 +39,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         check_checkpoint_layout(self.model_dir, config.model, config.parallel)
         self.core = self.worker = self.client = None
+        self._stopped = False
         if config.parallel.uses_processes:
             from m3serve.core.core_client import engine_config_for_process
             from m3serve.core.sync_client import SyncEngineClient
@@ -186,7 +187,7 @@ class LLMEngine:
         transfer agent left to interpreter exit can abort the process. Idempotent."""
         if self.client is not None:
             self.client.shutdown()
-        elif self.core is not None and not getattr(self, "_stopped", False):
+        elif self.core is not None and not self._stopped:
             self._stopped = True
             self.core.shutdown()
             self.core.executor.shutdown()

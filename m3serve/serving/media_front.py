@@ -22,6 +22,7 @@ class MediaFront:
         self.tokenizer, self.policy, self.limits = tokenizer, policy, limits
         self.processor_kwargs = processor_kwargs
         self._options = None
+        self._markers = tuple(i for i in (tokenizer.token_to_id(m) for m in MARKERS.values()) if i is not None)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="m3serve-media")
 
     def options(self, request_kwargs: dict | None):
@@ -42,20 +43,16 @@ class MediaFront:
         """(prompt ids with placeholder spans, engine inputs or None) for a rendered chat."""
         parts = collect_media_parts(messages)
         if not parts:
-            if self._marker_ids():      # a scan of the whole prompt: off the event loop too
+            if self._markers:           # a scan of the whole prompt: off the event loop too
                 await asyncio.get_running_loop().run_in_executor(self._pool, self._check_no_markers, ids)
             return ids, None
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, functools.partial(self._prepare, parts, ids, request_kwargs))
 
     def _check_no_markers(self, ids: list[int]) -> None:
-        if any(t in ids for t in self._marker_ids()):
+        if any(t in ids for t in self._markers):
             raise ValueError(f"the prompt holds a {MARKERS['image']} or {MARKERS['video']} marker "
                              f"but no image or video part")
-
-    @functools.cache
-    def _marker_ids(self) -> tuple[int, ...]:
-        return tuple(i for i in (self.tokenizer.token_to_id(m) for m in MARKERS.values()) if i is not None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -43,7 +43,6 @@ class KVOffloadWorker:
         self.bytes_per_block = sum(t[0].numel() for t in self.device_planes)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._events: deque[tuple] = deque()   # per batch in flight: (start, stores over, loads over)
-        self.num_submitted = 0
         self.num_done = 0
         self.seconds_to_cpu = 0.0
         self.seconds_to_gpu = 0.0
@@ -52,7 +51,6 @@ class KVOffloadWorker:
         """Start one batch: the stores, then the loads."""
         if not work.has_copies:
             return
-        self.num_submitted += 1
         if not self.cuda:
             t0 = time.perf_counter()
             self._store(work.store_block_ids, work.store_slots)
