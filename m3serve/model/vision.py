@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3serve.layers.linear import attach_loader, replicated_loader
+from m3serve.layers.rotary import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class _Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         outs, start = [], 0
         for length in seqlens:           # bidirectional attention inside each image / segment
             sl = slice(start, start + length)
@@ -242,20 +243,10 @@ def position_ids(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
 
 
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, dtype):
-    """pos [N, 3] -> cos, sin [N, 6 * len(inv_freq)]: (t, h, w) frequency bands, twice (NeoX)."""
+    """pos [N, 3] -> cos, sin [N, 3 * len(inv_freq)]: the (t, h, w) frequency bands, for
+    `layers.rotary.apply_rotary` (NeoX halves; channels past 2 x that width pass through)."""
     freqs = (pos[..., None].float() * inv_freq.to(pos.device)).flatten(1)      # [N, 3 * F]
-    freqs = torch.cat([freqs, freqs], dim=-1)
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim]: rotate the first cos.shape[-1] channels (halves paired, NeoX);
-    the rest pass through."""
-    r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    a, b = rot[..., :r // 2], rot[..., r // 2:]
-    rotated = torch.cat([-b, a], dim=-1)
-    return torch.cat([rot * cos[:, None] + rotated * sin[:, None], rest], dim=-1)
 
 
 class VisionEncoder(nn.Module):
