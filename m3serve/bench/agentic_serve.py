@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from m3serve.bench.agentic import Conversation, SessionSpec
-from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRecord,
-                                   compute_metrics, percentile_key)
+from m3serve.bench.metrics import (DEFAULT_PERCENTILES, METRIC_NAMES, RequestRecord, _stats_ms,
+                                   compute_metrics)
 from m3serve.bench.serve import (Target, arrival_offsets, metric_lines, metrics_text, print_summary,
                                  send_request)
 
@@ -121,14 +121,6 @@ async def run_sessions(target: Target, sessions: list[SessionSpec], texts: list[
     return records, sum(not ok for ok in done)
 
 
-def _stats(values, percentiles, scale: float = 1.0) -> dict[str, float]:
-    arr = np.asarray(values if len(values) else [0.0], dtype=np.float64) * scale
-    out = {"mean": float(arr.mean()), "median": float(np.median(arr))}
-    for p in percentiles:
-        out[percentile_key(p)] = float(np.percentile(arr, p))
-    return out
-
-
 def per_turn_stats(turns: list[TurnRecord], percentiles=DEFAULT_PERCENTILES) -> list[dict]:
     """One entry per turn index (successful requests only): TTFT statistics in ms, and mean
     prompt / new-context / cached / re-prefilled tokens (cached and re-prefilled from the
@@ -142,7 +134,7 @@ def per_turn_stats(turns: list[TurnRecord], percentiles=DEFAULT_PERCENTILES) -> 
     for k in sorted(by_turn):
         group = by_turn[k]
         row = {"turn": k, "num_requests": len(group)}
-        for stat, value in _stats([t.record.ttft for t in group], percentiles, 1000.0).items():
+        for stat, value in _stats_ms([t.record.ttft for t in group], percentiles).items():
             row[f"{stat}_ttft_ms"] = value
         row["mean_prompt_tokens"] = float(np.mean([t.record.prompt_len for t in group]))
         row["mean_new_context_tokens"] = float(np.mean([t.new_context_tokens for t in group]))
