@@ -56,3 +56,20 @@ def test_flag_is_vllms():
     add_engine_args(p)
     assert engine_kwargs(p.parse_args(["--disable-custom-all-reduce"]))["disable_custom_all_reduce"]
     assert not ParallelConfig().disable_custom_all_reduce
+
+
+def test_the_flag_reaches_the_rank_groups(monkeypatch):
+    """--disable-custom-all-reduce travels from the engine config to the groups each rank
+    builds (whose TP group then takes NCCL alone: `custom_all_reduce_refusal`)."""
+    from m3serve.config import EngineConfig
+    from m3serve.executor import rank as rank_mod
+    seen = {}
+    monkeypatch.setattr(rank_mod, "init_rank_groups", lambda *a: seen.setdefault("args", a))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    for disabled in (True, False):
+        seen.clear()
+        config = EngineConfig.from_kwargs(model=None, device="cpu", disable_custom_all_reduce=disabled)
+        rank_mod.join_world(config, 0, 29999)
+        assert seen["args"][-1] is disabled
+    # and a refused group builds nothing, on any device, without entering a collective
+    assert d.build_fast_all_reduce(None, 0, 2, torch.device("cuda", 0), disabled=True) is None
