@@ -129,24 +129,31 @@ def per_turn_stats(turns: list[TurnRecord], percentiles=DEFAULT_PERCENTILES) -> 
     for t in turns:
         if t.record.success:
             by_turn.setdefault(t.turn, []).append(t)
+    return [_turn_group_stats(k, by_turn[k], percentiles) for k in sorted(by_turn)]
+
+
+def returning_turn_stats(turns: list[TurnRecord], percentiles=DEFAULT_PERCENTILES) -> dict | None:
+    """The same statistics pooled over every returning turn (turn index >= 1, successful): the
+    turns a prefix cache can serve, and the figure a CPU tier is judged by. None without any."""
+    group = [t for t in turns if t.record.success and t.turn >= 1]
+    return _turn_group_stats("1+", group, percentiles) if group else None
+
+
+def _turn_group_stats(key, group: list[TurnRecord], percentiles) -> dict:
     percentiles = sorted(set(percentiles) | {90.0})     # P90 by turn is always reported
-    rows = []
-    for k in sorted(by_turn):
-        group = by_turn[k]
-        row = {"turn": k, "num_requests": len(group)}
-        for stat, value in _stats_ms([t.record.ttft for t in group], percentiles).items():
-            row[f"{stat}_ttft_ms"] = value
-        row["mean_prompt_tokens"] = float(np.mean([t.record.prompt_len for t in group]))
-        row["mean_new_context_tokens"] = float(np.mean([t.new_context_tokens for t in group]))
-        cached = [t.record.cached_tokens for t in group]
-        if all(c is not None for c in cached):
-            row["mean_cached_tokens"] = float(np.mean(cached))
-            row["mean_reprefilled_tokens"] = float(np.mean(
-                [t.record.prompt_len - t.record.cached_tokens for t in group]))
-        else:
-            row["mean_cached_tokens"] = row["mean_reprefilled_tokens"] = None
-        rows.append(row)
-    return rows
+    row = {"turn": key, "num_requests": len(group)}
+    for stat, value in _stats_ms([t.record.ttft for t in group], percentiles).items():
+        row[f"{stat}_ttft_ms"] = value
+    row["mean_prompt_tokens"] = float(np.mean([t.record.prompt_len for t in group]))
+    row["mean_new_context_tokens"] = float(np.mean([t.new_context_tokens for t in group]))
+    cached = [t.record.cached_tokens for t in group]
+    if all(c is not None for c in cached):
+        row["mean_cached_tokens"] = float(np.mean(cached))
+        row["mean_reprefilled_tokens"] = float(np.mean(
+            [t.record.prompt_len - t.record.cached_tokens for t in group]))
+    else:
+        row["mean_cached_tokens"] = row["mean_reprefilled_tokens"] = None
+    return row
 
 
 def prefix_cache_summary(turns: list[TurnRecord], before: dict | None, after: dict | None) -> dict:
@@ -247,6 +254,7 @@ async def benchmark_agentic(*, api_url: str, model: str, sessions: list[SessionS
         "cached_tokens": [t.record.cached_tokens for t in turns],
         "new_context_tokens": [t.new_context_tokens for t in turns],
         "per_turn": per_turn_stats(turns, percentiles),
+        "returning_turns": returning_turn_stats(turns, percentiles),
         **prefix_cache_summary(turns, before, after),
     })
     if show_summary:
@@ -278,7 +286,8 @@ def print_agentic_summary(result: dict) -> None:
               "see the usage figures")
     print(f"{'turn':>4} {'n':>5} {'mean TTFT':>10} {'med TTFT':>9} {'P90 TTFT':>9} "
           f"{'prompt':>8} {'new ctx':>8} {'re-prefill':>10}")
-    for t in result["per_turn"]:
+    returning = [result["returning_turns"]] if result.get("returning_turns") else []
+    for t in result["per_turn"] + returning:
         re = t["mean_reprefilled_tokens"]
         print(f"{t['turn']:>4} {t['num_requests']:>5} {t['mean_ttft_ms']:>10.1f} "
               f"{t['median_ttft_ms']:>9.1f} {t['p90_ttft_ms']:>9.1f} "

@@ -57,6 +57,10 @@ def test_agentic_sessions_hit_the_prefix_cache_as_the_server_counts(server, tiny
 
     per_turn = {t["turn"]: t for t in result["per_turn"]}
     assert sorted(per_turn) == [0, 1, 2] and all(t["num_requests"] == 3 for t in per_turn.values())
+    back = result["returning_turns"]                        # turns 1 and 2 pooled
+    assert back["turn"] == "1+" and back["num_requests"] == 6
+    assert min(per_turn[1]["median_ttft_ms"], per_turn[2]["median_ttft_ms"]) <= back["median_ttft_ms"] \
+        <= max(per_turn[1]["p90_ttft_ms"], per_turn[2]["p90_ttft_ms"])
     assert per_turn[0]["mean_cached_tokens"] == 0          # every session starts on fresh text
     assert all(per_turn[k]["mean_cached_tokens"] > 0 for k in (1, 2))
     assert all(t["p90_ttft_ms"] > 0 for t in per_turn.values())
