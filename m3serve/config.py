@@ -34,8 +34,9 @@ class ModelConfig:
             kwargs = _json_object_option(self.mm_processor_kwargs, "mm_processor_kwargs")
             ProcessorOptions.from_kwargs(kwargs)      # checked here, applied per request
             object.__setattr__(self, "mm_processor_kwargs", kwargs)
-        if self.quantization not in (None, "fp8", "fp8_per_channel", "mxfp4", "nvfp4"):
-            raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8, mxfp4, nvfp4)")
+        if self.quantization not in (None, "fp8", "fp8_per_channel", "mxfp4", "nvfp4", "mxfp8"):
+            raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8, mxfp4, nvfp4, "
+                             f"mxfp8)")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format: unsupported value {self.load_format!r} (auto, dummy)")
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32", "float16", "half"):

@@ -69,7 +69,7 @@ def check_layout(cfg: M3Config, parallel: ParallelConfig, format_of=None, quanti
 def _block_problems(cfg: M3Config, parallel: ParallelConfig, format_of, quantization) -> list[str]:
     """Each split reduction width (row-parallel inputs, the routed experts' w2 without expert
     parallelism) whose per-rank share is not a whole number of its format's scale blocks."""
-    if format_of is None and quantization not in ONLINE_4BIT:
+    if format_of is None and quantization not in (*ONLINE_4BIT, "mxfp8"):
         return []
     tp, moe = parallel.tensor_parallel_size, parallel.world_size
     problems = []
@@ -120,6 +120,8 @@ def _scheme_formats(scheme):
 def _weight_format(module: str, format_of, quantization) -> str | None:
     """The format a linear's weight is held in: online 4-bit experts override the stored one."""
     if quantization in ONLINE_4BIT and (".experts." in module or ".shared_experts." in module):
+        return quantization
+    if quantization == "mxfp8" and module:      # every linear layer (lm_head is not one here)
         return quantization
     return format_of(module) if format_of is not None and module else None
 
@@ -247,7 +249,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
-    parser.add_argument("--quantization", default=None, choices=("fp8", "fp8_per_channel", "mxfp4", "nvfp4"),
+    parser.add_argument("--quantization", default=None, choices=("fp8", "fp8_per_channel", "mxfp4", "nvfp4", "mxfp8"),
                         help="online quantisation of a BF16 checkpoint (mxfp4 / nvfp4: the experts)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     parser.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
@@ -297,7 +299,8 @@ def format_table(cfg: M3Config, parallel: ParallelConfig, args, stored, draft) -
     """Weights per GPU and KV tokens per replica for each way to hold the weights: as stored,
     and the BF16 release quantised online (fp8; mxfp4 / nvfp4 experts)."""
     rows = [("as stored", None, stored)] if stored is not None else [("bf16", None, None)]
-    rows += [("bf16 + online fp8", "fp8", None), ("bf16 + online mxfp4 experts", "mxfp4", None),
+    rows += [("bf16 + online fp8", "fp8", None), ("bf16 + online mxfp8", "mxfp8", None),
+             ("bf16 + online mxfp4 experts", "mxfp4", None),
              ("bf16 + online nvfp4 experts", "nvfp4", None)]
     out = []
     for label, quantization, format_of in rows:

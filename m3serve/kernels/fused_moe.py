@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.packed_gemm import PACK_CODES, SCALE_BLOCK, fp4_tiles, mxfp8_tile
 from m3serve.kernels.tma import tma_ready
 
 FP8_MAX = 448.0
@@ -568,6 +569,19 @@ def _expert_operands(expert, num_experts, w_ptr, w_scale_ptr, ws_ptr, ws_scale_p
 
 
 @triton.jit
+def _packed_rows(expert, num_experts, g_ptr, gs_ptr, stride_ge, stride_sn, stride_ssn):
+    """(global-scale base, block-scale row stride) of routed expert `expert` or of the shared
+    expert (`expert == num_experts`), for packed weights."""
+    if expert == num_experts:
+        g_base = gs_ptr
+        stride_s = stride_ssn
+    else:
+        g_base = g_ptr + expert.to(tl.int64) * stride_ge
+        stride_s = stride_sn
+    return g_base, stride_s
+
+
+@triton.jit
 def _clear_chunk(ptr, numel, chunk):
     """Zero fp32 elements [pid * chunk, (pid + 1) * chunk) of ptr[numel] (chunk: multiple of 1024)."""
     start = tl.program_id(0).to(tl.int64) * chunk
@@ -584,15 +598,20 @@ def _gemm1_swiglu_kernel(
         num_rows, num_choices, hidden, inter, inter_shared, num_experts,
         stride_xt, stride_we, stride_wn, stride_wsn, stride_se, stride_h,
         alpha, limit, zero_ptr, zero_numel, zero_chunk,
+        g_ptr, gs_ptr, stride_ge, stride_sn, stride_ssn,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
-        UPCAST: tl.constexpr, ZERO: tl.constexpr, TMA: tl.constexpr):
+        UPCAST: tl.constexpr, ZERO: tl.constexpr, TMA: tl.constexpr,
+        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True):
     """h[p, n] = SwiGLU-OAI(x[t] . w13[e, n], x[t] . w13[e, I_e + n]) for one [BLOCK_M, BLOCK_N]
     tile of expert e's aligned rows p, each holding pair t * K' + k (K' = num_choices).
     With ZERO every program first clears its chunk of the down GEMM's fp32 atomic target (one
     launch fewer than a separate fill; the down GEMM runs after this kernel). TMA: the weight
     tiles come through a tensor descriptor of the expert's [2 I_e, H] matrix (Hopper's bulk
-    copy engine) instead of per-thread loads."""
+    copy engine) instead of per-thread loads. PACK (1 MXFP8, 2 MXFP4, 3 NVFP4): w13 (and the
+    shared w13) are codes with block scales at w_scale_ptr / ws_scale_ptr ([.., 2 I, H / B],
+    row strides stride_sn / stride_ssn) and NVFP4 global scales at g_ptr [E, 2 I] / gs_ptr,
+    dequantised in registers to x's dtype (`kernels/packed_gemm.py`)."""
     if ZERO:
         _clear_chunk(zero_ptr, zero_numel, zero_chunk)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
@@ -622,27 +641,63 @@ def _gemm1_swiglu_kernel(
                                            strides=[stride_n, 1], block_shape=[BLOCK_N, BLOCK_K])
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PACK > 0:
+        g_base, stride_s = _packed_rows(expert, num_experts, g_ptr, gs_ptr, stride_ge,
+                                        stride_sn, stride_ssn)
+        x_rows = x_ptr + tokens[:, None] * stride_xt
+        u_codes = w_base + n_inter.to(tl.int64) * stride_n
+        u_scales = scale_base + n_inter.to(tl.int64) * stride_s
     for k in range(tl.cdiv(hidden, BLOCK_K)):
         k_ok = offs_k < hidden - k * BLOCK_K
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
+        if PACK == 1:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if TMA:
-            g = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
-            u = w_desc.load([n_inter + pid_n * BLOCK_N, k * BLOCK_K]).T
-        elif EVEN_K:
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            g = mxfp8_tile(w_base, scale_base, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
+                           hidden, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, UPCAST)
+            u = mxfp8_tile(u_codes, u_scales, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
+                           hidden, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, UPCAST)
+            if UPCAST:
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+                u = u.to(tl.float32)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        elif PACK > 1:
+            g0, g1 = fp4_tiles(w_base, scale_base, g_base, stride_n, stride_s, offs_n, n_ok,
+                               k * BLOCK_K, hidden, BLOCK_K, BLOCK_N, PACK == 3, GDIV,
+                               x_ptr.dtype.element_ty, UPCAST)
+            u0, u1 = fp4_tiles(u_codes, u_scales, g_base + n_inter, stride_n, stride_s, offs_n,
+                               n_ok, k * BLOCK_K, hidden, BLOCK_K, BLOCK_N, PACK == 3, GDIV,
+                               x_ptr.dtype.element_ty, UPCAST)
+            cols = k * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
+            a_ok = row_ok[:, None] & (cols < hidden)[None, :]
+            a0 = tl.load(x_rows + cols[None, :], mask=a_ok, other=0.0)
+            a1 = tl.load(x_rows + cols[None, :] + 1, mask=a_ok, other=0.0)
+            if UPCAST:
+                a0, a1 = a0.to(tl.float32), a1.to(tl.float32)
+                g0, g1 = g0.to(tl.float32), g1.to(tl.float32)
+                u0, u1 = u0.to(tl.float32), u1.to(tl.float32)
+            acc_g = tl.dot(a1, g1, tl.dot(a0, g0, acc_g))
+            acc_u = tl.dot(a1, u1, tl.dot(a0, u0, acc_u))
         else:
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:
+                g = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+                u = w_desc.load([n_inter + pid_n * BLOCK_N, k * BLOCK_K]).T
+            elif EVEN_K:
+                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                g = g.to(tl.float32)
+                u = u.to(tl.float32)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -666,13 +721,16 @@ def _gemm2_kernel(
         sorted_ids_ptr, block_expert_ptr, num_post_ptr, num_pid_m, num_pid_n,
         num_rows, num_choices, top_k, hidden, inter, inter_shared, num_experts,
         stride_h, stride_we, stride_wn, stride_wsn, stride_se, stride_out,
+        g_ptr, gs_ptr, stride_ge, stride_sn, stride_ssn,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
-        UPCAST: tl.constexpr, ATOMIC: tl.constexpr, TMA: tl.constexpr):
+        UPCAST: tl.constexpr, ATOMIC: tl.constexpr, TMA: tl.constexpr,
+        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True):
     """y = h[p] . w2[e, n] for pair t * K' + k at aligned row p. ATOMIC adds routing_weight * y
     into out[t, n] (fp32; the shared choice k == top_k has weight 1.0); otherwise y itself is
     stored, rounded to out's dtype, at out[t * K' + k, n] for `_moe_sum_kernel`. TMA: the h and
-    weight tiles come through tensor descriptors."""
+    weight tiles come through tensor descriptors. PACK: packed w2 as in `_gemm1_swiglu_kernel`
+    (block scales [.., H, I / B]), h read as it is."""
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -697,21 +755,46 @@ def _gemm2_kernel(
         w_desc = tl.make_tensor_descriptor(w_base, shape=[hidden, k_inter],
                                            strides=[stride_n, 1], block_shape=[BLOCK_N, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PACK > 0:
+        g_base, stride_s = _packed_rows(expert, num_experts, g_ptr, gs_ptr, stride_ge,
+                                        stride_sn, stride_ssn)
+        h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_h
     for k in range(tl.cdiv(k_inter, BLOCK_K)):
-        if TMA:
-            a = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
+        if PACK == 1:
             k_ok = offs_k < k_inter - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+            b = mxfp8_tile(w_base, scale_base, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
+                           k_inter, BLOCK_K, BLOCK_N, h_ptr.dtype.element_ty, UPCAST)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        elif PACK > 1:
+            b0, b1 = fp4_tiles(w_base, scale_base, g_base, stride_n, stride_s, offs_n, n_ok,
+                               k * BLOCK_K, k_inter, BLOCK_K, BLOCK_N, PACK == 3, GDIV,
+                               h_ptr.dtype.element_ty, UPCAST)
+            cols = k * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
+            a0 = tl.load(h_rows + cols[None, :], mask=(cols < k_inter)[None, :], other=0.0)
+            a1 = tl.load(h_rows + cols[None, :] + 1, mask=(cols < k_inter)[None, :], other=0.0)
+            if UPCAST:
+                a0, a1 = a0.to(tl.float32), a1.to(tl.float32)
+                b0, b1 = b0.to(tl.float32), b1.to(tl.float32)
+            acc = tl.dot(a1, b1, tl.dot(a0, b0, acc))
+        else:
+            if TMA:
+                a = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < k_inter - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if USE_FP8:
@@ -759,6 +842,49 @@ def _moe_sum_kernel(y_ptr, weights_ptr, ids_ptr, extra_ptr, out_ptr, num_tokens,
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def _check_packed(x, w13, w2, w13_scale, w2_scale, globals_, shared, kind):
+    """Shapes of packed expert stacks (codes [E, 2I, H / per_byte], [E, H, I / per_byte],
+    block scales [E, 2I, H / B], [E, H, I / B], NVFP4 global scales [E, 2I], [E, H]) and of
+    the shared expert's (the same without E)."""
+    fmt = PACK_CODES.get(kind)
+    if fmt is None:
+        raise ValueError(f"packed={kind!r}: unknown format ({', '.join(PACK_CODES)})")
+    per_byte, block = (1 if fmt == 1 else 2), SCALE_BLOCK[fmt]
+    hidden = x.shape[1] if x.dim() == 2 else -1
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
+        raise ValueError(f"x must be [T, H], w13 codes [E, 2I, H/{per_byte}], w2 codes "
+                         f"[E, H, I/{per_byte}]; got {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    num_experts, two_inter = w13.shape[:2]
+
+    def expect(t, shape, what):
+        if t is None or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{kind} {what} must be {list(shape)}, got "
+                             f"{None if t is None else tuple(t.shape)}")
+
+    def stack(lead, n13, n2, k13, k2, t13, t2, s13, s2, g13, g2, what):
+        for k in (k13, k2):
+            if k % block:
+                raise ValueError(f"{kind} {what}: reduction width {k} is not a multiple of {block}")
+        expect(t13, (*lead, n13, k13 // per_byte), f"{what} w13 codes")
+        expect(t2, (*lead, n2, k2 // per_byte), f"{what} w2 codes")
+        expect(s13, (*lead, n13, k13 // block), f"{what} w13 block scales")
+        expect(s2, (*lead, n2, k2 // block), f"{what} w2 block scales")
+        if fmt == 3:
+            expect(g13, (*lead, n13), f"{what} w13 global scales")
+            expect(g2, (*lead, n2), f"{what} w2 global scales")
+
+    stack((num_experts,), two_inter, hidden, hidden, two_inter // 2, w13, w2, w13_scale, w2_scale,
+          *globals_, "experts'")
+    if shared is not None:
+        if len(shared) != (6 if fmt == 3 else 4):
+            raise ValueError(f"shared must be (w13, w2, w13_scale, w2_scale"
+                             f"{', w13_global, w2_global' if fmt == 3 else ''}) for {kind}; got "
+                             f"{len(shared)} tensors")
+        n_s = shared[0].shape[0]
+        stack((), n_s, hidden, hidden, n_s // 2, *shared[:4],
+              *(shared[4:] if fmt == 3 else (None, None)), "shared expert's")
+
+
 def _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared):
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got x {tuple(x.shape)}, "
@@ -799,7 +925,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
               first_expert: int = 0, reduce: str | None = None, extra: torch.Tensor | None = None,
               config: dict | tuple[dict, dict] | None = None,
-              alignment: tuple | None = None) -> torch.Tensor:
+              alignment: tuple | None = None, packed: str | None = None,
+              w13_global: torch.Tensor | None = None, w2_global: torch.Tensor | None = None,
+              global_divides: bool = True) -> torch.Tensor:
     """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]) (+ Shared(x[t])) for every token t.
 
     x: [T, H] bf16 (fp16/fp32 also accepted); w13: [E, 2I, H], gate rows then up rows (not
@@ -824,16 +952,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     alignment: `moe_route_align`'s (sorted_ids, expert_ids_per_block, num_tokens_post_pad,
     block_m) for these ids, first_expert and shared expert; used when block_m is the tiles'
     BLOCK_M, else the pairs are aligned here.
+    packed: "mxfp8" | "mxfp4" | "nvfp4": w13 / w2 are codes ([E, 2I, H / per_byte], [E, H,
+    I / per_byte]) and w13_scale / w2_scale their block scales ([E, 2I, H / B], [E, H, I / B]),
+    NVFP4 with w13_global [E, 2I] / w2_global [E, H] (`global_divides`: compressed-tensors
+    divides by them, ModelOpt multiplies); shared is then (w13, w2, w13_scale, w2_scale[,
+    w13_global, w2_global]) in the same format. Weights are dequantised in registers and
+    multiplied with x as it is (weight-only); the tiles are the bf16 ones (`get_config`).
     Returns out, or a new [T, H] tensor in x's dtype.
     """
-    _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared)
+    if packed is None:
+        _check_inputs(x, w13, w2, weights, ids, w13_scale, w2_scale, shared)
+    else:
+        _check_packed(x, w13, w2, w13_scale, w2_scale, (w13_global, w2_global), shared, packed)
+        if weights.shape != ids.shape or weights.dim() != 2 or ids.shape[0] != x.shape[0]:
+            raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must "
+                             f"both be [T={x.shape[0]}, K]")
     if reduce not in (None, "atomic", "sum"):
         raise ValueError(f"reduce={reduce!r} must be 'atomic', 'sum' or None")
     if extra is not None and (reduce == "atomic" or extra.shape != x.shape or extra.stride(-1) != 1):
         raise ValueError(f"extra {tuple(extra.shape)} needs reduce='sum', x's shape "
                          f"{tuple(x.shape)} and contiguous rows")
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
+    num_experts, two_inter = w13.shape[:2]
     inter = two_inter // 2
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
@@ -841,7 +981,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         raise ValueError(f"out {tuple(out.shape)} must be [T={num_tokens}, H={hidden}]")
     if num_tokens == 0:
         return out
-    fp8 = w13.dtype == torch.float8_e4m3fn
+    pack = PACK_CODES[packed] if packed else 0
+    fp8 = not pack and w13.dtype == torch.float8_e4m3fn
+    tile_dtype = torch.bfloat16 if pack else w13.dtype    # packed: dequantised weights' tiles
 
     route_w = weights.float().contiguous()                                  # [T, K]
     top_k = ids.shape[1]
@@ -859,8 +1001,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if isinstance(config, tuple):
         cfg1, cfg2 = map(dict, config)
     else:
-        cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, w13.dtype, True)
-        cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, w13.dtype)
+        cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, tile_dtype, True)
+        cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, tile_dtype)
+    if pack:   # whole scale blocks per K step, FP4 half-steps of at least 16 for tl.dot
+        for cfg in (cfg1, cfg2):
+            cfg["BLOCK_K"], cfg["TMA"] = max(32, cfg["BLOCK_K"]), False
     block_m = cfg1["BLOCK_M"]
     if reduce is None:
         reduce = "sum" if cfg1.get("SUM") or extra is not None else "atomic"
@@ -868,7 +1013,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     h_size = 1 if fp8 else x.element_size()   # the down GEMM reads h (re-quantised for FP8)
     rows_ok = (hidden * w13.element_size() % 16 == 0 and inter_max * h_size % 16 == 0
                and inter * w2.element_size() % 16 == 0 and inter_shared * w2.element_size() % 16 == 0)
-    tma = (cfg1.get("TMA") or cfg2.get("TMA")) and rows_ok and tma_ready(x.device)
+    tma = (cfg1.get("TMA") or cfg2.get("TMA")) and rows_ok and not pack and tma_ready(x.device)
     tma1, tma2 = bool(tma and cfg1.get("TMA")), bool(tma and cfg2.get("TMA"))
     if cfg2["BLOCK_M"] != block_m:
         raise ValueError(f"both GEMMs share one alignment: BLOCK_M {block_m} and {cfg2['BLOCK_M']}")
@@ -883,7 +1028,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 
     w13, w2 = w13.contiguous(), w2.contiguous()
     x = x.contiguous()
-    if fp8:
+    g13 = g2 = gs13 = gs2 = route_w       # placeholders: read only for NVFP4
+    if pack:
+        xq, x_scale = x, route_w
+        s13, s2 = w13_scale.contiguous(), w2_scale.contiguous()
+        ss13 = shared[2].contiguous() if shared is not None else s13
+        ss2 = shared[3].contiguous() if shared is not None else s2
+        if pack == 3:
+            g13, g2 = w13_global.float().contiguous(), w2_global.float().contiguous()
+            gs13 = shared[4].float().contiguous() if shared is not None else g13
+            gs2 = shared[5].float().contiguous() if shared is not None else g2
+    elif fp8:
         xq, x_scale = quant_rows_fp8(x)                                     # [T, H], [T]
         s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
         ss13 = shared[2].float().contiguous() if shared is not None else s13
@@ -912,10 +1067,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         num_blocks, num_n1, num_rows, num_choices, hidden, inter, inter_shared, num_experts,
         xq.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), s13.stride(0), h.stride(0),
         alpha, limit, acc, acc.numel(), zero_chunk,
+        g13, gs13, g13.stride(0), s13.stride(-2) if pack else 0, ss13.stride(-2) if pack else 0,
         BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
         GROUP_M=cfg1["GROUP_M"], EVEN_K=hidden % cfg1["BLOCK_K"] == 0, USE_FP8=fp8,
-        UPCAST=_INTERPRET, ZERO=atomic, TMA=tma1, num_warps=cfg1["num_warps"],
-        num_stages=cfg1["num_stages"])
+        UPCAST=_INTERPRET, ZERO=atomic, TMA=tma1, PACK=pack, GDIV=bool(global_divides),
+        num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])
 
     if fp8:
         hq, h_scale = quant_rows_fp8(h)                                     # [B*BM, I_max], [B*BM]
@@ -927,11 +1083,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         num_blocks, num_n2, num_rows, num_choices, top_k, hidden, inter, inter_shared,
         num_experts,
         hq.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), s2.stride(0), acc.stride(0),
+        g2, gs2, g2.stride(0), s2.stride(-2) if pack else 0, ss2.stride(-2) if pack else 0,
         BLOCK_M=block_m, BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=cfg2["BLOCK_K"],
         GROUP_M=cfg2["GROUP_M"],
         EVEN_K=inter % cfg2["BLOCK_K"] == 0 and inter_shared % cfg2["BLOCK_K"] == 0,
-        USE_FP8=fp8, UPCAST=_INTERPRET, ATOMIC=atomic, TMA=tma2, num_warps=cfg2["num_warps"],
-        num_stages=cfg2["num_stages"])
+        USE_FP8=fp8, UPCAST=_INTERPRET, ATOMIC=atomic, TMA=tma2, PACK=pack,
+        GDIV=bool(global_divides), num_warps=cfg2["num_warps"], num_stages=cfg2["num_stages"])
     if not atomic:
         block_h = min(2048, triton.next_power_of_2(hidden))
         ex = extra if extra is not None else acc

@@ -188,11 +188,28 @@ class MoE(nn.Module):
         """Step sizes up to max_tokens that reach every tile variant of the fused kernels (the
         start-up warm-up's forwards)."""
         from m3serve.kernels.fused_moe import regime_token_counts
-        if self.is_packed:
-            return [max_tokens]       # packed experts run the reference path (no fused kernel yet)
         gathered = self.dp.size if self.dp.active else 1   # DP replicas' tokens meet here
         return regime_token_counts(self.experts.num_local, self.cfg.num_experts_per_tok * gathered,
-                                   max_tokens, self.experts.w13.dtype)
+                                   max_tokens, self.tile_dtype)
+
+    @property
+    def tile_dtype(self) -> torch.dtype:
+        """The weight dtype whose tiles the fused kernels take: packed experts are dequantised
+        to bf16 tiles in registers."""
+        return torch.bfloat16 if packed_format(self.experts, "w13") else self.experts.w13.dtype
+
+    def _shared_in_kernel(self) -> bool:
+        """Whether the shared expert can run inside the fused kernels as one more expert: its
+        two weights held like the routed experts' (the same packed format, or both unpacked
+        with FP8 scales exactly when the experts have them)."""
+        ex, sh = self.experts, self.shared_experts
+        fmt = packed_format(ex, "w13")
+        if fmt is not None:
+            return all(packed_format(m, "weight") == fmt for m in (sh.gate_up_proj, sh.down_proj))
+        if any(packed_format(m, "weight") for m in (sh.gate_up_proj, sh.down_proj)):
+            return False
+        return all(hasattr(m, "weight_scale") == hasattr(ex, "w13_scale")
+                   for m in (sh.gate_up_proj, sh.down_proj))
 
     @property
     def is_packed(self) -> bool:
@@ -204,22 +221,26 @@ class MoE(nn.Module):
         """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],
         this rank's partial sum."""
         cfg = self.cfg
-        if self.is_packed:
-            return self._routed_packed(x, fold_shared)
         if use_triton("moe", x):
             from m3serve.kernels import fused_moe as fm
             gate, bias, top_k = self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok
+            in_kernel = fold_shared and self._shared_in_kernel()
             alignment = None
             if (x.shape[0] <= fm.ROUTE_ALIGN_MAX_TOKENS       # one decode row: one launch for all three
                     and fm.route_align_eligible(x, gate.shape[0], top_k)):
                 ex = self.experts
-                block_m = fm.decode_block_m(x.shape[0], top_k, ex.num_local, ex.w13.dtype)
+                block_m = fm.decode_block_m(x.shape[0], top_k, ex.num_local, self.tile_dtype)
                 weights, ids, alignment = fm.moe_route_align(
                     x, gate, bias, top_k, cfg.routed_scaling_factor, ex.num_local, block_m,
-                    first_expert=ex.first, shared_expert=fold_shared)
+                    first_expert=ex.first, shared_expert=in_kernel)
             else:
                 weights, ids = fm.moe_route(x, gate, bias, top_k, cfg.routed_scaling_factor)
-            return self._fused(fm.fused_moe, x, weights, ids, fold_shared, alignment)
+            out = self._fused(fm.fused_moe, x, weights, ids, in_kernel, alignment)
+            if fold_shared and not in_kernel:
+                out += self.shared_experts(x).float()
+            return out
+        if self.is_packed:
+            return self._routed_packed(x, fold_shared)
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
         if hasattr(self.experts, "w13_scale"):      # FP8 experts: the fused kernel's PyTorch twin
@@ -246,18 +267,29 @@ class MoE(nn.Module):
 
     def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                fold_shared: bool, alignment: tuple | None = None) -> torch.Tensor:
-        """Routed experts (+ the shared expert) in one fused call (bf16 or FP8 weights);
+        """Routed experts (+ the shared expert) in one fused call (bf16, FP8 or packed weights);
         `alignment`: `moe_route_align`'s, for the Triton kernel."""
         cfg, ex, sh = self.cfg, self.experts, self.shared_experts
         self.last_expert_ids = ids
         scales = {}
-        if hasattr(ex, "w13_scale"):
+        fmt = packed_format(ex, "w13")
+        if fmt is not None:
+            scales = dict(packed=fmt.kind, global_divides=fmt.global_divides,
+                          w13_scale=ex.w13_block_scale, w2_scale=ex.w2_block_scale)
+            if fmt.has_global:
+                scales.update(w13_global=ex.w13_global_scale, w2_global=ex.w2_global_scale)
+        elif hasattr(ex, "w13_scale"):
             scales = dict(w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
         shared = None
         if fold_shared:
-            shared = (sh.gate_up_proj.weight, sh.down_proj.weight)
-            if scales:
-                shared += (sh.gate_up_proj.weight_scale, sh.down_proj.weight_scale)
+            up, down = sh.gate_up_proj, sh.down_proj
+            shared = (up.weight, down.weight)
+            if fmt is not None:
+                shared += (up.weight_block_scale, down.weight_block_scale)
+                if fmt.has_global:
+                    shared += (up.weight_global_scale, down.weight_global_scale)
+            elif scales:
+                shared += (up.weight_scale, down.weight_scale)
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         moe_fn(x, ex.w13, ex.w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
                shared=shared, out=out, first_expert=ex.first,

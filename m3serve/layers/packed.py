@@ -6,8 +6,8 @@ and, for NVFP4, `W_global_scale` (fp32, one per output row: a fused layer's sect
 bring their own). They keep the layer's `weight_loader`, which shards them like the weight: rows
 for column-parallel layers, the reduction dimension (in codes and in scale blocks) for
 row-parallel ones and the experts' down projection; a scale block may not straddle two ranks.
-`packed_linear` / `dequantized` are the reference path (dequantise in fp32, round to the
-activation dtype, multiply); a GPU kernel for packed weights is dispatched from here.
+`dequantized` is the reference path (dequantise in fp32, round to the activation dtype,
+multiply); `packed_linear` dispatches to it or, on CUDA, to the packed-weight kernel.
 """
 from __future__ import annotations
 
@@ -113,10 +113,17 @@ def dequantized(module: nn.Module, attr: str, dtype: torch.dtype, index=None) ->
 
 def packed_linear(x: torch.Tensor, module: nn.Module, attr: str = "weight") -> torch.Tensor:
     """x [T, K] @ dequant(module.<attr>)^T -> [T, N] in x's dtype: dequantised weight times the
-    activation as it is (weight-only numerics, W8A16 / W4A16)."""
-    from m3serve.layers.dispatch import executed
+    activation as it is (weight-only numerics, W8A16 / W4A16). On CUDA the codes are read by
+    `kernels/packed_gemm.py` and dequantised in registers; the reference dequantises the whole
+    weight first."""
+    from m3serve.layers.dispatch import use_triton
+    if use_triton("packed_linear", x):
+        from m3serve.kernels.packed_gemm import packed_matmul
+        fmt = packed_format(module, attr)
+        g = getattr(module, attr + "_global_scale") if fmt.has_global else None
+        return packed_matmul(x, getattr(module, attr), getattr(module, attr + "_block_scale"), g,
+                             fmt.kind, fmt.global_divides)
     from m3serve.layers.linear import linear
-    executed[("packed_linear", "reference")] += 1
     return linear(x, dequantized(module, attr, x.dtype))
 
 

@@ -2,7 +2,9 @@
 `--quantization fp8`: every linear layer's weight and the routed experts' stacks, with the
 per-output-row scales `layers/quant.py` multiplies by. `--quantization mxfp4 | nvfp4`: the
 routed and shared experts only, into packed codes (`layers/packed.py`; NVFP4 with one global
-scale per output row). Embeddings, lm_head, the router and the norms stay as loaded."""
+scale per output row). `--quantization mxfp8`: every linear layer and the routed experts into
+MXFP8 codes, the modules the MXFP8 release quantises. Embeddings, lm_head, the router and the
+norms stay as loaded."""
 from __future__ import annotations
 
 import torch
@@ -11,10 +13,10 @@ from torch import nn
 from m3serve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                    RowParallelLinear)
 from m3serve.layers.moe import Experts
-from m3serve.layers.packed import MXFP4, NVFP4, PackedFormat, check_blocks, set_packed_, split_note
+from m3serve.layers.packed import MXFP4, MXFP8, NVFP4, PackedFormat, check_blocks, set_packed_, split_note
 from m3serve.layers.quant import quantize_linear_, quantize_weight
 
-ONLINE_PACKED = {"mxfp4": MXFP4, "nvfp4": NVFP4}
+ONLINE_PACKED = {"mxfp4": MXFP4, "nvfp4": NVFP4, "mxfp8": MXFP8}
 _CHUNK_ELEMS = 1 << 26          # fp32 temporaries of a few hundred MiB at most while quantising
 
 
@@ -40,9 +42,10 @@ def quantize_param_fp8(model: nn.Module, name: str) -> bool:
 
 def quantize_packed(w: torch.Tensor, fmt: PackedFormat):
     """[..., N, K] -> (codes, block scales, global scales [..., N] or None) in an online format
-    (mxfp4 or nvfp4), rows quantised
-    independently in chunks (NVFP4: each row's global scale from its own amax)."""
-    from m3serve.kernels.ref.packed import nvfp4_global_scale, quantize_mxfp4, quantize_nvfp4
+    (mxfp4, nvfp4 or mxfp8), rows quantised independently in chunks (NVFP4: each row's global
+    scale from its own amax)."""
+    from m3serve.kernels.ref.packed import (nvfp4_global_scale, quantize_mxfp4, quantize_mxfp8,
+                                            quantize_nvfp4)
     rows = w.reshape(-1, w.shape[-1])
     n, k = rows.shape
     codes = torch.empty((n, k // fmt.per_byte), dtype=fmt.code_dtype, device=w.device)
@@ -54,7 +57,9 @@ def quantize_packed(w: torch.Tensor, fmt: PackedFormat):
         if fmt.kind == "nvfp4":
             glob[i:i + step] = nvfp4_global_scale(part.float().abs().amax(-1))
             codes[i:i + step], scales[i:i + step] = quantize_nvfp4(part, glob[i:i + step])
-        else:                             # mxfp4 (the online formats are 4-bit)
+        elif fmt.kind == "mxfp8":
+            codes[i:i + step], scales[i:i + step] = quantize_mxfp8(part)
+        else:
             codes[i:i + step], scales[i:i + step] = quantize_mxfp4(part)
     lead = w.shape[:-1]
     return (codes.view(*lead, -1), scales.view(*lead, -1), None if glob is None else glob.view(lead))
@@ -62,14 +67,16 @@ def quantize_packed(w: torch.Tensor, fmt: PackedFormat):
 
 def quantize_param_experts(model: nn.Module, name: str, fmt: PackedFormat) -> bool:
     """Quantise parameter `name` of `model` to `fmt` in place if it is a routed expert stack
-    (w13 / w2) or a shared expert's weight; returns whether it did. This rank's shard is
-    quantised as it is, so its K must hold whole scale blocks."""
+    (w13 / w2) or a shared expert's weight, or for MXFP8 any linear layer's weight; returns
+    whether it did. This rank's shard is quantised as it is, so its K must hold whole scale
+    blocks."""
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     experts = isinstance(owner, Experts) and attr in ("w13", "w2")
     shared = ".shared_experts." in name and attr == "weight" and isinstance(
         owner, (MergedColumnParallelLinear, RowParallelLinear))
-    if not (experts or shared):
+    linear = fmt.kind == "mxfp8" and attr == "weight" and isinstance(owner, _LINEARS)
+    if not (experts or shared or linear):
         return False
     w = getattr(owner, attr).data
     check_blocks(w.shape[-1], fmt, name, split_note(owner, attr))

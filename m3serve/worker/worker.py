@@ -104,11 +104,7 @@ class Worker:
                              f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
         config = self.config
         sizes = []
-        packed_moe = any(layer.is_moe and layer.mlp.is_packed for layer in self.model.model.layers)
-        if self.device.type == "cuda" and packed_moe and not config.compilation.enforce_eager:
-            logger.warning("packed (quantised) experts run their reference path, which reads expert "
-                           "ids on the host, until a packed fused-MoE kernel exists: CUDA graphs off")
-        if self.device.type == "cuda" and not config.compilation.enforce_eager and not packed_moe:
+        if self.device.type == "cuda" and not config.compilation.enforce_eager:
             from m3serve.worker.cuda_graphs import default_capture_sizes
             sizes = list(config.compilation.cudagraph_capture_sizes
                          or default_capture_sizes(config.scheduler.max_num_seqs))

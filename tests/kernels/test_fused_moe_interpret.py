@@ -431,7 +431,7 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
                 if not reduce["ATOMIC"] and name == "_gemm2_kernel":
                     sig = {**sig, "out_ptr": "*bf16"}
                 names = set(fm.__dict__[name].arg_names)
-                consts = {**tiles, "USE_FP8": use_fp8}
+                consts = {**tiles, "USE_FP8": use_fp8, "PACK": 0, "GDIV": True}
                 consts.update({k: v for k, v in reduce.items() if k in names})
                 if use_fp8 and tiles["TMA"]:
                     consts["BLOCK_K"] = 128

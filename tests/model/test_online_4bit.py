@@ -1,12 +1,13 @@
-"""Online `--quantization mxfp4 | nvfp4` of a BF16 checkpoint: the routed and shared experts
-(only they) are held packed, within the format's round-trip bound of the checkpoint's weights,
+"""Online `--quantization mxfp4 | nvfp4 | mxfp8` of a BF16 checkpoint: the routed and shared experts
+(and, for mxfp8, every linear layer) are held packed, within the format's round-trip bound of the
+checkpoint's weights,
 and the served greedy tokens equal the dense reference's on the round-tripped weights."""
 import pytest
 import torch
 
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.kernels.ref.packed import dequantize, e8m0_to_float
-from m3serve.layers.packed import MXFP4, NVFP4, dequantized, packed_format
+from m3serve.layers.packed import MXFP4, MXFP8, NVFP4, dequantized, packed_format
 from m3serve.llm import LLM
 from m3serve.model.loader import load_model
 from m3serve.model.quantize import quantize_packed
@@ -59,3 +60,27 @@ def test_online_4bit_refuses_straddling_blocks(tiny_dir):
                                          r"\(intermediate_size 32 split 2 ways\)"):
         load_model(tiny_dir, dtype="float32", progress=False, quantization="mxfp4",
                    parallel=ParallelInfo(GroupInfo(0, 2)))
+
+
+LINEAR_PARTS = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+
+
+def test_online_mxfp8_every_linear(tiny_dir):
+    """`--quantization mxfp8` holds every linear layer and the routed experts as MXFP8 codes
+    (what the MXFP8 release quantises: not the embedding, lm_head, router or norms), and the
+    served greedy tokens equal the dense reference's on the round-tripped weights."""
+    model = load_model(tiny_dir, dtype="float32", progress=False, quantization="mxfp8")[0]
+    layer = model.model.layers[3]
+    for module, attr in ((layer.self_attn.qkv_proj, "weight"), (layer.self_attn.o_proj, "weight"),
+                         (layer.mlp.experts, "w13"), (layer.mlp.shared_experts.down_proj, "weight"),
+                         (model.model.layers[0].mlp.gate_up_proj, "weight")):
+        assert packed_format(module, attr) is MXFP8, module
+    assert model.lm_head.weight.dtype == torch.float32 and layer.mlp.gate.weight.dtype == torch.float32
+
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_num_batched_tokens=32, max_num_seqs=4,
+              quantization="mxfp8")
+    served = serve(llm)
+    source = canonical_weights(tiny_dir)
+    weights = {n: (round_trip(w, MXFP8) if n.endswith(LINEAR_PARTS) else w) for n, w in source.items()}
+    assert sum(n.endswith(LINEAR_PARTS) for n in weights) > 20
+    assert_reference_greedy(weights, llm.engine.model_config, served)

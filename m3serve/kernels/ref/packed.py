@@ -72,8 +72,10 @@ def dequantize(fmt: str, codes: torch.Tensor, scales: torch.Tensor,
                global_scale: torch.Tensor | None = None, global_divides: bool = True) -> torch.Tensor:
     """Packed weight -> fp32 [..., N, K]. `fmt`: "mxfp8" | "mxfp4" | "nvfp4"; `global_scale`
     [..., N] (NVFP4 only) divides when `global_divides` (compressed-tensors), else multiplies
-    (ModelOpt's weight_scale_2). Element times block scale is exact in fp32; the global scale
-    rounds once."""
+    (ModelOpt's weight_scale_2) the block scale, so each element is the E2M1 value times one
+    fp32 scale per block (block scale / global, rounded once): the order the GPU kernels
+    dequantise in (`kernels/packed_gemm.py`), one division per block rather than per element.
+    MX formats: element times block scale is exact in fp32."""
     if fmt == "mxfp8":
         values, block, s = codes.float(), MX_BLOCK, e8m0_to_float(scales)
     elif fmt == "mxfp4":
@@ -82,11 +84,10 @@ def dequantize(fmt: str, codes: torch.Tensor, scales: torch.Tensor,
         values, block, s = e2m1_to_float(unpack_fp4(codes)), NVFP4_BLOCK, scales.float()
     else:
         raise ValueError(f"unknown packed format {fmt!r} (mxfp8, mxfp4, nvfp4)")
-    w = (_blocks(values, block) * s[..., None]).flatten(-2)
-    if global_scale is not None:
+    if global_scale is not None:          # one scale per block, then one product per element
         g = global_scale.float()[..., None]
-        w = w / g if global_divides else w * g
-    return w
+        s = s / g if global_divides else s * g
+    return (_blocks(values, block) * s[..., None]).flatten(-2)
 
 
 def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,185 @@
+"""Matrix products with packed weights (MXFP8, MXFP4, NVFP4 codes plus block scales, layouts in
+`kernels/ref/packed.py`): the weight tiles are read as codes and dequantised in registers, then
+multiplied with the 16-bit activation as it is (W8A16 / W4A16; Hopper has no FP4 and no MX
+tensor-core instructions). The tile loaders here are shared with the fused MoE.
+
+Numerics: each dequantised weight is the reference's `dequantize(...)` rounded to the
+activation dtype, bit for bit (for NVFP4 the block scale is divided by, or multiplied with, the
+global scale first, then the element is multiplied by it: one rounding in fp32, then one to the
+activation dtype), accumulated in fp32 and rounded once. An FP4 tile is read as its even and
+odd elements (the low and high nibbles of each byte), multiplied with the activation's even and
+odd columns in two products, so no nibble interleaving is needed in registers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from m3serve.kernels.rmsnorm import cast_rne, interpreting
+
+# kind -> the FMT constexpr of the kernels (0 is "not packed" in the fused MoE)
+PACK_CODES = {"mxfp8": 1, "mxfp4": 2, "nvfp4": 3}
+SCALE_BLOCK = {1: 32, 2: 32, 3: 16}
+
+
+@triton.jit
+def _expand_k(s, ROWS: tl.constexpr, REP: tl.constexpr, BN: tl.constexpr):
+    """[ROWS, BN] -> [ROWS * REP, BN]: each block scale repeated over its block's rows."""
+    s3 = tl.broadcast_to(tl.expand_dims(s, 1), (ROWS, REP, BN))
+    return tl.reshape(s3, (ROWS * REP, BN))
+
+
+@triton.jit
+def _fp4_value(c):
+    """E2M1 codes (0..15 in an integer tile) -> fp32 value x 2^-14: the three magnitude bits
+    become an fp16's low exponent bits and top mantissa bit (codes 0 and 1 are fp16 subnormals,
+    which the conversion keeps exactly) and bit 3 its sign. The caller's scale holds the 2^14."""
+    c16 = c.to(tl.uint16)
+    bits = ((c16 & 7) << 9) | ((c16 & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def mxfp8_tile(w_base, s_base, stride_n, stride_sn, offs_n, n_ok, k0, K,
+               BK: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """Dequantised MXFP8 weight tile [BK, BN] (rows k0.., columns offs_n) in DTYPE: e4m3 codes
+    at w_base [N, K] times 2^(e - 127) from the E8M0 bytes at s_base [N, K/32] (byte 0, whose
+    2^-127 is below fp32's normal range, reads as 0). k0 and K are multiples of 32."""
+    offs_k = k0 + tl.arange(0, BK)
+    n64 = offs_n[None, :].to(tl.int64)
+    q = tl.load(w_base + n64 * stride_n + offs_k[:, None],
+                mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)
+    offs_b = k0 // 32 + tl.arange(0, BK // 32)
+    e = tl.load(s_base + n64 * stride_sn + offs_b[:, None],
+                mask=(offs_b < K // 32)[:, None] & n_ok[None, :], other=0)
+    s = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return cast_rne(q.to(tl.float32) * _expand_k(s, BK // 32, 32, BN), DTYPE, EMULATE)
+
+
+@triton.jit
+def fp4_tiles(w_base, s_base, g_base, stride_n, stride_sn, offs_n, n_ok, k0, K,
+              BK: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, GDIV: tl.constexpr,
+              DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """Dequantised FP4 weight elements k0 + 2j (even) and k0 + 2j + 1 (odd), j < BK/2, as two
+    [BK/2, BN] tiles in DTYPE. Codes: bytes at w_base [N, K/2], the even element in the low
+    nibble. NV=False: MXFP4, E8M0 scales at s_base [N, K/32]; NV=True: NVFP4, e4m3 scales at
+    s_base [N, K/16] and one fp32 global scale per row at g_base [N] that divides the block
+    scale (GDIV) or multiplies it. k0 is a multiple of BK, BK and K of the scale block."""
+    SB: tl.constexpr = 16 if NV else 32
+    n64 = offs_n[None, :].to(tl.int64)
+    offs_j = k0 // 2 + tl.arange(0, BK // 2)
+    c = tl.load(w_base + n64 * stride_n + offs_j[:, None],
+                mask=(offs_j < K // 2)[:, None] & n_ok[None, :], other=0)
+    offs_b = k0 // SB + tl.arange(0, BK // SB)
+    raw = tl.load(s_base + n64 * stride_sn + offs_b[:, None],
+                  mask=(offs_b < K // SB)[:, None] & n_ok[None, :], other=0.0)
+    if NV:
+        g = tl.load(g_base + offs_n, mask=n_ok, other=1.0)
+        s = raw.to(tl.float32)
+        if GDIV:
+            s = tl.math.div_rn(s, tl.broadcast_to(g[None, :], (BK // SB, BN)))
+        else:
+            s = s * g[None, :]
+        s = s * 16384.0
+    else:
+        s = ((raw.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)   # 2^(e - 127) x 2^14
+    s = _expand_k(s, BK // SB, SB // 2, BN)
+    even = cast_rne(_fp4_value(c & 15) * s, DTYPE, EMULATE)
+    odd = cast_rne(_fp4_value(c >> 4) * s, DTYPE, EMULATE)
+    return even, odd
+
+
+@triton.jit(do_not_specialize=["M"])
+def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K,
+                          stride_xm, stride_wn, stride_sn, stride_om,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          FMT: tl.constexpr, GDIV: tl.constexpr, UPCAST: tl.constexpr):
+    """out [M, N] = x [M, K] @ dequant(w)^T, fp32 accumulation rounded once to out's dtype."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if FMT == 1:
+            w = mxfp8_tile(w_ptr, s_ptr, stride_wn, stride_sn, offs_n, n_ok, k0, K,
+                           BLOCK_K, BLOCK_N, dtype, UPCAST)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            if UPCAST:                    # the interpreter's 16-bit dot is not exact
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc)
+        else:
+            even, odd = fp4_tiles(w_ptr, s_ptr, g_ptr, stride_wn, stride_sn, offs_n, n_ok, k0, K,
+                                  BLOCK_K, BLOCK_N, FMT == 3, GDIV, dtype, UPCAST)
+            offs_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            ok = m_ok[:, None] & (offs_k < K)[None, :]
+            a0 = tl.load(x_rows + offs_k[None, :], mask=ok, other=0.0)
+            a1 = tl.load(x_rows + offs_k[None, :] + 1, mask=ok, other=0.0)
+            if UPCAST:
+                a0 = a0.to(tl.float32)
+                a1 = a1.to(tl.float32)
+                even = even.to(tl.float32)
+                odd = odd.to(tl.float32)
+            acc = tl.dot(a0, even, acc)
+            acc = tl.dot(a1, odd, acc)
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, cast_rne(acc, out_ptr.dtype.element_ty, UPCAST),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def packed_config(M: int, N: int, K: int) -> dict:
+    """Tiles by shape: 16-row tiles for decode rows (weight-bandwidth bound; output tiles
+    narrowed until the grid has about one program per SM), 64-row ones for prefill."""
+    if interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+    if M <= 16:
+        block_n = 64
+        while block_n > 16 and triton.cdiv(N, block_n) < 132:
+            block_n //= 2
+        return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": min(256, max(32, triton.next_power_of_2(K))),
+                "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": min(128, max(32, triton.next_power_of_2(K))),
+            "num_warps": 8, "num_stages": 3}
+
+
+def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  global_scale: torch.Tensor | None, kind: str, global_divides: bool = True,
+                  config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ dequant(W)^T -> [M, N] in x's dtype, W held as `kind` codes
+    ("mxfp8": e4m3 [N, K]; "mxfp4" / "nvfp4": bytes [N, K/2]) with block scales [N, K/B] and,
+    for NVFP4, a per-row fp32 global scale [N] (`global_divides`: compressed-tensors divides
+    by it, ModelOpt multiplies). `config` overrides the tiles (benchmarks)."""
+    fmt = PACK_CODES.get(kind)
+    if fmt is None:
+        raise ValueError(f"unknown packed format {kind!r} ({', '.join(PACK_CODES)})")
+    if x.dim() != 2 or codes.dim() != 2:
+        raise ValueError(f"x must be [M, K] and codes [N, K'], got {tuple(x.shape)} and {tuple(codes.shape)}")
+    M, K = x.shape
+    N = codes.shape[0]
+    per_byte = 1 if fmt == 1 else 2
+    block = SCALE_BLOCK[fmt]
+    if codes.shape[1] * per_byte != K or scales.shape != (N, K // block) or K % block:
+        raise ValueError(f"{kind} weight codes {tuple(codes.shape)} / scales {tuple(scales.shape)} "
+                         f"do not fit x {tuple(x.shape)} (K must be a multiple of {block})")
+    if fmt == 3 and (global_scale is None or global_scale.numel() != N):
+        raise ValueError(f"nvfp4 needs a global scale per output row ({N})")
+    x, codes, scales = x.contiguous(), codes.contiguous(), scales.contiguous()
+    g = global_scale.float().contiguous() if fmt == 3 else scales
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    cfg = config or packed_config(M, N, K)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    _packed_matmul_kernel[grid](
+        x, codes, scales, g, out, M, N, K, x.stride(0), codes.stride(0), scales.stride(0),
+        out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        FMT=fmt, GDIV=bool(global_divides), UPCAST=interpreting(), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out
