@@ -81,6 +81,25 @@ def _expected_experts(cfg, tokens: int) -> list[float]:
     return [held * (1 - (1 - k / E) ** tokens)] * n
 
 
+def _packed_weight_bytes(llm, default: float) -> tuple[float, float]:
+    """(bytes per element of the attention / dense linear weights, of the experts' weights) as
+    the model holds them: packed codes plus scales where packed (`--quantization mxfp8 | mxfp4
+    | nvfp4` or a quantised checkpoint), else `default`. Read from the in-process model, or
+    from the online quantization's name when the model lives in rank processes."""
+    from m3serve.bench.roofline import PACKED_BYTES
+    q = llm.engine.config.model.quantization
+    if llm.engine.worker is None:
+        return ((PACKED_BYTES["mxfp8"],) * 2 if q == "mxfp8"
+                else (default, PACKED_BYTES[q]) if q in ("mxfp4", "nvfp4") else (default, default))
+    from m3serve.layers.packed import packed_format
+    layers = llm.engine.worker.model.model.layers
+    moe = next((layer.mlp for layer in layers if layer.is_moe), None)
+    attn = packed_format(layers[0].self_attn.qkv_proj, "weight")
+    experts = packed_format(moe.experts, "w13") if moe is not None else None
+    return (PACKED_BYTES[attn.kind] if attn else default,
+            PACKED_BYTES[experts.kind] if experts else default)
+
+
 def as_asked(bs: int, max_running: int | None, full_steps: int, decode_steps: int) -> str | None:
     """None when the point ran as asked (all `bs` sequences decoding together for most decode
     steps), else why not: e.g. preemption or KV capacity kept fewer running at once, so its
@@ -123,6 +142,7 @@ def main(args) -> list[dict]:
           flush=True)
     fp8 = llm.engine.config.model.quantization == "fp8"
     wbytes, peak = (1.0, FP8_TFLOPS) if fp8 else (2.0, BF16_TFLOPS)
+    wbytes, ebytes = _packed_weight_bytes(llm, wbytes)
     kvbytes = 1.0 if llm.engine.config.cache.kv_cache_dtype.startswith("fp8") else 2.0
     rng = random.Random(0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -187,7 +207,8 @@ def main(args) -> list[dict]:
         experts = [sum(col) / len(col) for col in zip(*seen)] or _expected_experts(cfg, bs)
         decode_steps.sort()
         floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts,
-                                                  weight_bytes=wbytes, kv_bytes=kvbytes))
+                                                  weight_bytes=wbytes, kv_bytes=kvbytes,
+                                                  expert_bytes=ebytes))
         if llm.engine.config.speculative.enabled:
             floor = None     # a verify + draft step is not the decode step this roofline counts
         flops = prefill_flops(cfg, bs, isl)

@@ -10,6 +10,9 @@ from __future__ import annotations
 HBM_READ_TBPS = 4.19          # measured on one H200 (docs/benchmarks.md)
 BF16_TFLOPS = 795.0           # dense bf16 GEMM ceiling on one H200 (docs/benchmarks.md)
 FP8_TFLOPS = 1465.0
+# bytes per weight element of the packed formats, block scales included (NVFP4's fp32 global
+# scale per row is left out: 4 bytes per thousands of elements)
+PACKED_BYTES = {"mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 
 def _weights_per_layer(cfg) -> dict[str, int]:
@@ -25,10 +28,12 @@ def _weights_per_layer(cfg) -> dict[str, int]:
 
 def decode_step_bytes(cfg, batch: int, context_len: int, distinct_experts: list[float],
                       weight_bytes: float = 2.0, kv_bytes: float = 2.0,
-                      lm_head_bytes: float = 2.0) -> float:
+                      lm_head_bytes: float = 2.0, expert_bytes: float | None = None) -> float:
     """distinct_experts: per MoE layer, the number of distinct routed experts the step touched.
-    weight_bytes applies to the quantisable linear layers; lm_head stays bf16 under
-    `--quantization fp8` (the default exclusions), the router fp32."""
+    weight_bytes applies to the quantisable linear layers and expert_bytes (default: the same)
+    to the routed and shared experts, packed codes plus their scales (`PACKED_BYTES`); lm_head
+    stays bf16 under `--quantization fp8` (the default exclusions), the router fp32."""
+    expert_bytes = weight_bytes if expert_bytes is None else expert_bytes
     H, D = cfg.hidden_size, cfg.head_dim
     w = _weights_per_layer(cfg)
     total = cfg.vocab_size * H * lm_head_bytes                                     # lm_head
@@ -43,7 +48,7 @@ def decode_step_bytes(cfg, batch: int, context_len: int, distinct_experts: list[
         else:
             total += batch * context_len * kv_token
         if cfg.is_moe(i):
-            total += (distinct_experts[moe_i] * w["expert"] + w["shared"]) * weight_bytes
+            total += (distinct_experts[moe_i] * w["expert"] + w["shared"]) * expert_bytes
             total += cfg.num_local_experts * H * 4                                # fp32 router
             moe_i += 1
         else:

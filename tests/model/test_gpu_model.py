@@ -193,3 +193,29 @@ def test_no_triton_compile_while_serving_after_warm_up(tiny_dir):
         llm.generate(prompts, greedy, use_tqdm=False)
     llm.generate(prompts, sampled, use_tqdm=False)        # the top-k / top-p cut-off kernels
     assert new_variants(before) == {}
+
+
+@pytest.mark.parametrize("fmt,flavor", [(f, "m3") for f in ("mxfp8", "nvfp4-modelopt", "nvfp4-ct",
+                                                             "mxfp4-quark")] + [("mxfp8-nvfp4", "m3.1-flash")])
+def test_quantised_tiny_greedy_gpu_equals_reference(quant_dir, fmt, flavor):
+    """Each quantised checkpoint layout on the GPU path (packed weights read by the packed
+    kernels, CUDA graphs on, chunked prefill, a prefix hit): every greedy token is the dense
+    reference's on the dequantised weights."""
+    from m3serve.layers import dispatch
+    from m3serve.llm import LLM
+    from m3serve.model.formats.layouts import dequantized_checkpoint
+    from test_quant_e2e import assert_reference_greedy, serve
+
+    path = quant_dir(fmt, flavor)
+    dispatch.executed.clear()
+    llm = LLM(model=str(path), dtype="float32", device="cuda", max_num_batched_tokens=32,
+              max_num_seqs=4, kv_cache_memory=1 << 28)
+    served = serve(llm)
+    assert llm.engine.worker.runner.num_graph_steps > 0
+    paths = dispatch.summary()
+    assert paths["moe"] == "triton" and "packed_moe" not in paths, paths
+    if fmt.startswith("mxfp8"):
+        assert paths["packed_linear"] == "triton", paths
+    assert_reference_greedy(dequantized_checkpoint(path), llm.engine.model_config, served)
+    del llm
+    torch.cuda.empty_cache()

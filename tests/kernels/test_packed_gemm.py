@@ -1,0 +1,122 @@
+"""Packed-weight kernels on a GPU at MiniMax-M3's widths (full model, and one TP 8 / TP 4
+rank's): the dense product and the fused MoE with MXFP8 / MXFP4 / NVFP4 codes against their
+reference, dequantise (`kernels/ref/packed.py`) then the bf16 product, at decode, verify and
+prefill row counts, both reduce modes, and under CUDA-graph replay."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+H, I, E, K = 6144, 3072, 128, 4
+FORMATS = ["mxfp8", "mxfp4", "nvfp4", "nvfp4-modelopt"]
+TOL = 1e-2        # relative error of the output norm: summation order and bf16 outputs only
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def quantized(w: torch.Tensor, fmt: str):
+    """(codes, block scales, global scales or None, kind, divides, dequantised bf16)."""
+    from m3serve.kernels.ref import packed as rp
+    g, kind, divides = None, fmt.split("-")[0], fmt != "nvfp4-modelopt"
+    if kind == "mxfp8":
+        c, s = rp.quantize_mxfp8(w)
+    elif kind == "mxfp4":
+        c, s = rp.quantize_mxfp4(w)
+    else:
+        g = rp.nvfp4_global_scale(w.float().abs().amax(-1))
+        c, s = rp.quantize_nvfp4(w, g)
+        if not divides:
+            g = 1.0 / g
+    return c, s, g, kind, divides, rp.dequantize(kind, c, s, g, divides).to(torch.bfloat16)
+
+
+# (N, K): fused qkv, o_proj, dense gate_up and down at full width and TP 8 / TP 4 rank widths
+DENSE = [(12288 + 2048, 6144), (6144, 8192), (6144, 1024), (1792, 6144), (6144, 2048), (2304, 6144)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", DENSE)
+def test_packed_matmul_real_widths(fmt, n, k):
+    from m3serve.kernels.packed_gemm import packed_matmul
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    c, s, gs, kind, divides, wd = quantized(w, fmt)
+    for rows in (1, 4, 16, 300):
+        x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        out = packed_matmul(x, c, s, gs, kind, divides)
+        ref = x @ wd.t()
+        assert out.dtype == torch.bfloat16 and _rel(out, ref) < TOL, (rows, _rel(out, ref))
+        # the weight tile is the reference's: one row alone equals a float64 product closely
+        exact = (x.double() @ wd.double().t())
+        assert _rel(out, exact) < 5e-3
+
+
+@pytest.fixture(scope="module")
+def experts():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {"w13": torch.randn(E, 2 * I, H, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02,
+            "w2": torch.randn(E, H, I, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02,
+            "gate": torch.randn(E, H, device="cuda", generator=g) * H ** -0.5,
+            "bias": torch.randn(E, device="cuda", generator=g) * 0.01}
+
+
+def _stacks(experts, fmt, inter):
+    """Packed routed stacks cut to `inter` channels (a TP rank's width), a shared expert of the
+    same width, and their dequantised bf16 twins."""
+    w13 = torch.cat([experts["w13"][:, :inter], experts["w13"][:, I:I + inter]], 1)
+    w2 = experts["w2"][..., :inter].contiguous()
+    q13, q2 = [], []
+    for e in range(E):          # per expert: fp32 temporaries of a whole stack would be large
+        q13.append(quantized(w13[e], fmt))
+        q2.append(quantized(w2[e], fmt))
+    stack = lambda qs, i: None if qs[0][i] is None else torch.stack([q[i] for q in qs])
+    s13, s2 = quantized(w13[0] * 1.1, fmt), quantized(w2[0] * 0.9, fmt)
+    return ([stack(q13, i) for i in range(3)], [stack(q2, i) for i in range(3)], s13, s2,
+            stack(q13, 5), stack(q2, 5), q13[0][3], q13[0][4])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("inter", [3072, 768, 384])
+def test_fused_moe_packed_real_shapes(experts, fmt, inter):
+    from m3serve.kernels.fused_moe import fused_moe, moe_route
+    from m3serve.kernels.ref.fused_moe import fused_moe_ref
+    p13, p2, s13, s2, d13, d2, kind, divides = _stacks(experts, fmt, inter)
+    shared = (s13[0], s2[0], s13[1], s2[1]) + ((s13[2], s2[2]) if kind == "nvfp4" else ())
+    for tokens in (1, 4, 16, 64, 640, 2600):
+        g = torch.Generator(device="cuda").manual_seed(tokens)
+        x = torch.randn(tokens, H, device="cuda", generator=g, dtype=torch.bfloat16)
+        w, ids = moe_route(x, experts["gate"], experts["bias"], K, 2.0)
+        ref = fused_moe_ref(x, d13, d2, w, ids, shared=(s13[5], s2[5]))
+        for reduce in ("atomic", "sum"):
+            out = fused_moe(x, p13[0], p2[0], w, ids, w13_scale=p13[1], w2_scale=p2[1],
+                            w13_global=p13[2], w2_global=p2[2], packed=kind,
+                            global_divides=divides, shared=shared, reduce=reduce)
+            assert _rel(out, ref) < TOL, (tokens, reduce, _rel(out, ref))
+
+
+def test_fused_moe_packed_graph_replay(experts):
+    """Captured once, replayed with new tokens: the replay sees them (no host reads)."""
+    from m3serve.kernels.fused_moe import fused_moe, moe_route
+    from m3serve.kernels.ref.fused_moe import fused_moe_ref
+    p13, p2, s13, s2, d13, d2, kind, divides = _stacks(experts, "mxfp4", 384)
+    x = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
+    w, ids = moe_route(x, experts["gate"], experts["bias"], K, 2.0)
+    out = torch.empty(4, H, device="cuda", dtype=torch.float32)
+
+    def step():
+        fused_moe(x, p13[0], p2[0], w, ids, w13_scale=p13[1], w2_scale=p2[1], packed=kind,
+                  shared=(s13[0], s2[0], s13[1], s2[1]), out=out)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    x.copy_(torch.randn(4, H, device="cuda", dtype=torch.bfloat16))
+    w2_, ids2 = moe_route(x, experts["gate"], experts["bias"], K, 2.0)
+    w.copy_(w2_)
+    ids.copy_(ids2)
+    graph.replay()
+    ref = fused_moe_ref(x, d13, d2, w, ids, shared=(s13[5], s2[5]))
+    assert _rel(out, ref) < TOL
