@@ -17,7 +17,8 @@
   small  the embedding gather, the residual-add RMSNorm and the indexer's top-k by warps;
   sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step;
   rank_moe / rank_gemv  the fused MoE's and the projections' tiles at one TP 8 / TP 4 rank's
-         widths (decode rows), against the tables and cuBLAS.
+         widths (decode rows), against the tables and cuBLAS;
+  rank_packed  the same for packed (MXFP4 / MXFP8) weights.
 `PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample]`"""
 import sys
 import time
@@ -865,6 +866,100 @@ def allreduce() -> None:
             print(f"allreduce world {world} {tokens} tokens {str(dtype)[6:]} "
                   f"({xs[0].numel() * xs[0].element_size() // 1024} KiB): {us:.1f} us per call "
                   f"(median of 5 replays of 100 graphed calls per rank)", flush=True)
+
+
+def _packed_stack(w: torch.Tensor, kind: str):
+    """(codes, block scales, global scales or None) of a [.., N, K] stack, expert by expert."""
+    from m3serve.kernels.ref import packed as rp
+    parts = []
+    for e in range(w.shape[0]):
+        if kind == "mxfp8":
+            parts.append((*rp.quantize_mxfp8(w[e]), None))
+        elif kind == "mxfp4":
+            parts.append((*rp.quantize_mxfp4(w[e]), None))
+        else:
+            g = rp.nvfp4_global_scale(w[e].float().abs().amax(-1))
+            parts.append((*rp.quantize_nvfp4(w[e], g), g))
+    return tuple(None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3))
+
+
+def rank_packed() -> None:
+    """The packed-weight kernels at one TP 8 rank's widths, decode rows: the fused MoE with
+    MXFP4 / MXFP8 experts (4 routed of 128 + the shared expert) at the table's tiles against a
+    sweep (gate_up tiles first, then down tiles beside the best), the bf16 experts' table time
+    beside it; then the dense packed product (MXFP8) against cuBLAS bf16 at the rank's
+    projection shapes, by tile."""
+    from m3serve.kernels.fused_moe import _config, fused_moe, get_config
+    from m3serve.bench.roofline import PACKED_BYTES
+    from m3serve.kernels.packed_gemm import packed_config, packed_matmul
+    E, H, I = 128, 6144, RANK_SHAPES["tp8"]["I"]
+    (w13, w2, shared), _ = _moe_weights(E, H, I), {}
+    for kind in ("mxfp4", "mxfp8"):
+        c13, s13, g13 = _packed_stack(w13, kind)
+        c2, s2, g2 = _packed_stack(w2, kind)
+        sh13, sh2 = _packed_stack(shared[0][None], kind), _packed_stack(shared[1][None], kind)
+        sh = (sh13[0][0], sh2[0][0], sh13[1][0], sh2[1][0])
+        for T in (1, 4, 16):
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, device="cuda")[:4] for _ in range(T)]).int()
+            wts = torch.rand(T, 4, device="cuda")
+            out = torch.empty(T, H, device="cuda", dtype=torch.float32)
+            ideal = (ids.unique().numel() + 1) * 3 * H * I * PACKED_BYTES[kind] / TBPS * 1e6
+            m = -(-T * 4 // E)
+            g0, d0 = get_config(m, I, H, torch.bfloat16, True), get_config(m, H, I, torch.bfloat16)
+            bf16 = bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out))
+
+            def run(pair):
+                try:
+                    return bench(lambda: fused_moe(x, c13, c2, wts, ids, w13_scale=s13, w2_scale=s2,
+                                                   packed=kind, shared=sh, out=out, config=pair))
+                except Exception:  # noqa: BLE001 - a config that does not compile is skipped
+                    return float("inf")
+            table = run((g0, d0))
+            res = []
+            for bn in (16, 32, 64):
+                for bk in (128, 256, 512):
+                    for wp in (4, 8):
+                        g = _config(g0["BLOCK_M"], bn, bk, 1, wp, 3)
+                        res.append((run((g, d0)), f"n{bn} k{bk} w{wp}", g))
+            res.sort(key=lambda r: r[0])
+            g_best = res[0][2]
+            res2 = []
+            for bn in (32, 64, 128):
+                for bk in (64, 128, 256):
+                    d = _config(d0["BLOCK_M"], bn, bk, 1, 4, 3)
+                    res2.append((run((g_best, d)), f"n{bn} k{bk}", d))
+            res2.sort(key=lambda r: r[0])
+            print(f"rank_packed moe {kind} I={I} T={T} ideal {ideal:.1f} us: bf16 table {bf16:.1f}; "
+                  f"{kind} table {table:.1f} ({ideal / table:.0%}); gate_up best " +
+                  ", ".join(f"{n} {t:.1f}" for t, n, _ in res[:4]) + "; then down best " +
+                  ", ".join(f"{n} {t:.1f} ({ideal / t:.0%})" for t, n, _ in res2[:3]), flush=True)
+    shp = RANK_SHAPES["tp8"]
+    for name, (n, k) in {"qkv": (shp["qkv"], 6144), "o_proj": (6144, shp["o_k"]),
+                         "dense gate_up": (2 * shp["dense"], 6144),
+                         "dense down": (6144, shp["dense"])}.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        c, sc, _ = _packed_stack(w[None], "mxfp8")
+        c, sc = c[0], sc[0]
+        for T in (1, 4, 16):
+            x = torch.randn(T, k, device="cuda", dtype=torch.bfloat16)
+            cub = bench(lambda: F.linear(x, w))
+            table = bench(lambda: packed_matmul(x, c, sc, None, "mxfp8"))
+            res = []
+            for bn in (16, 32, 64):
+                for bk in (128, 256, 512):
+                    for wp in (4, 8):
+                        cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": wp, "num_stages": 3}
+                        try:
+                            t = bench(lambda: packed_matmul(x, c, sc, None, "mxfp8", config=cfg))
+                        except Exception:  # noqa: BLE001
+                            t = float("inf")
+                        res.append((t, f"n{bn} k{bk} w{wp}"))
+            res.sort()
+            print(f"rank_packed dense mxfp8 {name} N={n} K={k} T={T}: cuBLAS bf16 {cub:.1f} us, "
+                  f"table {table:.1f} ({packed_config(T, n, k)['BLOCK_N']}x"
+                  f"{packed_config(T, n, k)['BLOCK_K']}), best " +
+                  ", ".join(f"{nm} {t:.1f}" for t, nm in res[:3]), flush=True)
 
 
 if __name__ == "__main__":

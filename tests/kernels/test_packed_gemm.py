@@ -5,31 +5,22 @@ prefill row counts, both reduce modes, and under CUDA-graph replay."""
 import pytest
 import torch
 
+from packed_cases import FORMATS
+from packed_cases import quantized as _quantized
+
 pytestmark = pytest.mark.gpu
 
+
+def quantized(w, fmt):
+    return _quantized(w, fmt, torch.bfloat16)
+
+
 H, I, E, K = 6144, 3072, 128, 4
-FORMATS = ["mxfp8", "mxfp4", "nvfp4", "nvfp4-modelopt"]
 TOL = 1e-2        # relative error of the output norm: summation order and bf16 outputs only
 
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def quantized(w: torch.Tensor, fmt: str):
-    """(codes, block scales, global scales or None, kind, divides, dequantised bf16)."""
-    from m3serve.kernels.ref import packed as rp
-    g, kind, divides = None, fmt.split("-")[0], fmt != "nvfp4-modelopt"
-    if kind == "mxfp8":
-        c, s = rp.quantize_mxfp8(w)
-    elif kind == "mxfp4":
-        c, s = rp.quantize_mxfp4(w)
-    else:
-        g = rp.nvfp4_global_scale(w.float().abs().amax(-1))
-        c, s = rp.quantize_nvfp4(w, g)
-        if not divides:
-            g = 1.0 / g
-    return c, s, g, kind, divides, rp.dequantize(kind, c, s, g, divides).to(torch.bfloat16)
 
 
 # (N, K): fused qkv, o_proj, dense gate_up and down at full width and TP 8 / TP 4 rank widths

@@ -13,24 +13,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from m3serve.kernels.fused_moe import fused_moe, moe_route
 from m3serve.kernels.packed_gemm import packed_matmul
 from m3serve.kernels.ref import packed as rp
+from packed_cases import FORMATS, quantized
 from m3serve.kernels.ref.fused_moe import fused_moe_ref
 
-FORMATS = ["mxfp8", "mxfp4", "nvfp4", "nvfp4-modelopt"]
-
-
-def quantized(w: torch.Tensor, fmt: str):
-    """(codes, block scales, global scales or None, kind, divides, dequantised fp32)."""
-    g, kind, divides = None, fmt.split("-")[0], fmt != "nvfp4-modelopt"
-    if kind == "mxfp8":
-        c, s = rp.quantize_mxfp8(w)
-    elif kind == "mxfp4":
-        c, s = rp.quantize_mxfp4(w)
-    else:
-        g = rp.nvfp4_global_scale(w.abs().amax(-1))
-        c, s = rp.quantize_nvfp4(w, g)
-        if not divides:                   # ModelOpt stores the reciprocal and multiplies
-            g = 1.0 / g
-    return c, s, g, kind, divides, rp.dequantize(kind, c, s, g, divides)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
