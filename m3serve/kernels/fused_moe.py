@@ -437,6 +437,11 @@ TILE_REGIMES = {torch.bfloat16: (16, 24, 80), torch.float8_e4m3fn: (16, 16, 80)}
 NARROW_WIDTH = 1024
 NARROW_GATE_UP = {False: _config(16, 32, 128, 1, 4, 5), True: _config(16, 32, 256, 1, 4, 3)}
 NARROW_DOWN = {False: _config(16, 128, 128, 1, 4, 3), True: _config(16, 64, 128, 1, 4, 4)}
+# Packed experts (codes dequantised to bf16 tiles): the down GEMM's K steps shorten to 64; the
+# gate_up tiles stay the bf16 ones, which a sweep did not beat (H200, one TP 8 rank's experts,
+# 4 of 128 + shared, scripts/decode_kernels_bench.py rank_packed, µs at 1 / 4 / 16 tokens:
+# MXFP4 71.4 / 130.1 / 303.8 -> 68.7 / 120.6 / 286.4, MXFP8 41.6 / 75.7 / 173.2 -> 39.3 / 65.7 / 146.8)
+PACKED_NARROW_DOWN = _config(16, 128, 64, 1, 4, 3)
 
 
 def tile_regimes(dtype: torch.dtype) -> tuple[int, int, int]:
@@ -455,7 +460,8 @@ def regime_token_counts(num_experts: int, top_k: int, max_tokens: int,
     return sorted({max(1, min(c, max_tokens)) for c in counts} | {max_tokens})
 
 
-def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False) -> dict:
+def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False,
+               packed: bool = False) -> dict:
     """Tile config for one grouped GEMM (no autotuning: a small table by regime).
 
     M: average rows per routed expert (T * top_k / E); N: output columns the GEMM tiles (I for
@@ -465,7 +471,8 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
     prefill_moe). BLOCK_M depends on M only,
     because both GEMMs share one alignment. Decode (few rows per expert) is weight-bandwidth
     bound: a 16-row tile, long K steps and deep pipelining; prefill is compute bound: 64/128-row
-    tiles in L2-friendly groups.
+    tiles in L2-friendly groups. packed: the weights are packed codes, dequantised to tiles of
+    `dtype` (bf16) in registers.
     """
     if _INTERPRET:
         return _config(16, 32, 32, 1, 4, 1)
@@ -474,7 +481,7 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
     if M <= small and gate_up and N <= NARROW_WIDTH:   # one TP rank's experts: narrow tiles
         regime, cfg = "small", dict(NARROW_GATE_UP[fp8])
     elif M <= small and not gate_up and K <= NARROW_WIDTH:
-        regime, cfg = "small", dict(NARROW_DOWN[fp8])
+        regime, cfg = "small", dict(PACKED_NARROW_DOWN if packed else NARROW_DOWN[fp8])
     elif M <= small:   # bf16: 3 stages beat 4 (143 vs 151 µs for 5 experts at 1 token, H200)
         regime, cfg = "small", _config(16, 64, 256 if fp8 else 128, 1, 4, 4 if fp8 else 3)
     elif M <= medium:
@@ -1002,7 +1009,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         cfg1, cfg2 = map(dict, config)
     else:
         cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, tile_dtype, True)
-        cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, tile_dtype)
+        cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, tile_dtype,
+                                                      packed=bool(pack))
     if pack:   # whole scale blocks per K step, FP4 half-steps of at least 16 for tl.dot
         for cfg in (cfg1, cfg2):
             cfg["BLOCK_K"], cfg["TMA"] = max(32, cfg["BLOCK_K"]), False
