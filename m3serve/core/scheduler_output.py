@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from m3serve.disagg.messages import KVConnectorMetadata, RankResult
+from m3serve.core.sampling_mode import SamplingMode
 from m3serve.protocol import MultiModalInput
 from m3serve.sampling_params import SamplingParams
 
@@ -119,10 +120,14 @@ class SchedulerOutput:
     block ids, but keeps their tokens for a later resume."""
     kv_connector_metadata: KVConnectorMetadata | None = None
     """KV-transfer work of the ranks this step (pulls to start, whether to report); None = none."""
+    sampling_modes: dict[str, SamplingMode] = field(default_factory=dict)
+    """req_id -> how its next token is drawn (`core/sampling_mode.py`), for every scheduled
+    request: decided here once per step; the worker samples by it and never re-derives it."""
     deferred: bool = False
     """Async scheduling: the step's sampled tokens stay on the device (the next step's inputs
     take them from there) and its output comes with the next call (`ModelRunnerOutput.previous`).
-    Only for steps whose every request samples by argmax alone."""
+    Only for steps whose every request is ARGMAX (or LOGITS, on one rank) and wants no prompt
+    logprobs."""
     sampled_req_ids: list[str] = field(default_factory=list)
     """Deferred steps: the requests whose context is complete after the step (their sampled token
     is real; the others are partial prefill chunks)."""

@@ -155,7 +155,7 @@ class ModelRunner:
             return self._speculative_step(so, batch, dp)
         feed = prev.feed(batch, placeholders) if prev is not None else None
         hidden, local, greedy = self._forward(batch, dp, feed)
-        out = sampler.sample_step(batch, so.deferred, so.sampled_req_ids, prev, placeholders, hidden, local, greedy)
+        out = sampler.sample_step(so, batch, prev, placeholders, hidden, local, greedy)
         self.batch.advance(batch)
         return out
 
@@ -263,11 +263,11 @@ class ModelRunner:
         rank knows the emitted tokens the proposer starts from."""
         size = self._spec_graph_size(so, batch, dp)
         if size is not None:
-            return self._speculative_graph_step(batch, size)
+            return self._speculative_graph_step(so, batch, size)
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in batch.req_ids]
         fwd = self._eager(batch, dp, self.proposer.taps)
         self.num_eager_steps += 1
-        verified = self.step_sampler.verify(batch, fwd.hidden, drafts)
+        verified = self.step_sampler.verify(so, batch, fwd.hidden, drafts)
         proposals = self.proposer.propose(self._draft_start(batch, fwd, verified)).tolist()
         self.batch.advance(batch)
         return self.step_sampler.speculative_output(batch, verified.emitted, proposals, verified.done)
@@ -301,7 +301,7 @@ class ModelRunner:
             return None
         return g.padded_size(batch.num_reqs)
 
-    def _speculative_graph_step(self, batch: ScheduledBatch, b: int):
+    def _speculative_graph_step(self, so: SchedulerOutput, batch: ScheduledBatch, b: int):
         """Verify and draft replays with acceptance decided on the device in between; one host
         sync for the emitted tokens and the next drafts."""
         g, n = self.spec_graphs, batch.num_reqs
@@ -310,7 +310,7 @@ class ModelRunner:
         self.buffers.stage(batch, self.batch, pad_to=b, pad_query_len=q)
         _, _, local, greedy, _ = g.verify(b)
         ids = self.buffers.token_ids[:b * q].view(b, q).long()
-        emitted, kept = self.step_sampler.verify_on_device(batch, local, greedy, ids, g.k)
+        emitted, kept = self.step_sampler.verify_on_device(so, batch, local, greedy, ids, g.k)
         g.last_index[:b].copy_(torch.arange(b, device=kept.device) * q + kept)
         g.last_token[:b].copy_(emitted.gather(1, kept[:, None])[:, 0])
         drafts = g.draft(b)

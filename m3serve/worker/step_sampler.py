@@ -5,8 +5,10 @@ speculative graphs' replays), output logprobs and prompt logprobs.
 
 It reads the persistent input batch (params, generators, token history) but never changes its
 shape; it writes only the tokens a deferred step leaves on the device into their placeholder
-slots. The logits gather and the distributed argmax are collectives, so every rank of a TP group
-calls the same methods in the same order; only the driver builds outputs.
+slots. Which path a request takes is its `SamplingMode`, decided by the scheduler and read from
+the `SchedulerOutput`, never re-derived here. The logits gather and the distributed argmax are
+collectives, so every rank of a TP group calls the same methods in the same order; only the
+driver builds outputs.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3serve.core.scheduler_output import ModelRunnerOutput
+from m3serve.core.sampling_mode import SamplingMode
+from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
 from m3serve.worker.sampler import (Sampler, SamplingMetadata, apply_top_k_top_p, compute_logprobs,
                                     to_device)
@@ -95,6 +98,14 @@ class StepSampler:
             for req_id in finished_req_ids:
                 self.grammars.drop(req_id)
 
+    @staticmethod
+    def modes(so: SchedulerOutput, batch: ScheduledBatch) -> np.ndarray:
+        """[R] int: each scheduled request's `SamplingMode`, as the scheduler sent it."""
+        missing = [r for r in batch.req_ids if r not in so.sampling_modes]
+        if missing:
+            raise RuntimeError(f"the scheduler output has no sampling mode for requests {missing}")
+        return np.fromiter((so.sampling_modes[r] for r in batch.req_ids), dtype=np.int64, count=batch.num_reqs)
+
     def complete(self, batch: ScheduledBatch) -> np.ndarray:
         """[R] bool: requests whose context is whole after this step (they sample; the others
         computed a partial prefill chunk)."""
@@ -110,22 +121,26 @@ class StepSampler:
 
     # ------------------------------------------------------------ one-token steps
 
-    def sample_step(self, batch: ScheduledBatch, deferred: bool, sampled_req_ids: list[str],
-                    prev: DeferredTokens | None, placeholders, hidden: torch.Tensor, local: torch.Tensor,
+    def sample_step(self, so: SchedulerOutput, batch: ScheduledBatch, prev: DeferredTokens | None,
+                    placeholders, hidden: torch.Tensor, local: torch.Tensor,
                     greedy: torch.Tensor | None) -> ModelRunnerOutput | None:
-        """Sample a one-token step (or, `deferred`, leave its ids on the device) and land the
+        """Sample a one-token step (or, `so.deferred`, leave its ids on the device) and land the
         previous deferred step's ids. -> the output on the driver, None elsewhere."""
-        if deferred:
-            done = self.complete(batch)                                          # [R]
-            if self.batch.all_plain_greedy(batch.rows[done]):
-                self._defer(batch, greedy if greedy is not None else self.head.greedy(local), sampled_req_ids)
+        done = self.complete(batch)                                          # [R]
+        modes = self.modes(so, batch)[done]                                  # the requests that sample
+        argmax = bool((modes == SamplingMode.ARGMAX).all())
+        if so.deferred:
+            if argmax:
+                self._defer(batch, greedy if greedy is not None else self.head.greedy(local), so.sampled_req_ids)
                 previous = self.land(prev, placeholders)
             else:   # sampled on the device; the previous ids land first: the history is whole
+                if (modes == SamplingMode.FULL).any():
+                    raise RuntimeError("a deferred step has a request whose sampling reads more than its logits")
                 previous = self.land(prev, placeholders)
-                self._defer(batch, self._sample_on_device(batch, local, done), sampled_req_ids)
+                self._defer(batch, self._sample_on_device(batch, local, done), so.sampled_req_ids)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         previous = self.land(prev, placeholders)       # before sampling: the host history is whole
-        sampled, logprobs = self._sample(batch, local, greedy)
+        sampled, logprobs = self._sample(batch, local, greedy, done, argmax)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not self.is_driver:
             return None
@@ -133,17 +148,18 @@ class StepSampler:
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, failed=self.failed,
                                  previous=previous)
 
-    def _sample(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor | None):
+    def _sample(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor | None,
+                done: np.ndarray, argmax: bool):
         """-> (sampled ids per request, logprobs per request or None); empty on non-drivers.
+        done: [R] bool, the requests that sample; argmax: every one of them is ARGMAX.
 
         Only requests whose context is complete after this step are sampled: a partial prefill
         chunk's token would be discarded, and drawing it would advance a seeded request's
         generator by a number of draws that depends on how its prompt was chunked."""
         b = self.batch
         self.failed = {}
-        done = self.complete(batch)                                      # [R]
         rows = batch.rows[done]
-        if b.all_plain_greedy(rows):                  # the common benchmark case: argmax only
+        if argmax:                                     # the common benchmark case: argmax only
             if greedy is None:
                 greedy = self.head.greedy(local)
             return (greedy.tolist() if self.is_driver else []), None
@@ -216,13 +232,10 @@ class StepSampler:
     def _sample_on_device(self, batch: ScheduledBatch, local: torch.Tensor, done: np.ndarray) -> torch.Tensor:
         """A deferred step's sampled ids [R] int64, left on the device (rows of partial prefill
         chunks hold 0 and are never read); done: [R] bool, the requests that sample.
-        One rank only, and only requests that sample from the logits alone (the scheduler's
-        rule), so no grammar, penalty or logprob work."""
+        One rank only, and only LOGITS / ARGMAX requests, so no grammar, penalty or logprob work."""
         if self.model.tp.size > 1:
             raise RuntimeError("a deferred sampled step needs one rank (the ids feed every rank)")
         index, rows = np.flatnonzero(done), batch.rows[done].tolist()
-        if any(not self.batch.params[r].samples_from_logits_alone for r in rows):
-            raise RuntimeError("a deferred step has a request whose sampling reads its history")
         ids = torch.zeros(batch.num_reqs, dtype=torch.int64, device=local.device)
         if not rows:
             return ids
@@ -261,7 +274,8 @@ class StepSampler:
 
     # ------------------------------------------------------------ verification
 
-    def verify(self, batch: ScheduledBatch, hidden: torch.Tensor, drafts: list[list[int]]) -> Verified:
+    def verify(self, so: SchedulerOutput, batch: ScheduledBatch, hidden: torch.Tensor,
+               drafts: list[list[int]]) -> Verified:
         """Eager verification: the target's logits at each request's last num_drafts + 1
         positions of `hidden` [T, H] decide which drafts it keeps and the token after them."""
         R = batch.num_reqs
@@ -272,16 +286,18 @@ class StepSampler:
         logit_rows = np.repeat(ends - rows_per_req - row_start, rows_per_req) + np.arange(rows_per_req.sum())
         local = self.head.local_logits(hidden[torch.from_numpy(logit_rows).to(hidden.device)])
         done = self.complete(batch)
-        emitted = self._emitted(batch, local, row_start, num_drafts, drafts, done)
+        argmax = bool((self.modes(so, batch)[done] == SamplingMode.ARGMAX).all())
+        emitted = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax)
         return Verified(emitted, num_drafts, done)
 
     def _emitted(self, batch: ScheduledBatch, local: torch.Tensor, row_start: np.ndarray,
-                 num_drafts: np.ndarray, drafts: list[list[int]], done: np.ndarray) -> list[list[int]]:
+                 num_drafts: np.ndarray, drafts: list[list[int]], done: np.ndarray,
+                 argmax: bool) -> list[list[int]]:
         """-> emitted tokens per request ([] for partial prefill chunks)."""
-        b, head = self.batch, self.head
+        head = self.head
         rows = batch.rows.tolist()
         emitted: list[list[int]] = [[] for _ in rows]
-        if b.all_plain_greedy(batch.rows[done]) and self.rejection.method == "standard":
+        if argmax and self.rejection.method == "standard":
             target = head.greedy(local).tolist()                              # collective
             for i, n in enumerate(num_drafts.tolist()):
                 if not done[i]:
@@ -293,33 +309,38 @@ class StepSampler:
                 emitted[i] = t[:kept + 1]
             return emitted
         logits = head.gather(local)                                          # [N, V], collective
-        plain = [i for i in range(len(rows)) if done[i] and num_drafts[i] == 0]
-        verify = [i for i in range(len(rows)) if done[i] and num_drafts[i] > 0]
+        sampling_rows = np.flatnonzero(done).tolist()
+        if not sampling_rows:
+            return emitted
+        sampling = self.metadata([rows[i] for i in sampling_rows])
+        plain = [i for i in sampling_rows if num_drafts[i] == 0]
+        verify = [i for i in sampling_rows if num_drafts[i] > 0]
         dev = logits.device
         if plain:
-            sampling = self.metadata([rows[i] for i in plain])
-            out = self.sampler(logits[torch.tensor(row_start[plain], device=dev)], sampling)
+            part = sampling.select([j for j, i in enumerate(sampling_rows) if num_drafts[i] == 0])
+            out = self.sampler(logits[torch.tensor(row_start[plain], device=dev)], part)
             for i, token in zip(plain, out.sampled_token_ids.tolist()):
                 emitted[i] = [token]
         if verify:
-            sampling = self.metadata([rows[i] for i in verify])
+            part = sampling.select([j for j, i in enumerate(sampling_rows) if num_drafts[i] > 0])
             k = max(num_drafts[verify].max(), 1)
             padded = torch.tensor([drafts[i] + [0] * (k - len(drafts[i])) for i in verify], dtype=torch.int64,
                                   device=dev)
             tokens, counts = self.rejection(logits, torch.tensor(row_start[verify], device=dev),
-                                            torch.tensor(num_drafts[verify], device=dev), padded, sampling)
+                                            torch.tensor(num_drafts[verify], device=dev), padded, part)
             for i, t, c in zip(verify, tokens.tolist(), counts.tolist()):
                 emitted[i] = t[:c]
         return emitted
 
-    def verify_on_device(self, batch: ScheduledBatch, local: torch.Tensor, greedy: torch.Tensor,
-                         ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify_on_device(self, so: SchedulerOutput, batch: ScheduledBatch, local: torch.Tensor,
+                         greedy: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Graph verification, without a host sync: every request verifies exactly k drafts;
         local / greedy: [b * (k + 1), ...] of the padded batch, ids: [b, k + 1] its input tokens.
         -> (emitted [b, k + 1] int64, kept drafts [b] int64); padding rows emit what they like."""
         n, q = batch.num_reqs, k + 1
         b = ids.shape[0]
-        if self.batch.all_plain_greedy(batch.rows) and self.rejection.method == "standard":
+        argmax = bool((self.modes(so, batch) == SamplingMode.ARGMAX).all())
+        if argmax and self.rejection.method == "standard":
             emitted = greedy.view(b, q)
             kept = torch.cumprod((ids[:, 1:] == emitted[:, :k]).long(), dim=1).sum(dim=1)    # [b]
             return emitted, kept
@@ -336,21 +357,12 @@ class StepSampler:
     def speculative_output(self, batch: ScheduledBatch, emitted: list[list[int]], proposals: list[list[int]],
                            done) -> ModelRunnerOutput | None:
         """The verify step's output on the driver: emitted tokens, and the next drafts of the
-        requests that may verify drafts."""
+        requests that sampled (the scheduler drops those its next step's mode cannot verify)."""
         if not self.is_driver:
             return None
-        spec = [proposals[i] if done[i] and self._can_draft(row, len(emitted[i])) else []
-                for i, row in enumerate(batch.rows.tolist())]
+        spec = [proposals[i] if done[i] else [] for i in range(batch.num_reqs)]
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[e or [0] for e in emitted],
                                  spec_token_ids=spec)
-
-    def _can_draft(self, row: int, num_emitted: int) -> bool:
-        """Drafts are verified by the plain rule: no penalties, no logprobs, min_tokens met."""
-        b = self.batch
-        outputs = int(b.num_tokens[row] - b.num_prompt_tokens[row]) + num_emitted
-        p = b.params[row]
-        return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0 and outputs >= p.min_tokens)
 
 
 def _logprob_entries(lp, params) -> list[list[LogprobEntry] | None]:
