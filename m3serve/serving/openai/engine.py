@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
-from m3serve.core.core_client import EngineError, RequestFailed
+from m3serve.core.errors import EngineError, RequestFailed
 from m3serve.outputs import PositionLogprobs
 from m3serve.protocol import EngineCoreRequest
 from m3serve.sampling_params import SamplingParams
