@@ -9,7 +9,6 @@ then holds no model and no process group.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
 from tokenizers import Tokenizer
@@ -20,7 +19,7 @@ from m3serve.model.config import load_config
 from m3serve.model.files import load_tokenizer, model_directory
 from m3serve.outputs import RequestOutput
 from m3serve.plan import check_checkpoint_layout
-from m3serve.protocol import EngineCoreRequest, EngineState
+from m3serve.protocol import EngineState
 from m3serve.sampling_defaults import describe, load_sampling_defaults
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.chat_template import load_chat_template, render_chat
@@ -102,14 +101,7 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, self.tokenizer)
-        requests = []
-        for seq in state.sequences:
-            if self.eos_token_id is not None:
-                seq.params.add_eos_token_ids([self.eos_token_id])
-            requests.append(EngineCoreRequest(seq.request_id, ids, seq.params, self.eos_token_id,
-                                              arrival_time=time.time(), cache_salt=cache_salt,
-                                              mm_inputs=mm_inputs))
-        self.front.add_requests(requests)
+        self.front.add_requests(state.engine_requests(self.eos_token_id, cache_salt, mm_inputs=mm_inputs))
         if self.client is not None and not defer_admission:
             self.client.settle()
         self.states[request_id] = state
