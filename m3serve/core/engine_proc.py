@@ -100,11 +100,7 @@ class EngineLoop:
             return [CoreOutput(rid, [], finish_reason="error", error=message) for rid in failed]
         finally:
             self.core.num_steps += 1
-        return [CoreOutput(o.request_id, list(o.new_token_ids), o.finish_reason, o.stop_reason,
-                           o.new_logprobs, o.new_prompt_logprobs, o.num_cached_tokens, o.error,
-                           o.error_is_client,
-                           o.kv_transfer_params)
-                for o in outputs]
+        return outputs
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.core.scheduler, self.core.kv_manager

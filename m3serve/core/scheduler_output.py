@@ -2,7 +2,8 @@
 
 `SchedulerOutput` is the only thing the worker learns about a step; it is a diff against the
 worker's persistent per-request state. `ModelRunnerOutput` is what the worker returns, and
-`EngineCoreOutput` is what the core emits per request after applying it.
+`EngineCoreOutput` (the protocol's `CoreOutput`) is what the core emits per request after
+applying it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import msgspec
 
 from m3serve.disagg.messages import KVConnectorMetadata, RankResult
 from m3serve.core.sampling_mode import SamplingMode
-from m3serve.protocol import MultiModalInput
+from m3serve.protocol import CoreOutput, MultiModalInput
 from m3serve.sampling_params import SamplingParams
 
 
@@ -166,27 +167,6 @@ class ModelRunnerOutput:
     """When the step's `kv_offload.poll` asked for it: the copies completed on every rank."""
 
 
-@dataclass
-class EngineCoreOutput:
-    """One request's news after a step: tokens accepted and, if it ended, why."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None
-    """"stop" | "length" | "abort", or None while the request continues."""
-    stop_reason: int | str | None
-    """The stop token id that ended the request (None for EOS or length)."""
-    new_logprobs: object | None = None
-    new_prompt_logprobs: object | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at admission."""
-    kv_transfer_params: dict | None = None
-    """Set when a finished request's KV is held for a decode worker: what the response returns."""
-    error: str | None = None
-    """Set (with finish_reason "error") when the engine failed this request."""
-    error_is_client: bool = False
-    """The failure comes from what the request asked for (an HTTP 400), not from the engine."""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+# One request's news after a step (tokens accepted and, if it ended, why): the protocol's record,
+# emitted by the scheduler and sent as it is from the engine process.
+EngineCoreOutput = CoreOutput
