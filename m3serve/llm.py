@@ -163,15 +163,7 @@ class LLMEngine:
                and not core.scheduler.has_unfinished_requests()):
             core.step()                  # report finished requests to the worker (and finish the
                                          # copies to the CPU tier), as the next steps would
-        kv = core.kv_manager
-        return [EngineState(query_id=0, dp_rank=0, num_running=core.scheduler.num_running,
-                            num_waiting=core.scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
-                            num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
-                            ranks=core.executor.describe(), num_preemptions=core.scheduler.num_preemptions,
-                            prefix_cache_hits=kv.prefix_cache_hits,
-                            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
-                            num_offload_refs=kv.num_offload_refs,
-                            num_deferred_steps=core.scheduler.num_deferred_steps)]
+        return [core.state()]
 
     def shutdown(self) -> None:
         """Stop the engine processes, or the in-process engine's helpers (grammar compiles, the

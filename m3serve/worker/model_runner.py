@@ -20,7 +20,7 @@ from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.worker.attn_metadata import StepBuffers
 from m3serve.worker.cuda_graphs import DecodeGraphs
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
-from m3serve.worker.step_sampler import StepSampler
+from m3serve.worker.step_sampler import StepSampler, Verified
 
 
 @dataclass
@@ -272,7 +272,7 @@ class ModelRunner:
         self.batch.advance(batch)
         return self.step_sampler.speculative_output(batch, verified.emitted, proposals, verified.done)
 
-    def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified):
+    def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified: Verified):
         """The proposer's start: each request's last verified position and the token after it."""
         from m3serve.spec.proposer import StepForDraft
 

@@ -161,3 +161,15 @@ def test_logit_bias_verifies_no_drafts_and_one_metadata_per_step(tiny_dir, draft
     assert any(s["plain"] and s["verify"] for s in steps)          # mixed steps happened
     assert max(s["metadata"] for s in steps) == 1
     _check_clean(llm)
+
+
+def test_in_process_state_reports_speculation(tiny_dir, drafts):
+    """`engine_states()` of the in-process engine is built where the engine process builds
+    its answer, so it carries the speculation counters too."""
+    llm = LLM(str(tiny_dir), speculative_config=_spec("eagle3-gqa", drafts), **_flags("eagle3-gqa"))
+    _generate(llm, _prompts()[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    stats, state = llm.engine.core.scheduler.spec_stats, llm.engine.engine_states()[0]
+    assert state.spec_num_drafts == stats.num_drafts > 0
+    assert state.spec_num_draft_tokens == stats.num_draft_tokens > 0
+    assert state.spec_num_accepted_tokens == stats.num_accepted_tokens
+    assert state.num_free_blocks == state.num_usable_blocks and state.integrity_error is None
