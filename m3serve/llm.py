@@ -9,7 +9,6 @@ then holds no model and no process group.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 
 from tokenizers import Tokenizer
@@ -20,7 +19,7 @@ from m3serve.model.config import load_config
 from m3serve.model.files import load_tokenizer, model_directory
 from m3serve.outputs import RequestOutput
 from m3serve.plan import check_checkpoint_layout
-from m3serve.protocol import EngineCoreRequest, EngineState
+from m3serve.protocol import EngineState
 from m3serve.sampling_defaults import describe, load_sampling_defaults
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.chat_template import load_chat_template, render_chat
@@ -102,14 +101,7 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, self.tokenizer)
-        requests = []
-        for seq in state.sequences:
-            if self.eos_token_id is not None:
-                seq.params.add_eos_token_ids([self.eos_token_id])
-            requests.append(EngineCoreRequest(seq.request_id, ids, seq.params, self.eos_token_id,
-                                              arrival_time=time.time(), cache_salt=cache_salt,
-                                              mm_inputs=mm_inputs))
-        self.front.add_requests(requests)
+        self.front.add_requests(state.engine_requests(self.eos_token_id, cache_salt, mm_inputs=mm_inputs))
         if self.client is not None and not defer_admission:
             self.client.settle()
         self.states[request_id] = state
@@ -171,15 +163,7 @@ class LLMEngine:
                and not core.scheduler.has_unfinished_requests()):
             core.step()                  # report finished requests to the worker (and finish the
                                          # copies to the CPU tier), as the next steps would
-        kv = core.kv_manager
-        return [EngineState(query_id=0, dp_rank=0, num_running=core.scheduler.num_running,
-                            num_waiting=core.scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
-                            num_usable_blocks=kv.num_usable_blocks, integrity_error=core.integrity_error(),
-                            ranks=core.executor.describe(), num_preemptions=core.scheduler.num_preemptions,
-                            prefix_cache_hits=kv.prefix_cache_hits,
-                            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
-                            num_offload_refs=kv.num_offload_refs,
-                            num_deferred_steps=core.scheduler.num_deferred_steps)]
+        return [core.state()]
 
     def shutdown(self) -> None:
         """Stop the engine processes, or the in-process engine's helpers (grammar compiles, the

@@ -73,16 +73,18 @@ EngineInput = AddRequests | AbortRequests | StatsQuery | StateQuery | Shutdown
 
 
 class CoreOutput(msgspec.Struct):
-    """One sequence's news after an engine step (duck-types `EngineCoreOutput`)."""
+    """One sequence's news after an engine step: tokens accepted and, if it ended, why. The
+    scheduler makes it (`core.scheduler_output.EngineCoreOutput` is this class) and the engine
+    process sends it as it is."""
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while it continues
+    stop_reason: int | str | None = None  # the stop token id that ended it (None for EOS or length)
     # per position: [token id, logprob, rank, top ids, top logprobs]
     new_logprobs: list[Any] | None = None
     new_prompt_logprobs: list[Any] | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     error: str | None = None  # set with finish_reason "error": the engine failed this request
     error_is_client: bool = False  # ... because of what the request asked (a 400), not a bug
     kv_transfer_params: dict | None = None  # P/D: the finished prefill's KV is held for a decode worker

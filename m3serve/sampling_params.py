@@ -196,15 +196,11 @@ class SamplingParams:
     def samples_from_logits_alone(self) -> bool:
         """The next token depends on this step's logits (and the request's own generator) but
         not on the history: no logprobs, penalties, logit bias or grammar (min_tokens aside,
-        which masks stop tokens for a while)."""
+        which masks stop tokens for a while). The step's sampling mode builds on it
+        (`core/sampling_mode.py`)."""
         return (self.logprobs is None and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
                 and self.structured_outputs is None and not self.logit_bias)
-
-    @property
-    def samples_by_argmax(self) -> bool:
-        """The next token is the argmax of the logits whatever the history."""
-        return self.is_greedy and self.samples_from_logits_alone
 
     def add_eos_token_ids(self, eos_token_ids) -> None:
         """Called by the engine with the model's EOS ids: they stop generation (and are held

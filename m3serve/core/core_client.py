@@ -21,29 +21,10 @@ import zmq.asyncio
 from m3serve import protocol
 from m3serve.config import EngineConfig
 from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
+from m3serve.core.errors import EngineDeadError, EngineError, EngineOverloaded, ShuttingDown
 from m3serve.protocol import EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)
-
-
-class EngineOverloaded(Exception):
-    """The engine's waiting queue is at its bound; retry later (HTTP 503)."""
-
-
-class EngineError(RuntimeError):
-    """The engine failed a request (HTTP 500)."""
-
-
-class RequestFailed(EngineError):
-    """The engine ended a request because of what it asked for (HTTP 400, the message says why)."""
-
-
-class EngineDeadError(EngineError):
-    """The engine is not running (it failed, or is shut down): HTTP 503."""
-
-
-class ShuttingDown(EngineDeadError):
-    """The server is draining and stopped this request (a 503 for its client)."""
 
 
 class EngineCoreClient:

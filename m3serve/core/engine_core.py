@@ -9,12 +9,13 @@ import bisect
 import logging
 import time
 
+from m3serve import memtrace
 from m3serve.config import EngineConfig
 from m3serve.core.kv_cache.manager import KVCacheManager
 from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from m3serve.protocol import ITERATION_TOKEN_BUCKETS
+from m3serve.protocol import ITERATION_TOKEN_BUCKETS, EngineState
 
 logger = logging.getLogger(__name__)
 
@@ -166,3 +167,18 @@ class EngineCore:
         except RuntimeError as e:
             return str(e)
         return None
+
+    def state(self, query_id: int = 0, dp_rank: int = 0) -> EngineState:
+        """This replica's books and rank reports: the answer to a `StateQuery`, the same for the
+        engine process and the in-process engine."""
+        scheduler, kv, spec = self.scheduler, self.kv_manager, self.scheduler.spec_stats
+        return EngineState(
+            query_id=query_id, dp_rank=dp_rank, num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
+            num_usable_blocks=kv.num_usable_blocks, integrity_error=self.integrity_error(),
+            ranks=self.executor.describe(), num_preemptions=scheduler.num_preemptions,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
+            num_offload_refs=kv.num_offload_refs, spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens,
+            num_deferred_steps=scheduler.num_deferred_steps, traced_bytes=memtrace.traced_bytes())

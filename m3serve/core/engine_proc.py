@@ -100,11 +100,7 @@ class EngineLoop:
             return [CoreOutput(rid, [], finish_reason="error", error=message) for rid in failed]
         finally:
             self.core.num_steps += 1
-        return [CoreOutput(o.request_id, list(o.new_token_ids), o.finish_reason, o.stop_reason,
-                           o.new_logprobs, o.new_prompt_logprobs, o.num_cached_tokens, o.error,
-                           o.error_is_client,
-                           o.kv_transfer_params)
-                for o in outputs]
+        return outputs
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.core.scheduler, self.core.kv_manager
@@ -141,18 +137,7 @@ class EngineLoop:
         return {"kv_" + name: value for name, value in dataclasses.asdict(connector.stats).items()}
 
     def state(self, query_id: int) -> protocol.EngineState:
-        scheduler, kv = self.core.scheduler, self.core.kv_manager
-        return protocol.EngineState(
-            query_id=query_id, dp_rank=self.dp_rank, num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting, num_free_blocks=kv.num_free_blocks,
-            num_usable_blocks=kv.num_usable_blocks, integrity_error=self.core.integrity_error(),
-            ranks=self.core.executor.describe(), num_preemptions=scheduler.num_preemptions,
-            prefix_cache_hits=kv.prefix_cache_hits, spec_num_drafts=scheduler.spec_stats.num_drafts,
-            external_prefix_cache_hits=kv.offload.stats.hits if kv.offload is not None else 0,
-            num_offload_refs=kv.num_offload_refs,
-            spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
-            spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
-            num_deferred_steps=scheduler.num_deferred_steps, traced_bytes=memtrace.traced_bytes())
+        return self.core.state(query_id, self.dp_rank)
 
 
 def _serve(loop: EngineLoop, pull: zmq.Socket, push: zmq.Socket) -> None:

@@ -15,6 +15,7 @@ from collections import deque
 from m3serve.config import SchedulerConfig
 from m3serve.core.kv_cache.manager import KVCacheManager, cdiv
 from m3serve.core.request import Request, RequestStatus
+from m3serve.core.sampling_mode import SamplingMode, sampling_mode
 from m3serve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                            NewRequestData, SchedulerOutput)
 
@@ -274,6 +275,7 @@ class Scheduler:
         encoder_left = self._encoder_budget
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
+        modes: dict[str, SamplingMode] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
         preempted: set[str] = set()
@@ -293,6 +295,9 @@ class Scheduler:
             if request.num_output_placeholders and self._ends_with_placeholder(request):
                 i += 1
                 continue     # its in-flight token is its last one
+            mode = self._sampling_mode(request)
+            if mode is SamplingMode.FULL:
+                request.spec_token_ids = []     # verification applies none of what its sampler needs
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             prefill = self._is_prefill(request)
@@ -324,6 +329,7 @@ class Scheduler:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             self._add_cached(cached, request, new_block_ids, resumed=False)
             num_scheduled[request.request_id] = num_new
+            modes[request.request_id] = mode
             scheduled.append(request)
             budget -= num_new
             prefills += prefill
@@ -389,13 +395,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
+            modes[request.request_id] = self._sampling_mode(request)
             scheduled.append(request)
             budget -= num_new
             prefills += 1
             if request.mm_spans:
                 encoder_left -= self._commit_encodes(request, encodes)
 
-        deferred = self.async_scheduling and bool(scheduled) and all(map(self._deferrable, scheduled))
+        # prompt logprobs read the step's hidden states, which a deferred step does not keep
+        deferrable = (SamplingMode.ARGMAX, SamplingMode.LOGITS) if self.defer_sampling else (SamplingMode.ARGMAX,)
+        deferred = (self.async_scheduling and bool(scheduled)
+                    and all(modes[r.request_id] in deferrable and r.sampling_params.prompt_logprobs is None
+                            for r in scheduled))
         sampled = [r.request_id for r in scheduled
                    if r.num_computed_tokens + num_scheduled[r.request_id] >= r.num_tokens + r.num_output_placeholders]
         output = SchedulerOutput(
@@ -404,6 +415,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             scheduled_spec_decode_tokens=spec_tokens,
+            sampling_modes=modes,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
@@ -433,14 +445,10 @@ class Scheduler:
         return ((params.max_tokens is not None and outputs >= params.max_tokens)
                 or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
-    def _deferrable(self, request: Request) -> bool:
-        """The request's next token can stay on the device (a step of such requests can be
-        deferred): it samples by argmax (or from the logits alone, with `defer_sampling`),
-        wants no prompt logprobs, and has met min_tokens (else its stop tokens are masked)."""
-        p = request.sampling_params
-        return ((p.samples_by_argmax or (self.defer_sampling and p.samples_from_logits_alone))
-                and p.prompt_logprobs is None
-                and request.num_output_tokens + request.num_output_placeholders >= p.min_tokens)
+    @staticmethod
+    def _sampling_mode(request: Request) -> SamplingMode:
+        """The request's mode this step (its in-flight token counts as an output)."""
+        return sampling_mode(request.sampling_params, request.num_output_tokens + request.num_output_placeholders)
 
     # ---------------------------------------------------------------- KV transfer
 

@@ -2,7 +2,8 @@
 
 `SchedulerOutput` is the only thing the worker learns about a step; it is a diff against the
 worker's persistent per-request state. `ModelRunnerOutput` is what the worker returns, and
-`EngineCoreOutput` is what the core emits per request after applying it.
+`EngineCoreOutput` (the protocol's `CoreOutput`) is what the core emits per request after
+applying it.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from m3serve.disagg.messages import KVConnectorMetadata, RankResult
-from m3serve.protocol import MultiModalInput
+from m3serve.core.sampling_mode import SamplingMode
+from m3serve.protocol import CoreOutput, MultiModalInput
 from m3serve.sampling_params import SamplingParams
 
 
@@ -119,10 +121,14 @@ class SchedulerOutput:
     block ids, but keeps their tokens for a later resume."""
     kv_connector_metadata: KVConnectorMetadata | None = None
     """KV-transfer work of the ranks this step (pulls to start, whether to report); None = none."""
+    sampling_modes: dict[str, SamplingMode] = field(default_factory=dict)
+    """req_id -> how its next token is drawn (`core/sampling_mode.py`), for every scheduled
+    request: decided here once per step; the worker samples by it and never re-derives it."""
     deferred: bool = False
     """Async scheduling: the step's sampled tokens stay on the device (the next step's inputs
     take them from there) and its output comes with the next call (`ModelRunnerOutput.previous`).
-    Only for steps whose every request samples by argmax alone."""
+    Only for steps whose every request is ARGMAX (or LOGITS, on one rank) and wants no prompt
+    logprobs."""
     sampled_req_ids: list[str] = field(default_factory=list)
     """Deferred steps: the requests whose context is complete after the step (their sampled token
     is real; the others are partial prefill chunks)."""
@@ -161,27 +167,6 @@ class ModelRunnerOutput:
     """When the step's `kv_offload.poll` asked for it: the copies completed on every rank."""
 
 
-@dataclass
-class EngineCoreOutput:
-    """One request's news after a step: tokens accepted and, if it ended, why."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None
-    """"stop" | "length" | "abort", or None while the request continues."""
-    stop_reason: int | str | None
-    """The stop token id that ended the request (None for EOS or length)."""
-    new_logprobs: object | None = None
-    new_prompt_logprobs: object | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at admission."""
-    kv_transfer_params: dict | None = None
-    """Set when a finished request's KV is held for a decode worker: what the response returns."""
-    error: str | None = None
-    """Set (with finish_reason "error") when the engine failed this request."""
-    error_is_client: bool = False
-    """The failure comes from what the request asked for (an HTTP 400), not from the engine."""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+# One request's news after a step (tokens accepted and, if it ended, why): the protocol's record,
+# emitted by the scheduler and sent as it is from the engine process.
+EngineCoreOutput = CoreOutput

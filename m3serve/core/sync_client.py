@@ -14,12 +14,12 @@ import zmq
 from m3serve import protocol
 from m3serve.config import EngineConfig
 from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
+from m3serve.core.errors import EngineDeadError
 
 _POLL_MS = 200
 
 
-class EngineFailed(RuntimeError):
-    """The engine processes failed; the message names the rank or replica."""
+EngineFailed = EngineDeadError      # the offline API's name for it
 
 
 class SyncEngineClient:
@@ -52,12 +52,12 @@ class SyncEngineClient:
                 if self.pull.poll(_POLL_MS):
                     failure = self.book.note_startup(protocol.decode_output(self.pull.recv()))
                     if failure:
-                        raise EngineFailed(f"the engine failed to start: {failure}")
+                        raise EngineDeadError(f"the engine failed to start: {failure}")
                 dead = self.engines.dead_reason()
                 if dead is not None:
-                    raise EngineFailed(f"the engine failed to start: {dead}")
+                    raise EngineDeadError(f"the engine failed to start: {dead}")
                 if time.monotonic() > deadline:
-                    raise EngineFailed(f"the engine was not ready after {ready_timeout_s:.0f} s")
+                    raise EngineDeadError(f"the engine was not ready after {ready_timeout_s:.0f} s")
         except BaseException:
             self.shutdown()
             raise
@@ -82,7 +82,7 @@ class SyncEngineClient:
         """Send the placed requests and wait for their verdicts; ValueError naming the first
         refused one (the refused hold nothing in the engine)."""
         if self.dead_reason is not None:
-            raise EngineFailed(self.dead_reason)
+            raise EngineDeadError(self.dead_reason)
         for replica, messages in self._outbox.items():
             self.pushes[replica].send_multipart([protocol.encode(m) for m in messages], zmq.NOBLOCK)
         self._outbox.clear()
@@ -134,7 +134,7 @@ class SyncEngineClient:
         deadline = time.monotonic() + timeout_s
         while len(self._states[query_id]) < self.book.dp_size:
             if time.monotonic() > deadline:
-                raise EngineFailed(f"the engine did not report its state within {timeout_s:.0f} s")
+                raise EngineDeadError(f"the engine did not report its state within {timeout_s:.0f} s")
             self._receive()
         answers = self._states.pop(query_id)
         return [answers[d] for d in sorted(answers)]
@@ -143,13 +143,13 @@ class SyncEngineClient:
 
     def _send(self, replica: int, message) -> None:
         if self.dead_reason is not None:
-            raise EngineFailed(self.dead_reason)
+            raise EngineDeadError(self.dead_reason)
         self.pushes[replica].send(protocol.encode(message), zmq.NOBLOCK)
 
     def _receive(self) -> None:
-        """Wait for one message (raising EngineFailed if the engine is gone) and file it."""
+        """Wait for one message (raising EngineDeadError if the engine is gone) and file it."""
         if self.engines is None:
-            raise EngineFailed(self.dead_reason or "the engine is shut down")
+            raise EngineDeadError(self.dead_reason or "the engine is shut down")
         while not self.pull.poll(_POLL_MS):
             dead = self.engines.dead_reason()
             if dead is not None:
@@ -169,7 +169,7 @@ class SyncEngineClient:
     def _die(self, reason: str):
         self.dead_reason = reason
         self.shutdown()
-        raise EngineFailed(reason)
+        raise EngineDeadError(reason)
 
     def shutdown(self) -> None:
         atexit.unregister(self.shutdown)

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from m3serve import envs, memtrace
-from m3serve.core.core_client import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
+from m3serve.core.errors import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
 from m3serve.serving.anthropic import routes as anthropic_routes
 from m3serve.serving.chat_template import load_chat_template
 from m3serve.serving.lifecycle import Drain, DrainingServer, describe_engine, raise_fd_limit

@@ -6,11 +6,13 @@ API server.
 from __future__ import annotations
 
 import math
+import time
 
 from tokenizers import Tokenizer
 
 from m3serve.core.scheduler_output import EngineCoreOutput
 from m3serve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from m3serve.protocol import EngineCoreRequest
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 
@@ -118,6 +120,18 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
+
+    def engine_requests(self, eos_token_id: int | None, cache_salt: str | None = None,
+                        kv_transfer_params=None, mm_inputs=None) -> list[EngineCoreRequest]:
+        """The n fan-out: one engine request per sequence (its child id and params), each
+        stopping at the model's EOS token unless it ignores EOS."""
+        requests = []
+        for seq in self.sequences:
+            if eos_token_id is not None:
+                seq.params.add_eos_token_ids([eos_token_id])
+            requests.append(EngineCoreRequest(seq.request_id, self.prompt_token_ids, seq.params, eos_token_id,
+                                              time.time(), cache_salt, kv_transfer_params, mm_inputs))
+        return requests
 
     def output(self) -> RequestOutput:
         first = self.sequences[0]

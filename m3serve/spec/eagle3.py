@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.distributed import GroupInfo
 from m3serve.layers.attention import paged_attention_ref
 from m3serve.layers.attention_metadata import AttentionMetadata, write_cache_ref
@@ -31,6 +32,7 @@ from m3serve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
 from m3serve.layers.norm import RMSNorm
 from m3serve.layers.rotary import RotaryEmbedding, apply_rotary
 from m3serve.model.config import M3Config, read_config_json
+from m3serve.spec.drafter import Drafter
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,39 @@ class Eagle3Draft(nn.Module):
         if self.d2t is not None and self.lm_head is not None:
             ids = ids + self.d2t[ids]
         return ids
+
+
+class Eagle3Drafter(Drafter):
+    """The EAGLE3 head as a draft kind: one cache group ("draft"), the target's taps in."""
+
+    def __init__(self, draft: Eagle3Draft, target, device: torch.device, taps: tuple[int, ...]):
+        super().__init__(draft, target, device)
+        self.taps = taps
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        own = self.draft.embed_tokens
+        return (own if own is not None else self.target.model.embed_tokens)(ids)
+
+    def cache_specs(self, kv_bytes: int, index_bytes: int) -> list[CacheGroupSpec]:
+        d = self.draft
+        return [CacheGroupSpec("draft", (0,), 2 * d.num_kv_heads * d.cfg.head_dim * kv_bytes)]
+
+    def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
+        return [("draft", self.draft.kv_cache[0]), ("draft", self.draft.kv_cache[1])]
+
+    def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
+        d = self.draft
+        d.kv_cache = torch.zeros(2, num_blocks, block_size, d.num_kv_heads, d.cfg.head_dim, dtype=kv_dtype,
+                                 device=self.device)
+
+    def prepare(self, embeds, hidden, positions, meta, last_index):
+        d = self.draft
+        out, prenorm = d(embeds, d.combine(hidden), positions, meta)
+        return d.next_tokens(out[last_index], self.target.lm_head), prenorm[last_index]
+
+    def propose(self, step, embeds, state, positions, meta):
+        out, state = self.draft(embeds, state, positions, meta)
+        return self.draft.next_tokens(out, self.target.lm_head), state
 
 
 def _copy_loader(param, full: torch.Tensor, shard_id=None) -> None:

@@ -20,11 +20,13 @@ import re
 import torch
 from torch import nn
 
+from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.distributed import ParallelInfo
 from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.layers.linear import ReplicatedLinear
 from m3serve.layers.norm import RMSNorm
 from m3serve.model.config import M3Config, layer_shapes
+from m3serve.spec.drafter import Drafter
 
 _MTP = re.compile(r"^(?:language_model\.model\.|model\.)?mtp\.layers\.(\d+)\.(.+)$")
 
@@ -61,6 +63,50 @@ class MTPDraft(nn.Module):
     @property
     def attention_layers(self):
         return [m.layer.self_attn for m in self.modules_]
+
+
+class MTPDrafter(Drafter):
+    """The MTP modules as a draft kind: two cache groups ("mtp", "mtp_index"), the target's
+    final hidden states in; draft step s runs module s mod M."""
+
+    def cache_specs(self, kv_bytes: int, index_bytes: int) -> list[CacheGroupSpec]:
+        cfg = self.draft.cfg
+        layers = tuple(range(len(self.draft.modules_)))
+        kv_heads = self.draft.attention_layers[0].num_kv_heads
+        return [CacheGroupSpec("mtp", layers, 2 * kv_heads * cfg.head_dim * kv_bytes),
+                CacheGroupSpec("mtp_index", layers, cfg.index_head_dim * index_bytes)]
+
+    def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
+        planes = []
+        for attn in self.draft.attention_layers:
+            planes += [("mtp", attn.kv_cache[0]), ("mtp", attn.kv_cache[1]), ("mtp_index", attn.index_cache)]
+        return planes
+
+    def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
+        cfg, dev = self.draft.cfg, self.device
+        for attn in self.draft.attention_layers:
+            attn.kv_cache = torch.zeros(2, num_blocks, block_size, attn.num_kv_heads, cfg.head_dim,
+                                        dtype=kv_dtype, device=dev)
+            attn.index_cache = torch.zeros(num_blocks, block_size, cfg.index_head_dim, dtype=index_dtype,
+                                           device=dev)
+            if kv_dtype == torch.float8_e4m3fn:
+                attn.k_scale = torch.ones(1, dtype=torch.float32, device=dev)
+                attn.v_scale = torch.ones(1, dtype=torch.float32, device=dev)
+
+    def prepare(self, embeds, hidden, positions, meta, last_index):
+        return self._module_step(0, embeds, hidden, positions, meta, last_index)
+
+    def propose(self, step, embeds, state, positions, meta):
+        return self._module_step(step % len(self.draft.modules_), embeds, state, positions, meta)
+
+    def _module_step(self, m: int, embeds, h_prev, positions, meta, last_index=None):
+        """Module m over the rows -> (its greedy token, its output h_new) at `last_index` rows."""
+        module = self.draft.modules_[m]
+        cos, sin = self.target.model.rotary.cos_sin(positions, embeds.dtype)
+        h_new = module(embeds, h_prev, positions, cos, sin, meta)
+        if last_index is not None:
+            h_new = h_new[last_index]
+        return self.target.lm_head.logits_and_greedy(module.final_layernorm(h_new))[1], h_new
 
 
 def mtp_shapes(cfg: M3Config, num_modules: int) -> dict[str, tuple[int, ...]]:

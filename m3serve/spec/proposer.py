@@ -1,5 +1,5 @@
-"""The proposer: loads a draft (EAGLE3 head or MTP modules), owns its cache group(s), and after
-each step proposes k draft tokens per request.
+"""The proposer: loads a draft kind (`spec/drafter.py`: the EAGLE3 head or the MTP modules) and
+after each step proposes k draft tokens per request with it.
 
 After a step the proposer runs the draft over every token the target just processed (its
 "first pass": at position t the draft sees token t+1, so it needs the step's verified tokens;
@@ -21,6 +21,7 @@ from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.model.config import M3Config
+from m3serve.spec.drafter import Drafter
 from m3serve.worker.attn_metadata import positions_and_slots
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class StepForDraft:
 
 
 class Proposer:
+    """Runs one draft kind (`spec/drafter.py`) after each target step: k draft tokens per request."""
+
     def __init__(self, spec, target, target_cfg: M3Config, target_dir: Path, parallel: ParallelInfo,
                  device: torch.device, load_format: str, seed: int, max_model_len: int):
         self.method, self.k = spec.method, spec.num_speculative_tokens
@@ -50,20 +53,10 @@ class Proposer:
         if draft_tp not in (1, parallel.tp.size):
             raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 or the target's "
                              f"tensor_parallel_size {parallel.tp.size}, got {draft_tp}")
-        tp = parallel.tp if draft_tp > 1 else GroupInfo()
-        dtype = target.dtype
-        if self.method == "eagle3":
-            self.draft, self.taps = _load_eagle3(spec.model, target_cfg, tp, dtype, device, load_format, seed)
-        else:
-            if parallel.dp.size > 1:
-                raise ValueError("MTP drafting with data_parallel_size > 1 is not supported (its MoE "
-                                 "layers would need the replicas' lock step); use EAGLE3")
-            if draft_tp != parallel.tp.size:
-                raise ValueError("MTP modules are split like the target: draft_tensor_parallel_size "
-                                 "must equal tensor_parallel_size")
-            self.draft = _load_mtp(spec.model, target_dir, target_cfg, self.k, parallel, dtype, device,
-                                   load_format, seed)
-            self.taps = ()
+        load = _LOADERS[self.method]
+        self.drafter: Drafter = load(spec, target, target_cfg, target_dir, parallel, draft_tp, device,
+                                     load_format, seed)
+        self.taps = self.drafter.taps
         logger.info("speculative decoding: %s, %d draft tokens per step, %s", self.method, self.k,
                     spec.rejection_sample_method)
         if spec.not_applicable:
@@ -76,46 +69,16 @@ class Proposer:
     # ------------------------------------------------------------ caches
 
     def cache_specs(self, kv_bytes: int, index_bytes: int) -> list[CacheGroupSpec]:
-        D = self.target_cfg.head_dim
-        if self.method == "eagle3":
-            d = self.draft
-            return [CacheGroupSpec("draft", (0,), 2 * d.num_kv_heads * d.cfg.head_dim * kv_bytes)]
-        layers = tuple(range(len(self.draft.modules_)))
-        kv_heads = self.draft.attention_layers[0].num_kv_heads
-        return [CacheGroupSpec("mtp", layers, 2 * kv_heads * D * kv_bytes),
-                CacheGroupSpec("mtp_index", layers, self.target_cfg.index_head_dim * index_bytes)]
+        return self.drafter.cache_specs(kv_bytes, index_bytes)
 
     def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
         """The draft's caches as (group, view with the block id first), for the CPU tier."""
-        if self.method == "eagle3":
-            return [("draft", self.draft.kv_cache[0]), ("draft", self.draft.kv_cache[1])]
-        planes = []
-        for attn in self.draft.attention_layers:
-            planes += [("mtp", attn.kv_cache[0]), ("mtp", attn.kv_cache[1]), ("mtp_index", attn.index_cache)]
-        return planes
+        return self.drafter.cache_planes()
 
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
-        dev = self.device
-        if self.method == "eagle3":
-            d = self.draft
-            d.kv_cache = torch.zeros(2, num_blocks, block_size, d.num_kv_heads, d.cfg.head_dim,
-                                     dtype=kv_dtype, device=dev)
-            return
-        cfg = self.target_cfg
-        for attn in self.draft.attention_layers:
-            attn.kv_cache = torch.zeros(2, num_blocks, block_size, attn.num_kv_heads, cfg.head_dim,
-                                        dtype=kv_dtype, device=dev)
-            attn.index_cache = torch.zeros(num_blocks, block_size, cfg.index_head_dim, dtype=index_dtype,
-                                           device=dev)
-            if kv_dtype == torch.float8_e4m3fn:
-                attn.k_scale = torch.ones(1, dtype=torch.float32, device=dev)
-                attn.v_scale = torch.ones(1, dtype=torch.float32, device=dev)
+        self.drafter.allocate_caches(num_blocks, block_size, kv_dtype, index_dtype)
 
     # ------------------------------------------------------------ proposing
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        own = getattr(self.draft, "embed_tokens", None)
-        return (own if own is not None else self.target.model.embed_tokens)(ids)
 
     @torch.inference_mode()
     def propose(self, step: StepForDraft) -> torch.Tensor:
@@ -130,39 +93,22 @@ class Proposer:
     def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    hidden: torch.Tensor, last_index: torch.Tensor):
         """The draft over every token of the step (writing its KV) -> (first draft token [R],
-        the draft hidden state at each request's last verified position [R, H])."""
-        embeds = self._embed(next_ids)
-        head = self.target.lm_head
-        if self.method == "eagle3":
-            out, prenorm = self.draft(embeds, self.draft.combine(hidden), positions, meta)
-            return self.draft.next_tokens(out[last_index], head), prenorm[last_index]
-        module = self.draft.modules_[0]
-        cos, sin = self.target.model.rotary.cos_sin(positions, embeds.dtype)
-        last = module(embeds, hidden, positions, cos, sin, meta)[last_index]
-        return head.logits_and_greedy(module.final_layernorm(last))[1], last
+        the draft's state at each request's last verified position [R, H])."""
+        return self.drafter.prepare(self.drafter.embed(next_ids), hidden, positions, meta, last_index)
 
     def draft_steps(self, token: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor,
                     block_tables: torch.Tensor, cpu_positions: list[int] | None = None) -> torch.Tensor:
-        """k - 1 one-token draft steps from (token, hidden state, position) per request ->
-        drafts [R, k]. `cpu_positions` (positions on the host) bound the reference ops; without
-        them (CUDA graphs) the kernels run to the context limit."""
-        head = self.target.lm_head
-        rotary = self.target.model.rotary
+        """k - 1 one-token draft steps from (token, state, position) per request -> drafts
+        [R, k]. `cpu_positions` (positions on the host) bound the reference ops; without them
+        (CUDA graphs) the kernels run to the context limit."""
         tokens = [token]
         for i in range(1, self.k):
             positions = positions + 1
             if cpu_positions is not None:
                 cpu_positions = [p + 1 for p in cpu_positions]
             meta = self._decode_meta(positions, block_tables, cpu_positions)
-            embeds = self._embed(tokens[-1])
-            if self.method == "eagle3":
-                out, prev = self.draft(embeds, prev, positions, meta)
-                tokens.append(self.draft.next_tokens(out, head))
-            else:
-                module = self.draft.modules_[i % len(self.draft.modules_)]
-                cos, sin = rotary.cos_sin(positions, embeds.dtype)
-                prev = module(embeds, prev, positions, cos, sin, meta)
-                tokens.append(head.logits_and_greedy(module.final_layernorm(prev))[1])
+            token, prev = self.drafter.propose(i, self.drafter.embed(tokens[-1]), prev, positions, meta)
+            tokens.append(token)
         return torch.stack(tokens, dim=1)
 
     def _decode_meta(self, positions: torch.Tensor, block_tables: torch.Tensor,
@@ -208,13 +154,14 @@ def _checkpoint_entries(files, canonical):
             yield path.name, key, pairs
 
 
-def _load_eagle3(model, target_cfg, tp, dtype, device, load_format, seed):
+def _load_eagle3(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
     from m3serve.model.files import resolve_model_dir
     from m3serve.model.loader import fill_parameters, weight_files
-    from m3serve.spec.eagle3 import (Eagle3Draft, canonical_eagle3_name, eagle3_shapes, eagle3_to_param,
-                                     load_eagle3_config)
+    from m3serve.spec.eagle3 import (Eagle3Draft, Eagle3Drafter, canonical_eagle3_name, eagle3_shapes,
+                                     eagle3_to_param, load_eagle3_config)
 
-    draft_dir = resolve_model_dir(model)
+    tp, dtype = (parallel.tp if draft_tp > 1 else GroupInfo()), target.dtype
+    draft_dir = resolve_model_dir(spec.model)
     cfg = load_eagle3_config(draft_dir, target_cfg)
     if load_format == "dummy":
         own_head, own_embed, files = cfg.draft_vocab_size != cfg.vocab_size, False, None
@@ -239,15 +186,22 @@ def _load_eagle3(model, target_cfg, tp, dtype, device, load_format, seed):
             files, lambda key, t: [(c, t)] if (c := canonical_eagle3_name(key)) else [])
     fill_parameters(draft, target_cfg, entries, f"EAGLE3 draft {draft_dir}", progress=False,
                     expected=shapes, to_param=eagle3_to_param)
-    return draft.eval(), tuple(cfg.aux_layer_ids)
+    return Eagle3Drafter(draft.eval(), target, device, tuple(cfg.aux_layer_ids))
 
 
-def _load_mtp(model, target_dir, target_cfg, k, parallel, dtype, device, load_format, seed):
+def _load_mtp(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
     from m3serve.model.config import load_config
     from m3serve.model.files import resolve_model_dir
     from m3serve.model.loader import fill_parameters, weight_files
-    from m3serve.spec.mtp import MTPDraft, canonical_mtp_names, mtp_shapes, mtp_to_param
+    from m3serve.spec.mtp import MTPDraft, MTPDrafter, canonical_mtp_names, mtp_shapes, mtp_to_param
 
+    if parallel.dp.size > 1:
+        raise ValueError("MTP drafting with data_parallel_size > 1 is not supported (its MoE "
+                         "layers would need the replicas' lock step); use EAGLE3")
+    if draft_tp != parallel.tp.size:
+        raise ValueError("MTP modules are split like the target: draft_tensor_parallel_size "
+                         "must equal tensor_parallel_size")
+    model, k, dtype = spec.model, spec.num_speculative_tokens, target.dtype
     source = resolve_model_dir(model) if model else Path(target_dir)
     modules = _num_mtp_modules(source, target_cfg)
     if model:
@@ -266,7 +220,7 @@ def _load_mtp(model, target_dir, target_cfg, k, parallel, dtype, device, load_fo
         entries = _checkpoint_entries(weight_files(source), lambda key, t: canonical_mtp_names(key, t, used))
     fill_parameters(draft, target_cfg, entries, f"MTP modules of {source}", progress=False,
                     expected=shapes, to_param=mtp_to_param)
-    return draft.eval()
+    return MTPDrafter(draft.eval(), target, device)
 
 
 def _num_mtp_modules(source: Path, target_cfg: M3Config) -> int:
@@ -278,3 +232,6 @@ def _num_mtp_modules(source: Path, target_cfg: M3Config) -> int:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"{source}/config.json: num_mtp_modules is {n!r}; MTP drafting needs >= 1 module")
     return n
+
+
+_LOADERS = {"eagle3": _load_eagle3, "mtp": _load_mtp}     # speculative_config.method -> its loader

@@ -70,8 +70,6 @@ class InputBatch:
             "num_computed": np.zeros(capacity, dtype=np.int32),      # tokens with KV in the cache
             "block_table": np.zeros((capacity, self.max_blocks), dtype=np.int32),
             "num_blocks": np.zeros(capacity, dtype=np.int32),
-            "plain": np.zeros(capacity, dtype=bool),                  # `samples_by_argmax`
-            "min_tokens": np.zeros(capacity, dtype=np.int32),
         }
         if old is not None:
             n = self.num_rows
@@ -111,8 +109,6 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._set_blocks(row, block_ids, replace=True)
         self.params.append(params)
-        self.plain[row] = params.samples_by_argmax
-        self.min_tokens[row] = params.min_tokens
         gen = None
         if self.make_generators and params.seed is not None and not params.is_greedy:
             gen = make_generator(params.seed, self.device)
@@ -127,8 +123,7 @@ class InputBatch:
             moved = self.req_ids[last]
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
-            for name in ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "plain",
-                         "min_tokens"):
+            for name in ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks"):
                 arr = getattr(self, name)
                 arr[row] = arr[last]
             self.block_table[row, :self.num_blocks[last]] = self.block_table[last, :self.num_blocks[last]]
@@ -219,12 +214,6 @@ class InputBatch:
         self.num_computed[batch.rows] = batch.seq_lens
 
     # ---------------------------------------------------------------- sampling views
-
-    def all_plain_greedy(self, rows: np.ndarray) -> bool:
-        """Argmax gives exactly the sampler's answer for every row: plain greedy params, and no
-        stop token masked by an unmet min_tokens."""
-        out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
-        return bool(self.plain[rows].all() and (out >= self.min_tokens[rows]).all())
 
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]]

@@ -55,7 +55,8 @@ class SamplingMetadata:
     """Everything the sampler needs for one step, as tensors on the logits' device.
 
     Optional tensors are None when no row in the batch uses the feature, so the common
-    all-defaults batch skips that work entirely.
+    all-defaults batch skips that work entirely. Built once per step (`from_params`); a part of
+    the step's rows is taken with `select`.
     """
     temperature: torch.Tensor                 # [num_reqs] fp32; 1.0 on greedy rows
     is_greedy: torch.Tensor                   # [num_reqs] bool
@@ -70,6 +71,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None              # largest `logprobs` in the batch; None = none asked
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, added values)
     max_top_k: int | None = None              # the largest top_k, known on the host (no sync)
+    params: tuple[SamplingParams, ...] = ()   # host side, per row: what `select` re-reads
+    num_output_tokens: tuple[int, ...] = ()   # host side, per row
+    vocab_size: int = 0
 
     @classmethod
     def from_params(
@@ -108,29 +112,76 @@ class SamplingMetadata:
         def tensor(values, dtype):
             return to_device(torch.tensor(values, dtype=dtype), device)
 
-        use_top_k = any(p.top_k > 0 and not g for p, g in zip(params_list, greedy))
-        use_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params_list, greedy))
-        use_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params_list, greedy))
-        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params_list]
-        max_logprobs = [p.logprobs for p in params_list if p.logprobs is not None]
+        use = _Uses(params_list, vocab_size)
+        num_outputs = tuple(len(ids) for ids in output_token_ids)
 
         return cls(
             temperature=tensor(temperature, torch.float32),
             is_greedy=tensor(greedy, torch.bool),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            top_k=tensor(top_k, torch.int64) if use_top_k else None,
-            top_p=tensor([p.top_p for p in params_list], torch.float32) if use_top_p else None,
-            min_p=tensor([p.min_p for p in params_list], torch.float32) if use_min_p else None,
+            top_k=tensor(use.top_k_values, torch.int64) if use.top_k else None,
+            top_p=tensor([p.top_p for p in params_list], torch.float32) if use.top_p else None,
+            min_p=tensor([p.min_p for p in params_list], torch.float32) if use.min_p else None,
             generators=row_generators,
             penalties=_build_penalties(params_list, output_token_ids, prompt_token_ids,
                                        vocab_size, device),
-            min_tokens_mask=_build_min_tokens_mask(params_list, output_token_ids, vocab_size,
-                                                   device),
-            max_num_logprobs=max(max_logprobs) if max_logprobs else None,
+            min_tokens_mask=_build_min_tokens_mask(params_list, num_outputs, vocab_size, device),
+            max_num_logprobs=use.max_num_logprobs,
             logit_bias=_build_logit_bias(params_list, device),
-            max_top_k=max(top_k) if use_top_k else None,
+            max_top_k=max(use.top_k_values) if use.top_k else None,
+            params=tuple(params_list), num_output_tokens=num_outputs, vocab_size=vocab_size,
         )
+
+    def select(self, index: list[int]) -> SamplingMetadata:
+        """The metadata of rows `index` (ascending), equal to `from_params` over those rows
+        alone, without rebuilding the step's tensors: the large ones (penalty counts, prompt
+        masks) are indexed, the small host-side ones rebuilt from the rows' params."""
+        if list(index) == list(range(len(self.params))):
+            return self
+        params = [self.params[i] for i in index]
+        device = self.temperature.device
+        rows = to_device(torch.tensor(index, dtype=torch.int64), device)
+        greedy = [p.is_greedy for p in params]
+        use = _Uses(params, self.vocab_size)
+        where = {old: new for new, old in enumerate(index)}
+        penalties = None
+        if use.repetition or use.frequency_presence:
+            pen = self.penalties
+            penalties = PenaltyTensors(pen.repetition[rows], pen.frequency[rows], pen.presence[rows],
+                                       pen.output_counts[rows],
+                                       pen.prompt_mask[rows] if use.repetition else None)
+        return SamplingMetadata(
+            temperature=self.temperature[rows], is_greedy=self.is_greedy[rows],
+            all_greedy=all(greedy), all_random=not any(greedy),
+            top_k=self.top_k[rows] if use.top_k else None,
+            top_p=self.top_p[rows] if use.top_p else None,
+            min_p=self.min_p[rows] if use.min_p else None,
+            generators={where[r]: g for r, g in self.generators.items() if r in where},
+            penalties=penalties,
+            min_tokens_mask=_build_min_tokens_mask(params, [self.num_output_tokens[i] for i in index],
+                                                   self.vocab_size, device),
+            max_num_logprobs=use.max_num_logprobs,
+            logit_bias=_build_logit_bias(params, device),
+            max_top_k=max(use.top_k_values) if use.top_k else None,
+            params=tuple(params), num_output_tokens=tuple(self.num_output_tokens[i] for i in index),
+            vocab_size=self.vocab_size)
+
+
+class _Uses:
+    """Which optional features a set of rows uses (truncations count on non-greedy rows only)."""
+
+    def __init__(self, params_list: list[SamplingParams], vocab_size: int):
+        sampled = [p for p in params_list if not p.is_greedy]
+        self.top_k = any(p.top_k > 0 for p in sampled)
+        self.top_p = any(p.top_p < 1.0 for p in sampled)
+        self.min_p = any(p.min_p > 0.0 for p in sampled)
+        self.top_k_values = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params_list]
+        self.repetition = any(p.repetition_penalty != 1.0 for p in params_list)
+        self.frequency_presence = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                                      for p in params_list)
+        logprobs = [p.logprobs for p in params_list if p.logprobs is not None]
+        self.max_num_logprobs = max(logprobs) if logprobs else None
 
 
 def _build_logit_bias(params_list, device):
@@ -184,10 +235,10 @@ def _build_penalties(params_list, output_token_ids, prompt_token_ids, vocab_size
     )
 
 
-def _build_min_tokens_mask(params_list, output_token_ids, vocab_size, device):
+def _build_min_tokens_mask(params_list, num_output_tokens, vocab_size, device):
     forbidden = []
-    for p, ids in zip(params_list, output_token_ids):
-        if len(ids) < p.min_tokens:
+    for p, n in zip(params_list, num_output_tokens):
+        if n < p.min_tokens:
             # Ids past the logits' vocab cannot be sampled anyway; the API layer rejects them.
             forbidden.append(sorted(t for t in p.all_stop_token_ids if t < vocab_size))
         else:

@@ -120,14 +120,14 @@ class Worker:
         self.runner.vision = self.vision
         if self.is_driver and self.proposer is None:
             from m3serve.worker.structured import GrammarBook
-            self.runner.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
-            self.runner.grammars.warm_up(self.device)
+            self.runner.step_sampler.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
+            self.runner.step_sampler.grammars.warm_up(self.device)
         if self.proposer is not None:
             from m3serve.spec.rejection import RejectionSampler
             spec = config.speculative
             self.proposer.allocate_caches(num_blocks, self.block_size, self.kv_dtype, self.index_dtype)
             self.runner.proposer = self.proposer
-            self.runner.rejection = RejectionSampler(
+            self.runner.step_sampler.rejection = RejectionSampler(
                 spec.rejection_sample_method, spec.synthetic_acceptance_length, spec.num_speculative_tokens,
                 torch.Generator(device=self.device).manual_seed(config.model.seed + 1))
         if sizes and self.proposer is not None:

@@ -116,3 +116,33 @@ def test_on_by_default_where_it_applies():
     assert not async_scheduling_applies(EngineConfig.from_kwargs(**spec))
     with pytest.raises(ValueError, match="--async-scheduling cannot be combined with --speculative-config"):
         EngineConfig.from_kwargs(async_scheduling=True, **spec)
+
+
+def test_the_worker_samples_by_the_schedulers_mode(tiny_dir, monkeypatch):
+    """A step's sampling mode is decided once, by the scheduler (`core/sampling_mode.py`), and
+    the worker follows it without re-deriving it from the params: told ARGMAX, it takes the
+    argmax of requests that ask for sampling; told FULL, greedy requests go through the whole
+    sampler, and no step is deferred."""
+    import m3serve.core.scheduler as scheduler_mod
+    from m3serve.core.sampling_mode import SamplingMode
+
+    llm = LLM(str(tiny_dir), dtype="float32", max_num_seqs=4)
+    sched = llm.engine.core.scheduler
+    prompts = workload()[0][:4]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.5, seed=3, max_tokens=8, ignore_eos=True)
+    want = generate(llm, prompts, [greedy] * 4)
+    assert generate(llm, prompts, [sampled] * 4) != want
+
+    monkeypatch.setattr(scheduler_mod, "sampling_mode", lambda params, n: SamplingMode.ARGMAX)
+    assert generate(llm, prompts, [sampled] * 4) == want
+
+    calls = []
+    sampler = llm.engine.worker.runner.step_sampler.sampler
+    real = sampler.forward
+    monkeypatch.setattr(sampler, "forward", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(scheduler_mod, "sampling_mode", lambda params, n: SamplingMode.FULL)
+    deferred = sched.num_deferred_steps
+    assert generate(llm, prompts, [greedy] * 4) == want
+    assert len(calls) >= 8 and sched.num_deferred_steps == deferred
+    check_clean(llm)

@@ -105,3 +105,71 @@ def test_greedy_lossless(tiny_dir, drafts, reference, kind, oracle):
     if oracle:
         assert sched.spec_stats.mean_acceptance_length > 2.0
     _check_clean(llm)
+
+
+def test_logit_bias_verifies_no_drafts_and_one_metadata_per_step(tiny_dir, drafts):
+    """A request with logit_bias gets no drafts (rejection sampling would verify them without
+    the bias): its tokens equal speculation off, beside seeded sampled requests that verify
+    drafts in the same steps. Each step builds its sampling metadata once, also when it
+    samples plain rows and verifies drafted ones together."""
+    from m3serve.worker.sampler import SamplingMetadata
+
+    prompts = _prompts()[:4]
+    biased = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={42: 30.0, 77: 29.0})
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    plain = LLM(str(tiny_dir), **_flags())
+    want, _ = _generate(plain, prompts[:1], biased)
+
+    llm = LLM(str(tiny_dir), speculative_config=_spec("eagle3-gqa", drafts), **_flags("eagle3-gqa"))
+    runner = llm.engine.worker.runner
+    steps, counts = [], {"metadata": 0, "plain": 0, "verify": 0}
+    real_execute, real_build = runner.execute_model, SamplingMetadata.from_params.__func__
+    rejection, sampler = runner.step_sampler.rejection, runner.step_sampler.sampler
+    real_sample = sampler.forward
+
+    class CountingRejection:
+        method = rejection.method
+
+        def __call__(self, *args):
+            counts["verify"] += 1
+            return rejection(*args)
+
+    def build(cls, *args, **kwargs):
+        counts["metadata"] += 1
+        return real_build(cls, *args, **kwargs)
+
+    def execute(so, *args):
+        for key in counts:
+            counts[key] = 0
+        out = real_execute(so, *args)
+        steps.append(dict(counts))
+        return out
+
+    def sample(*args):
+        counts["plain"] += 1
+        return real_sample(*args)
+
+    runner.step_sampler.rejection = CountingRejection()
+    runner.execute_model, sampler.forward = execute, sample
+    SamplingMetadata.from_params = classmethod(build)
+    try:
+        got, _ = _generate(llm, prompts, [biased] + [sampled] * 3)
+    finally:
+        SamplingMetadata.from_params = classmethod(real_build)
+    assert got[:1] == want
+    assert llm.engine.core.scheduler.spec_stats.num_drafts > 0
+    assert any(s["plain"] and s["verify"] for s in steps)          # mixed steps happened
+    assert max(s["metadata"] for s in steps) == 1
+    _check_clean(llm)
+
+
+def test_in_process_state_reports_speculation(tiny_dir, drafts):
+    """`engine_states()` of the in-process engine is built where the engine process builds
+    its answer, so it carries the speculation counters too."""
+    llm = LLM(str(tiny_dir), speculative_config=_spec("eagle3-gqa", drafts), **_flags("eagle3-gqa"))
+    _generate(llm, _prompts()[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    stats, state = llm.engine.core.scheduler.spec_stats, llm.engine.engine_states()[0]
+    assert state.spec_num_drafts == stats.num_drafts > 0
+    assert state.spec_num_draft_tokens == stats.num_draft_tokens > 0
+    assert state.spec_num_accepted_tokens == stats.num_accepted_tokens
+    assert state.num_free_blocks == state.num_usable_blocks and state.integrity_error is None

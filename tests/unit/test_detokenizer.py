@@ -116,3 +116,21 @@ def test_stop_helpers_match_brute_force(text, stop):
         (k for s in stop for k in range(1, len(s)) if k <= len(text) and text.endswith(s[:k])), default=0
     )
     assert stop_holdback(text, stop) == expected_hold
+
+
+def test_n_fans_out_into_child_requests_that_stop_at_eos(tokenizer):
+    """The one place a user request becomes engine requests (the offline `LLM` and the server
+    both call it): n children with vLLM's child ids, each with its own params (seed + index),
+    the prompt, the cache salt, and the model's EOS as a stop token unless EOS is ignored."""
+    from m3serve.sampling_params import SamplingParams
+    from m3serve.serving.output_processor import RequestState
+
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=4)
+    reqs = RequestState("req", "hi", [5, 6, 7], params, tokenizer).engine_requests(2, cache_salt="s")
+    assert [r.request_id for r in reqs] == ["0_req", "1_req", "2_req"]
+    assert all(r.prompt_token_ids == [5, 6, 7] and r.eos_token_id == 2 and r.cache_salt == "s" for r in reqs)
+    assert all(2 in r.sampling_params.all_stop_token_ids and r.sampling_params.n == 1 for r in reqs)
+    assert [r.sampling_params.seed for r in reqs] == [5, 6, 7]
+    assert 2 not in params.all_stop_token_ids                  # the user's params stay untouched
+    alone = RequestState("q", None, [5], SamplingParams(ignore_eos=True), tokenizer).engine_requests(2)
+    assert [r.request_id for r in alone] == ["q"] and 2 not in alone[0].sampling_params.all_stop_token_ids

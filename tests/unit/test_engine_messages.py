@@ -34,3 +34,17 @@ def test_an_admission_that_does_not_decode_is_refused_alone():
     assert _decode_or_refuse(b"\xc1 not msgpack", results) is None and len(results) == 1
     good = _decode_or_refuse(encode(AbortRequests(["a"])), results)
     assert isinstance(good, AbortRequests) and good.request_ids == ["a"]
+
+
+def test_a_dead_engine_is_the_same_error_for_both_clients():
+    """The offline `LLM`'s client reports a dead engine with the server client's class, so one
+    `except EngineDeadError` (the 503 handler's) covers both."""
+    import pytest
+
+    from m3serve.core.errors import EngineDeadError
+    from m3serve.core.sync_client import SyncEngineClient
+
+    client = SyncEngineClient.__new__(SyncEngineClient)        # no processes: only its books
+    client.dead_reason = "rank 1 (pid 7) exited with code -9"
+    with pytest.raises(EngineDeadError, match=r"rank 1 \(pid 7\)"):
+        client.settle()

@@ -218,3 +218,47 @@ def test_compute_logprobs_for_prompt_positions():
     assert result.top_logprobs[0].tolist() == pytest.approx([3.0 - lse0, 2.0 - lse0], abs=1e-6)
     zero_top = compute_logprobs(logits, torch.tensor([0, 2]), num_top=0)
     assert zero_top.top_token_ids.shape == (2, 0) and zero_top.token_ranks.tolist() == [4, 3]
+
+
+def _same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> None:
+    """Field by field: tensors equal (None where the other is None), host values equal."""
+    def same(x, y, name):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert x is not None and y is not None, name
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        elif isinstance(x, tuple) and x and isinstance(x[0], torch.Tensor):
+            assert y is not None and len(x) == len(y), name
+            for i, (u, v) in enumerate(zip(x, y)):
+                same(u, v, f"{name}[{i}]")
+        else:
+            assert x == y, name
+    for name in ("temperature", "is_greedy", "all_greedy", "all_random", "top_k", "top_p", "min_p",
+                 "min_tokens_mask", "max_num_logprobs", "logit_bias", "max_top_k", "params",
+                 "num_output_tokens"):
+        same(getattr(a, name), getattr(b, name), name)
+    assert a.generators.keys() == b.generators.keys()
+    assert all(a.generators[r] is b.generators[r] for r in a.generators)
+    assert (a.penalties is None) == (b.penalties is None)
+    if a.penalties is not None:
+        for name in ("repetition", "frequency", "presence", "output_counts", "prompt_mask"):
+            same(getattr(a.penalties, name), getattr(b.penalties, name), f"penalties.{name}")
+
+
+def test_select_equals_building_from_the_rows_alone():
+    """A step builds its metadata once; the eager verify step's plain and verified rows take
+    their part with `select`, which must equal `from_params` over those rows."""
+    V = 40
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, top_k=5, seed=1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=3),
+              SamplingParams(temperature=1.1, top_p=0.7, min_p=0.05, frequency_penalty=0.4, seed=2),
+              SamplingParams(temperature=0.9, min_tokens=3, stop_token_ids=[4, 7], logit_bias={3: 2.0}),
+              SamplingParams(temperature=0.0, top_k=9, presence_penalty=0.2, logprobs=1, logit_bias={5: -1.0})]
+    outputs = [[1, 2], [3], [], [5, 5, 6], [8], [9, 1, 1]]
+    prompts = [[11], [12, 13], [14, 15, 16], [17], [18], [19, 20]]
+    generators = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
+    full = SamplingMetadata.from_params(params, outputs, prompts, generators, V, "cpu")
+    for index in ([0], [1], [0, 2], [1, 3], [4], [2, 5], [0, 1, 4], [1, 2, 3, 5], list(range(6))):
+        alone = SamplingMetadata.from_params([params[i] for i in index], [outputs[i] for i in index],
+                                             [prompts[i] for i in index], [generators[i] for i in index], V, "cpu")
+        _same_metadata(full.select(index), alone)

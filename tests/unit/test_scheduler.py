@@ -529,3 +529,22 @@ def test_draft_tokens_verified_and_rolled_back():
     assert run.tokens["a"] == ref[:5]
     run.until_done()
     assert run.tokens["a"] == ref
+
+
+def test_outputs_are_the_records_the_engine_process_sends():
+    """One record for engine outputs: the scheduler emits the protocol's `CoreOutput`, which the
+    engine process sends as it is (no field-by-field copy a new field could miss); every field
+    survives the wire."""
+    import msgspec
+
+    from m3serve import protocol
+
+    sched, runner = make()
+    sched.add_request(req("a", [5, 6, 7], max_tokens=2))
+    run = Run(sched, runner)
+    run.until_done()
+    assert run.outputs and all(isinstance(o, protocol.CoreOutput) for o in run.outputs)
+    last = run.outputs[-1]
+    last.kv_transfer_params, last.error_is_client = {"remote_block_ids": [1]}, True
+    back = protocol.decode_output(protocol.encode(protocol.CoreOutputs(outputs=[last]))).outputs[0]
+    assert msgspec.structs.asdict(back) == msgspec.structs.asdict(last)

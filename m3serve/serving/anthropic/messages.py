@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.core_client import EngineDeadError, EngineError, RequestFailed
+from m3serve.core.errors import EngineDeadError, EngineError, RequestFailed
 from m3serve.sampling_params import SamplingParams, StructuredOutputsParams
 from m3serve.serving.anthropic.blocks import BlockBuilder
 from m3serve.serving.anthropic.convert import ChatForm, chat_form

@@ -8,7 +8,7 @@ import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.core_client import EngineError
+from m3serve.core.errors import EngineError
 from m3serve.sampling_params import StructuredOutputsParams
 from m3serve.serving.chat_template import render_chat, template_kwargs
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field, merge,

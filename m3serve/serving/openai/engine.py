@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
-from m3serve.core.core_client import EngineError, RequestFailed
+from m3serve.core.errors import EngineError, RequestFailed
 from m3serve.outputs import PositionLogprobs
-from m3serve.protocol import EngineCoreRequest
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.metrics import ServerMetrics
 from m3serve.serving.output_processor import RequestState
@@ -115,13 +114,7 @@ class ServingEngine:
         if params.logit_bias:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
-        requests = []
-        for seq in state.sequences:
-            if self.eos_token_id is not None:
-                seq.params.add_eos_token_ids([self.eos_token_id])
-            requests.append(EngineCoreRequest(seq.request_id, prompt_token_ids, seq.params,
-                                              self.eos_token_id, time.time(), cache_salt,
-                                              kv_transfer_params, mm_inputs))
+        requests = state.engine_requests(self.eos_token_id, cache_salt, kv_transfer_params, mm_inputs)
         queue = await self.client.add_requests(request_id, requests)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         by_id = {seq.request_id: seq for seq in state.sequences}

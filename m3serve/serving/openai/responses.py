@@ -16,7 +16,7 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from m3serve.core.core_client import EngineDeadError, RequestFailed
+from m3serve.core.errors import EngineDeadError, RequestFailed
 from m3serve.sampling_params import StructuredOutputsParams
 from m3serve.serving.chat_template import REASONING_EFFORTS
 from m3serve.serving.openai.chat import _Choice, render_request

@@ -1,0 +1,54 @@
+"""The interface every draft kind implements (EAGLE3 in `spec/eagle3.py`, MTP in `spec/mtp.py`):
+its cache groups and its two forwards. `spec/proposer.py` loads one and runs it: it builds the
+first pass's inputs and the one-token steps' attention metadata, and loops over the k drafts,
+so a draft kind knows nothing of the engine's batch.
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from m3serve.core.kv_cache.specs import CacheGroupSpec
+from m3serve.layers.attention_metadata import AttentionMetadata
+
+
+class Drafter(abc.ABC):
+    """One loaded draft for one rank, beside the target it drafts for."""
+
+    taps: tuple[int, ...] = ()
+    """Target layers whose entering residual streams the draft reads (concatenated, [T, n x H]);
+    () = the target's final hidden states [T, H]."""
+
+    def __init__(self, draft: torch.nn.Module, target, device: torch.device):
+        self.draft, self.target, self.device = draft, target, device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, H]: the target's, unless the draft brings its own."""
+        return self.target.model.embed_tokens(ids)
+
+    @abc.abstractmethod
+    def cache_specs(self, kv_bytes: int, index_bytes: int) -> list[CacheGroupSpec]:
+        """The draft's cache groups (counted when the KV pool is sized; same block ids)."""
+
+    @abc.abstractmethod
+    def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
+        """The draft's caches as (group, view with the block id first), for the CPU tier."""
+
+    @abc.abstractmethod
+    def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                        index_dtype: torch.dtype) -> None:
+        """Allocate the caches `cache_specs` describes."""
+
+    @abc.abstractmethod
+    def prepare(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, last_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first pass over every token of the target's step, writing the draft's KV:
+        embeds [T, H] of the next tokens, hidden [T, ...] what `taps` asks for ->
+        (first draft token [R], the draft's state at each request's last verified position [R, H])."""
+
+    @abc.abstractmethod
+    def propose(self, step: int, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step `step` (1 .. k - 1), one token per request: embeds [R, H] of the previous
+        draft token, state [R, H] -> (draft token [R], new state [R, H])."""
