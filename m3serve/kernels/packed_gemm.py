@@ -135,16 +135,16 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K,
 
 
 def packed_config(M: int, N: int, K: int) -> dict:
-    """Tiles by shape: 16-row tiles for decode rows (weight-bandwidth bound; output tiles
-    narrowed until the grid has about one program per SM), 64-row ones for prefill."""
+    """Tiles by shape. Decode rows (<= 16): 32-column tiles (16 below 2048 columns, for enough
+    programs), K steps of 512 over long reductions, else 256: the best of a sweep at one TP 8
+    rank's projections on an H200 (scripts/decode_kernels_bench.py rank_packed; e.g. MXFP8
+    3072 x 6144 at 1-16 rows: 14.1 µs against 20.2 for 16 x 256 tiles). Prefill: 64-row tiles."""
     if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     if M <= 16:
-        block_n = 64
-        while block_n > 16 and triton.cdiv(N, block_n) < 132:
-            block_n //= 2
-        return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": min(256, max(32, triton.next_power_of_2(K))),
-                "num_warps": 4, "num_stages": 4}
+        return {"BLOCK_M": 16, "BLOCK_N": 16 if N < 2048 else 32,
+                "BLOCK_K": 512 if K >= 4096 else min(256, max(32, triton.next_power_of_2(K))),
+                "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": min(128, max(32, triton.next_power_of_2(K))),
             "num_warps": 8, "num_stages": 3}
 
