@@ -656,19 +656,7 @@ def _gemm1_swiglu_kernel(
         u_scales = scale_base + n_inter.to(tl.int64) * stride_s
     for k in range(tl.cdiv(hidden, BLOCK_K)):
         k_ok = offs_k < hidden - k * BLOCK_K
-        if PACK == 1:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            g = mxfp8_tile(w_base, scale_base, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
-                           hidden, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, UPCAST)
-            u = mxfp8_tile(u_codes, u_scales, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
-                           hidden, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, UPCAST)
-            if UPCAST:
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
-        elif PACK > 1:
+        if PACK > 1:
             g0, g1 = fp4_tiles(w_base, scale_base, g_base, stride_n, stride_s, offs_n, n_ok,
                                k * BLOCK_K, hidden, BLOCK_K, BLOCK_N, PACK == 3, GDIV,
                                x_ptr.dtype.element_ty, UPCAST)
@@ -686,19 +674,26 @@ def _gemm1_swiglu_kernel(
             acc_g = tl.dot(a1, g1, tl.dot(a0, g0, acc_g))
             acc_u = tl.dot(a1, u1, tl.dot(a0, u0, acc_u))
         else:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
+            if PACK == 1:
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if TMA:
-                g = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
-                u = w_desc.load([n_inter + pid_n * BLOCK_N, k * BLOCK_K]).T
-            elif EVEN_K:
-                g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+                g = mxfp8_tile(w_base, scale_base, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
+                               hidden, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, UPCAST)
+                u = mxfp8_tile(u_codes, u_scales, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
+                               hidden, BLOCK_K, BLOCK_N, x_ptr.dtype.element_ty, UPCAST)
             else:
-                g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                if TMA:
+                    g = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+                    u = w_desc.load([n_inter + pid_n * BLOCK_N, k * BLOCK_K]).T
+                elif EVEN_K:
+                    g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                    u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 g = g.to(tl.float32)
@@ -767,16 +762,7 @@ def _gemm2_kernel(
                                         stride_sn, stride_ssn)
         h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_h
     for k in range(tl.cdiv(k_inter, BLOCK_K)):
-        if PACK == 1:
-            k_ok = offs_k < k_inter - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = mxfp8_tile(w_base, scale_base, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
-                           k_inter, BLOCK_K, BLOCK_N, h_ptr.dtype.element_ty, UPCAST)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        elif PACK > 1:
+        if PACK > 1:
             b0, b1 = fp4_tiles(w_base, scale_base, g_base, stride_n, stride_s, offs_n, n_ok,
                                k * BLOCK_K, k_inter, BLOCK_K, BLOCK_N, PACK == 3, GDIV,
                                h_ptr.dtype.element_ty, UPCAST)
@@ -788,7 +774,12 @@ def _gemm2_kernel(
                 b0, b1 = b0.to(tl.float32), b1.to(tl.float32)
             acc = tl.dot(a1, b1, tl.dot(a0, b0, acc))
         else:
-            if TMA:
+            if PACK == 1:
+                k_ok = offs_k < k_inter - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = mxfp8_tile(w_base, scale_base, stride_n, stride_s, offs_n, n_ok, k * BLOCK_K,
+                               k_inter, BLOCK_K, BLOCK_N, h_ptr.dtype.element_ty, UPCAST)
+            elif TMA:
                 a = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
                 b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
             elif EVEN_K:
