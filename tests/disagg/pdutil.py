@@ -4,6 +4,7 @@ check through /metrics."""
 import json
 import random
 import time
+import uuid
 
 import httpx
 
@@ -40,8 +41,12 @@ def chat_body(seed: int, max_tokens: int = 12, **kw) -> dict:
 # differently can pick different tokens at such a step and diverge from there. A test comparing
 # greedy text across computations uses prompts whose every greedy step leads its runner-up by a
 # margin (in logits, = logprobs) that rounding cannot cross, and checks it on the reference, so
-# a tie can neither fail the test by chance nor let a real difference pass as one. (Batching
-# alone changes last bits of the float32 model's logprobs, and TP layouts round differently.)
+# a tie can neither fail the test by chance nor let a real difference pass as one. TP layouts
+# round differently. Batching nearly never does on CPU (projections and attention round once
+# from fp64), but not never: the MoE router's fp32 sigmoid gives a row's score one ulp apart in
+# torch's vector loop and in its scalar tail, so a token's routing weights depend on where its
+# row falls in the step. So the compared computations are also batched alike where a test can
+# arrange it: each alone on an idle server (wait_steps_idle).
 BF16_MARGIN = 0.25       # 4 bf16 ulps at the tiny model's logits (|logit| ~ 8..16)
 F32_MARGIN = 0.01        # float32 servers: TP 1 and TP 2 logprobs differ by < 3e-6 here
 _TOP = 5
@@ -71,17 +76,76 @@ def greedy_gaps(route: str, response_json: dict) -> list[float]:
     return gaps
 
 
-def greedy_reference(server, route: str, body: dict, margin: float = BF16_MARGIN) -> str:
-    """The server's greedy text for `body`, after checking that no step of it is a near-tie
-    (see BF16_MARGIN); a prompt that has one is the test's mistake: pick another seed."""
+def _greedy_with_logprobs(server, route: str, body: dict) -> dict:
     assert body.get("temperature") == 0, body
     extra = {"logprobs": True, "top_logprobs": _TOP} if route.endswith("/chat/completions") else {"logprobs": _TOP}
     r = post(server, route, {**body, **extra, "stream": False})
     assert r.status_code == 200, r.text
-    gaps = greedy_gaps(route, r.json())
+    return r.json()
+
+
+def wait_steps_idle(server, timeout_s: float = 20.0) -> None:
+    """Nothing runs or waits on `server` (KV it holds for a consumer computes nothing), so one
+    request sent now runs alone: its prompt in one step, each decode step a batch of one."""
+    deadline = time.time() + timeout_s
+    while True:
+        m = server.metrics()
+        if not m.get("m3serve:num_requests_running", 0) and not m.get("m3serve:num_requests_waiting", 0):
+            return
+        assert time.time() < deadline, f"{server.url} is still computing: {m}"
+        time.sleep(0.1)
+
+
+def greedy_reference(server, route: str, body: dict, margin: float = BF16_MARGIN) -> str:
+    """The server's greedy text for `body`, computed alone (the server idle first, as the
+    compared consumer request is), after checking that no step of it is a near-tie (see
+    BF16_MARGIN); a prompt that has one is the test's mistake: pick another seed."""
+    wait_steps_idle(server)
+    out = _greedy_with_logprobs(server, route, body)
+    gaps = greedy_gaps(route, out)
     near = [(i, g) for i, g in enumerate(gaps) if g < margin]
     assert not near, f"the reference has near-ties (step, logit gap) {near} below {margin}: choose another prompt"
-    return text_of(r.json())
+    return text_of(out)
+
+
+def _top2(route: str, response_json: dict) -> list:
+    """Per output token: its top-2 (token, logprob)."""
+    choice = response_json["choices"][0]
+    if route.endswith("/chat/completions"):
+        return [[(t["token"], round(t["logprob"], 4)) for t in pos["top_logprobs"][:2]]
+                for pos in choice["logprobs"]["content"]]
+    return [sorted(((t, round(v, 4)) for t, v in top.items()), key=lambda kv: -kv[1])[:2]
+            for top in choice["logprobs"]["top_logprobs"]]
+
+
+def assert_same_greedy(got: str, want: str, producer, consumer, route: str, body: dict) -> None:
+    """`got` (the consumer's text for `body`) equals `want` (the producer's greedy_reference).
+    On a mismatch, before failing, each server computes the prompt once more on its own (alone,
+    a fresh cache salt: no prefix hit), and the message says which computation differs, with
+    every step's top-2 logprobs of both: the consumer's request path (its pulled or recomputed
+    KV), the consumer's process as a whole, or the producer."""
+    if got == want:
+        return
+    salted = {**body, "cache_salt": uuid.uuid4().hex}
+    wait_steps_idle(consumer)
+    local = _greedy_with_logprobs(consumer, route, salted)
+    again = None
+    if producer is not None:           # None: the producer is gone
+        wait_steps_idle(producer)
+        again = _greedy_with_logprobs(producer, route, {**body, "cache_salt": uuid.uuid4().hex})
+    if again is not None and text_of(again) != want:
+        verdict = "the producer does not reproduce its own reference"
+    elif text_of(local) == want:
+        verdict = "the consumer computes the prompt as the producer does; its request path (pulled or recomputed KV) does not"
+    elif text_of(local) == got:
+        verdict = "the consumer's process computes this prompt differently from the producer's (whatever the path)"
+    else:
+        verdict = "the consumer computes differently on each try"
+    raise AssertionError(f"{verdict}\n  consumer's answer {got!r}\n  producer's reference {want!r}\n"
+                         f"  consumer alone {text_of(local)!r}\n"
+                         f"  producer again {text_of(again) if again else None!r}\n"
+                         f"  consumer alone, top-2 per step {_top2(route, local)}\n"
+                         f"  producer again, top-2 per step {_top2(route, again) if again else None}")
 
 
 def post(server, route: str, body: dict, headers=HEADERS, timeout: float = 120) -> httpx.Response:

@@ -6,12 +6,11 @@ sparse layers' block selection reads the pulled index cache; a consumer that ski
 cache while pulling gets other tokens, which shows the comparison would catch it. Prompts are
 fixed, and compared ones have no near-tied greedy step (pdutil.BF16_MARGIN)."""
 import concurrent.futures as cf
-import json
 
 import httpx
 import pytest
-from pdutil import (HEADERS, KEY, assert_clean, chat_body, completion_body, decode_leg, greedy_gaps, greedy_reference,
-                    kv_flags, post, prefill_leg, sse_text, text_of)
+from pdutil import (HEADERS, KEY, assert_clean, assert_same_greedy, chat_body, completion_body, decode_leg, greedy_gaps,
+                    greedy_reference, kv_flags, post, prefill_leg, sse_text, text_of, wait_steps_idle)
 from serverutil import LiveServer
 
 ROUTES = [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)]
@@ -36,10 +35,10 @@ def test_decode_leg_equals_one_server(pd, route, make, stream):
     params = pre["kv_transfer_params"]
     assert len(params["remote_block_ids"]) == -(-pre["usage"]["prompt_tokens"] // 16)
     assert pre["usage"]["prompt_tokens"] > 4 * 16 * 4      # far beyond what sparse layers keep
+    wait_steps_idle(D)
     r = decode_leg(D, route, {**body, "stream": stream}, params)
     assert r.status_code == 200, r.text
-    got = sse_text(r) if stream else text_of(r.json())
-    assert got == want
+    assert_same_greedy(sse_text(r) if stream else text_of(r.json()), want, P, D, route, body)
     after = D.metrics()
     assert after["m3serve:kv_transfer_pulls_total"] == before["m3serve:kv_transfer_pulls_total"] + 1
     assert after["m3serve:kv_transfer_fallbacks_total"] == before["m3serve:kv_transfer_fallbacks_total"]

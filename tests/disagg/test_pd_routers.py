@@ -8,8 +8,8 @@ step (pdutil.BF16_MARGIN)."""
 import shutil
 
 import pytest
-from pdutil import (KEY, RouterProc, assert_clean, chat_body, completion_body, greedy_reference, post, sse_text,
-                    text_of)
+from pdutil import (KEY, RouterProc, assert_clean, assert_same_greedy, chat_body, completion_body, greedy_reference,
+                    post, sse_text, text_of, wait_steps_idle)
 
 pytestmark = pytest.mark.skipif(not (shutil.which("vllm-router") and shutil.which("smg")),
                                 reason="needs vllm-router and smg (pip install vllm-router smg)")
@@ -43,9 +43,10 @@ def test_pd_through_router_equals_one_server(pd, pd_routers, router, route, make
     body = make(seed=SEEDS[router, route][stream])
     want = greedy_reference(P, route, body)
     before = D.metrics()["m3serve:kv_transfer_pulls_total"]
+    wait_steps_idle(D)
     r = post(pd_routers[router], route, {**body, "stream": stream})
     assert r.status_code == 200, r.text
-    assert (sse_text(r) if stream else text_of(r.json())) == want
+    assert_same_greedy(sse_text(r) if stream else text_of(r.json()), want, P, D, route, body)
     assert D.metrics()["m3serve:kv_transfer_pulls_total"] == before + 1     # the prompt's KV was pulled
 
 

@@ -7,8 +7,8 @@ prompts whose greedy steps lead by more than TP's rounding differences (pdutil.F
 import shutil
 
 import pytest
-from pdutil import (F32_MARGIN, KEY, RouterProc, assert_clean, completion_body, decode_leg, greedy_reference,
-                    kv_flags, post, prefill_leg, text_of)
+from pdutil import (F32_MARGIN, KEY, RouterProc, assert_clean, assert_same_greedy, completion_body, decode_leg,
+                    greedy_reference, kv_flags, post, prefill_leg, text_of, wait_steps_idle)
 from serverutil import LiveServer
 
 F32 = ("--dtype", "float32", "--api-key", KEY)
@@ -41,8 +41,10 @@ def test_pd_across_tp_sizes(tp_pd, producer, consumer, seeds):
         pre = prefill_leg(P, "/v1/completions", body)
         assert pre["kv_transfer_params"]["tp_size"] == (2 if producer == "P2" else 1)
         before = D.metrics()["m3serve:kv_transfer_pulls_total"]
+        wait_steps_idle(D)
         r = decode_leg(D, "/v1/completions", body, pre["kv_transfer_params"])
-        assert r.status_code == 200 and text_of(r.json()) == want
+        assert r.status_code == 200
+        assert_same_greedy(text_of(r.json()), want, tp_pd["P1"], D, "/v1/completions", body)
         assert D.metrics()["m3serve:kv_transfer_pulls_total"] == before + 1
 
 

@@ -5,7 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pdutil import F32_MARGIN, KEY, assert_clean, decode_leg, greedy_reference, kv_flags, prefill_leg, text_of
+from pdutil import (F32_MARGIN, KEY, assert_clean, assert_same_greedy, decode_leg, greedy_reference, kv_flags, prefill_leg,
+                    text_of, wait_steps_idle)
 from serverutil import LiveServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multimodal"))
@@ -45,9 +46,10 @@ def test_decode_side_answers_as_one_server(servers, consumer):
     want = greedy_reference(P, ROUTE, b, margin=F32_MARGIN)
     fallbacks = D.metrics()["m3serve:kv_transfer_fallbacks_total"]
     params = prefill_leg(P, ROUTE, b)["kv_transfer_params"]
+    wait_steps_idle(D)
     r = decode_leg(D, ROUTE, b, params)
     assert r.status_code == 200, r.text
-    assert text_of(r.json()) == want
+    assert_same_greedy(text_of(r.json()), want, P, D, ROUTE, b)
     assert D.metrics()["m3serve:kv_transfer_fallbacks_total"] == fallbacks + (consumer == "fail")
     assert_clean(D)
     assert_clean(P)
