@@ -26,8 +26,12 @@ from m3serve.layers.packed import dequantized, is_row_scale, packed_format, row_
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, H] -> (weights [T, K] fp32 incl. the routed scaling factor, expert ids [T, K])."""
-    scores = torch.sigmoid(linear(x.float(), gate_weight.float()))         # [T, E]
+    """x: [T, H] -> (weights [T, K] fp32 incl. the routed scaling factor, expert ids [T, K]).
+    On CPU the sigmoid runs in fp64 and rounds once: torch's fp32 sigmoid differs by an ulp
+    between its vector loop and its scalar tail, so a row's weights would depend on the rows
+    beside it (the CPU path is batch-invariant, like `linear`)."""
+    logits = linear(x.float(), gate_weight.float())                          # [T, E]
+    scores = torch.sigmoid(logits.double()).float() if x.device.type == "cpu" else torch.sigmoid(logits)
     ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices          # [T, K]
     w = scores.gather(1, ids)
     return w / w.sum(-1, keepdim=True) * scale, ids
