@@ -207,3 +207,21 @@ def test_layouts_that_cut_scale_blocks_are_refused_before_start(tiny_dir):
                                          r"multiple of the mxfp8 scale block 32"):
         check_layout(parse_config(json.loads((tiny_dir / "config.json").read_text())),
                      ParallelConfig(tensor_parallel_size=2), lambda m: "mxfp8")
+
+
+@pytest.mark.parametrize("tp,ep", [(2, False), (8, True)])
+def test_online_mxfp8_plan_equals_the_mxfp8_release(tp, ep):
+    """`--quantization mxfp8` quantises the modules the MXFP8 release does (every linear layer
+    and the experts), so its plan equals that checkpoint layout's, which the test above holds
+    to the engine's packed shards."""
+    from m3serve.plan import stored_formats
+
+    raw = realshape_config_dict(4)
+    cfg = parse_config(raw)
+    par = ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep)
+    raw["quantization_config"] = {"quant_method": "mxfp8",     # the release's exclusions
+                                  "ignored_layers": ["lm_head", "*block_sparse_moe.gate"]}
+    format_of, _ = stored_formats(raw)
+    online = plan(cfg, par, quantization="mxfp8")
+    assert online.weight_bytes == plan(cfg, par, format_of=format_of).weight_bytes
+    assert online.weight_bytes["lm_head"] == plan(cfg, par).weight_bytes["lm_head"]   # stays bf16
