@@ -7,12 +7,14 @@ index-key scan).
 """
 from __future__ import annotations
 
+from m3serve.kernels.ref.packed import MX_BLOCK, NVFP4_BLOCK
+
 HBM_READ_TBPS = 4.19          # measured on one H200 (docs/benchmarks.md)
 BF16_TFLOPS = 795.0           # dense bf16 GEMM ceiling on one H200 (docs/benchmarks.md)
 FP8_TFLOPS = 1465.0
 # bytes per weight element of the packed formats, block scales included (NVFP4's fp32 global
 # scale per row is left out: 4 bytes per thousands of elements)
-PACKED_BYTES = {"mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+PACKED_BYTES = {"mxfp8": 1 + 1 / MX_BLOCK, "mxfp4": 0.5 + 1 / MX_BLOCK, "nvfp4": 0.5 + 1 / NVFP4_BLOCK}
 
 
 def _weights_per_layer(cfg) -> dict[str, int]:

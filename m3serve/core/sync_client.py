@@ -19,9 +19,6 @@ from m3serve.core.errors import EngineDeadError
 _POLL_MS = 200
 
 
-EngineFailed = EngineDeadError      # the offline API's name for it
-
-
 class SyncEngineClient:
     def __init__(self, config: EngineConfig, ready_timeout_s: float = 900.0):
         self.config = config

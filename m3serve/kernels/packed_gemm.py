@@ -16,11 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.ref.packed import MX_BLOCK, NVFP4_BLOCK
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 # kind -> the FMT constexpr of the kernels (0 is "not packed" in the fused MoE)
 PACK_CODES = {"mxfp8": 1, "mxfp4": 2, "nvfp4": 3}
-SCALE_BLOCK = {1: 32, 2: 32, 3: 16}
+SCALE_BLOCK = {1: MX_BLOCK, 2: MX_BLOCK, 3: NVFP4_BLOCK}
 
 
 @triton.jit

@@ -375,7 +375,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
         raise ValueError(f"quantization={quantization!r} quantises a BF16 checkpoint online, but {model_dir} "
                          f"is already quantised ({scheme.summary}); leave it out")
     # online quantisation, weight by weight as each completes: the bf16 model never exists whole
-    from m3serve.model.quantize import ONLINE_PACKED, quantize_param_experts, quantize_param_fp8
+    from m3serve.model.quantize import ONLINE_PACKED, quantize_param_packed, quantize_param_fp8
     fp8 = quantization in ("fp8", "fp8_per_channel")
     online = fp8 or quantization in ONLINE_PACKED
     with torch.device(device), (deferred_weights() if online or scheme else contextlib.nullcontext()):
@@ -389,7 +389,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
             quantize_param_fp8(net, name)
     elif quantization in ONLINE_PACKED:
         def on_complete(name):
-            quantize_param_experts(net, name, ONLINE_PACKED[quantization])
+            quantize_param_packed(net, name, ONLINE_PACKED[quantization])
     fill = {"device": torch.device(device), "on_complete": on_complete}
     if load_format == "dummy":
         fill_parameters(net, cfg, dummy_weights(cfg, seed, device), "dummy weights", progress=False, **fill)

@@ -65,7 +65,7 @@ def quantize_packed(w: torch.Tensor, fmt: PackedFormat):
     return (codes.view(*lead, -1), scales.view(*lead, -1), None if glob is None else glob.view(lead))
 
 
-def quantize_param_experts(model: nn.Module, name: str, fmt: PackedFormat) -> bool:
+def quantize_param_packed(model: nn.Module, name: str, fmt: PackedFormat) -> bool:
     """Quantise parameter `name` of `model` to `fmt` in place if it is a routed expert stack
     (w13 / w2) or a shared expert's weight, or for MXFP8 any linear layer's weight; returns
     whether it did. This rank's shard is quantised as it is, so its K must hold whole scale

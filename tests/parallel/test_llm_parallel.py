@@ -56,17 +56,17 @@ def test_killed_rank_is_named_and_ends_the_engine(tiny_dir):
     import os
     import signal
 
-    from m3serve.core.sync_client import EngineFailed
+    from m3serve.core.errors import EngineDeadError
 
     llm = LLM(str(tiny_dir), tensor_parallel_size=2, dtype="float32")
     follower = next(r for r in llm.engine.engine_states()[0].ranks if r["rank"] == 1)["pid"]
     threading.Timer(2.0, os.kill, (follower, signal.SIGKILL)).start()
     start = time.monotonic()
-    with pytest.raises(EngineFailed, match=r"rank 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) exited with code -9"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                      SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 20
-    with pytest.raises(EngineFailed):
+    with pytest.raises(EngineDeadError):
         llm.generate(["again"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.engine.client.engines is None     # every engine process is gone
 
@@ -76,14 +76,14 @@ def test_frozen_rank_is_named_and_ends_the_engine(tiny_dir):
     import os
     import signal
 
-    from m3serve.core.sync_client import EngineFailed
+    from m3serve.core.errors import EngineDeadError
 
     llm = LLM(str(tiny_dir), tensor_parallel_size=2, dtype="float32")
     follower = next(r for r in llm.engine.engine_states()[0].ranks if r["rank"] == 1)["pid"]
     threading.Timer(1.0, os.kill, (follower, signal.SIGSTOP)).start()
     start = time.monotonic()
     try:
-        with pytest.raises(EngineFailed, match=r"rank 1 \(pid \d+\) stopped responding"):
+        with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) stopped responding"):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}],
                          SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True), use_tqdm=False)
         assert time.monotonic() - start < 30
