@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--flavor", default="m3", choices=FLAVORS,
                       help="m3: dense and MSA attention layers mixed; m3.1-flash: MSA in every layer "
                            "(MiniMax-M3.1-Flash's layout, bf16 weights)")
-    tiny.add_argument("--draft", default=None, choices=("eagle3", "eagle3-gqa", "mtp"),
+    tiny.add_argument("--draft", default=None, choices=("eagle3", "eagle3-gqa", "mtp", "dspark"),
                       help="write a random draft checkpoint for --target instead")
     tiny.add_argument("--target", default=None, help="the target checkpoint the draft is sized for "
                                                       "(default: the embedded tiny model)")

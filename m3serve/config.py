@@ -6,6 +6,7 @@ CLI flags and `LLM(**kwargs)` keywords are generated from the dataclass fields (
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 
@@ -274,15 +275,16 @@ class CompilationConfig:
             object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
 
 
-_SPEC_METHODS = ("eagle3", "mtp")
+_SPEC_METHODS = ("eagle3", "mtp", "dspark")
 _SPEC_NOT_APPLICABLE = ("attention_backend", "use_local_argmax_reduction")   # recipes set these
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config` JSON (or `LLM(speculative_config={...})`), vLLM's keys:
-    method (eagle3 | mtp), model (the draft; MTP: default the target checkpoint),
-    num_speculative_tokens (k), draft_tensor_parallel_size (1 = the draft replicated on every
+    method (eagle3 | mtp | dspark), model (the draft; MTP: default the target checkpoint;
+    DSpark: default the target's dspark/ folder), num_speculative_tokens (k; DSpark: default
+    the draft's dspark_block_size, filled in by `EngineConfig`), draft_tensor_parallel_size (1 = the draft replicated on every
     rank, or the target's TP), rejection_sample_method (standard | synthetic),
     synthetic_acceptance_length (with synthetic: mean tokens emitted per verify step, 1..k+1).
     The parsed values are the attributes below; None = speculation off."""
@@ -321,7 +323,9 @@ def _parse_speculative(raw) -> dict:
     if model is not None and not isinstance(model, str):
         raise ValueError(f"speculative_config.model must be a path or hub id, got {model!r}")
     k = raw.get("num_speculative_tokens")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+    if k is None and method == "dspark":
+        k = 0                                      # the draft's block size, once the model is known
+    elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
         raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
     draft_tp = raw.get("draft_tensor_parallel_size")
     if draft_tp is not None and (isinstance(draft_tp, bool) or not isinstance(draft_tp, int) or draft_tp < 1):
@@ -333,7 +337,7 @@ def _parse_speculative(raw) -> dict:
                          f"got {rule!r}")
     length = raw.get("synthetic_acceptance_length")
     if rule == "synthetic":
-        if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1.0 <= length <= k + 1:
+        if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1.0 <= length <= (k or 16) + 1:
             raise ValueError(f"speculative_config.synthetic_acceptance_length must be a number in "
                              f"[1, num_speculative_tokens + 1 = {k + 1}] with rejection_sample_method "
                              f"'synthetic', got {length!r}")
@@ -344,6 +348,39 @@ def _parse_speculative(raw) -> dict:
     out.update(method=method, model=model, num_speculative_tokens=k, draft_tensor_parallel_size=draft_tp,
                rejection_sample_method=rule, synthetic_acceptance_length=length)
     return out
+
+
+def _dspark_block_size(draft: str | None, target: str | None) -> int:
+    """The DSpark draft's `dspark_block_size` (the default number of speculative tokens): the
+    draft folder `draft`, else the target's dspark/ folder (a hub target: its dspark/config.json)."""
+    from pathlib import Path
+
+    if draft is not None:
+        from m3serve.model.files import resolve_model_dir
+        path = resolve_model_dir(draft, config_only=True) / "config.json"
+    else:
+        if target is None:
+            from m3serve.model.files import default_model_dir
+            target = str(default_model_dir())
+        path = Path(target) / "dspark" / "config.json"
+        if not Path(target).exists() and str(target).count("/") == 1:
+            try:
+                from huggingface_hub import hf_hub_download
+                path = Path(hf_hub_download(str(target), "dspark/config.json"))
+            except Exception as e:
+                raise ValueError(f"speculative_config: DSpark draft of {target!r}: dspark/config.json could "
+                                 f"not be fetched ({e}); pass num_speculative_tokens and model") from e
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config: DSpark draft config {path} cannot be read ({e}); name the "
+                         f"draft folder in speculative_config.model") from e
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    size = text.get("dspark_block_size", raw.get("dspark_block_size"))
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 16:
+        raise ValueError(f"DSpark draft config {path}: 'dspark_block_size' must be an integer in [1, 16] "
+                         f"(got {size!r})")
+    return size
 
 
 KV_CONNECTORS = ("NixlConnector",)
@@ -535,6 +572,14 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self):
+        spec = self.speculative
+        if spec.method == "dspark" and spec.num_speculative_tokens == 0:
+            k = _dspark_block_size(spec.model, self.model.model)
+            if spec.synthetic_acceptance_length is not None and spec.synthetic_acceptance_length > k + 1:
+                raise ValueError(f"speculative_config.synthetic_acceptance_length must be at most "
+                                 f"num_speculative_tokens + 1 = {k + 1} (the DSpark draft's block size), "
+                                 f"got {spec.synthetic_acceptance_length}")
+            object.__setattr__(spec, "num_speculative_tokens", k)
         if self.kv_transfer.enabled and self.speculative.enabled:
             raise ValueError("--kv-transfer-config cannot be combined with --speculative-config yet: "
                              "a decode worker would also need the draft's KV of the prompt")

@@ -110,12 +110,13 @@ def _attend_tile(q, k_base, v_base, rows, load_ok, visible, qk_scale, m_i, l_i, 
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _token_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    query_start_loc, seq_lens, block_tables, block_ids_ptr, k_scale_ptr, v_scale_ptr,
+    query_start_loc, seq_lens, block_tables, block_ids_ptr, k_scale_ptr, v_scale_ptr, key_lo_ptr,
     qk_scale, num_reqs, topk,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_it, stride_ig, stride_ik,
     HPG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr, FP8: tl.constexpr,
+    HAS_LO: tl.constexpr,
 ):
     """One program = (token t, KV group g, split s): the group's HPG heads are the M rows."""
     t = tl.program_id(0)
@@ -162,6 +163,8 @@ def _token_attn_kernel(
             start = i * BLOCK_N
             page = tl.load(block_tables + r * stride_bt + start // BLOCK_SIZE).to(tl.int64)
             key_ok = start + offs_n <= pos
+        if HAS_LO:  # a left edge per token (a sliding window)
+            key_ok = key_ok & (start + offs_n >= tl.load(key_lo_ptr + t))
         rows = page * stride_kp + ((start % BLOCK_SIZE) + offs_n) * stride_kt   # [BLOCK_N]
         m_i, l_i, acc = _attend_tile(q, k_base, v_base, rows, key_ok, key_ok[None, :], qk_scale,
                                      m_i, l_i, acc, D)
@@ -402,7 +405,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     block_ids: torch.Tensor | None = None, max_query_len: int, max_seq_len: int,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, key_lo: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query token over its request's paged context.
 
     q: [T, H, D] (bf16 on GPU); kv_cache: [2, num_blocks, block_size, G, D] (plane 0 = K, 1 = V),
@@ -419,6 +422,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     prefill path may read blocks whole and mask the scores, and a zero weight times a NaN value
     is NaN. The engine zero-fills the cache; a non-finite K/V that a request wrote would reach a
     later request whose last, partly filled block reuses that page.
+    key_lo: None or [T] int32/int64, token t's first visible key position (a sliding window);
+    only with max_query_len <= TOKEN_KERNEL_MAX_QUERY (the token kernel).
     Returns out ([T, H, D], q's dtype); softmax in fp32.
     """
     _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_tables, block_ids, k_scale, v_scale,
@@ -440,6 +445,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
               out.stride(0), out.stride(1), block_tables.stride(0))
     sparse = block_ids is not None
+    if key_lo is not None and max_query_len > TOKEN_KERNEL_MAX_QUERY:
+        raise ValueError(f"key_lo (a per-token left edge) needs max_query_len <= {TOKEN_KERNEL_MAX_QUERY}, "
+                         f"got {max_query_len}")
     if max_query_len <= TOKEN_KERNEL_MAX_QUERY or (sparse and not _SPARSE_PREFILL_TILED):
         block_n = min(bs, _DECODE_BLOCK_N)
         if sparse:
@@ -458,9 +466,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
         _token_attn_kernel[(T, G, splits)](
             q, k, v, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ids, k_sc, v_sc,
-            scale * _LOG2E, R, topk, *common, *id_strides,
+            seq_lens if key_lo is None else key_lo, scale * _LOG2E, R, topk, *common, *id_strides,
             HPG=hpg, BLOCK_H=max(16, triton.next_power_of_2(hpg)), D=D, BLOCK_SIZE=bs,
-            BLOCK_N=block_n, NUM_SPLITS=splits, SPARSE=sparse, FP8=fp8,
+            BLOCK_N=block_n, NUM_SPLITS=splits, SPARSE=sparse, FP8=fp8, HAS_LO=key_lo is not None,
             num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES)
         if splits > 1:
             _merge_splits_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,

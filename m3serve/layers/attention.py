@@ -25,11 +25,13 @@ from m3serve.layers.rotary import apply_rotary
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float, block_ids: torch.Tensor | None = None,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        key_lo: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each query over its request's paged context.
 
     q: [T, H, D]; kv_cache: [2, num_blocks, block_size, G, D]; block_ids: None (dense) or
-    [T, G, topk] logical block ids (-1 padded) restricting each KV group's visible blocks.
+    [T, G, topk] logical block ids (-1 padded) restricting each KV group's visible blocks;
+    key_lo: None or [T], each query's first visible key position (a sliding window).
     Returns [T, H, D] in q's dtype; softmax in fp32.
     """
     T, H, D = q.shape
@@ -53,6 +55,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         q_pos = torch.arange(L - (qe - qs), L, device=q.device)              # [Tq]
         key_pos = torch.arange(L, device=q.device)
         allowed = (key_pos[None, :] <= q_pos[:, None])[:, None, :]           # [Tq, 1, L]
+        if key_lo is not None:
+            allowed = allowed & (key_pos[None, None, :] >= key_lo[qs:qe, None, None])
         if block_ids is not None:
             key_block = key_pos // meta.block_size
             sel = block_ids[qs:qe]                                           # [Tq, G, topk]

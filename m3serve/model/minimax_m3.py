@@ -174,7 +174,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, taps: tuple[int, ...] = (), inputs_embeds: torch.Tensor | None = None):
         """-> final hidden states [T, H]; with `taps` (layer ids, ascending) also the residual
-        stream entering each of those layers, concatenated: [T, len(taps) * H] (EAGLE3's input).
+        stream entering each of those layers, concatenated: [T, len(taps) * H] (the drafts' input;
+        tap num_hidden_layers is the final norm's input).
         `inputs_embeds` [T, H] replaces the token embeddings (image / video features in place of
         their placeholders)."""
         m = self.model
@@ -187,6 +188,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
                 stream = x if residual is None else x + residual
                 streams += [stream] * taps.count(i)
             x, residual = layer(x, residual, cos, sin, meta)
+        if len(m.layers) in taps:                      # the final norm's input (DSpark's last tap)
+            streams += [x + residual] * taps.count(len(m.layers))
         hidden = add_rms_norm(x, residual, m.norm)[0]
         if not taps:
             return hidden

@@ -1,13 +1,17 @@
-"""The interface every draft kind implements (EAGLE3 in `spec/eagle3.py`, MTP in `spec/mtp.py`):
-its cache groups and its two forwards. `spec/proposer.py` loads one and runs it: it builds the
-first pass's inputs and the one-token steps' attention metadata, and loops over the k drafts,
-so a draft kind knows nothing of the engine's batch.
+"""The interface every draft kind implements (EAGLE3 in `spec/eagle3.py`, MTP in `spec/mtp.py`,
+DSpark in `spec/dspark.py`): its cache groups, its first pass over the target's step (`first`)
+and how it turns that into k drafts (`steps`). `spec/proposer.py` loads one and runs it: it
+builds the first pass's inputs and the one-token steps' attention metadata, so a draft kind
+knows nothing of the engine's batch. Sequential drafts (EAGLE3, MTP) implement `prepare` and
+`propose` and inherit the loop; a block-parallel one (DSpark) overrides `first` and `steps`.
 """
 from __future__ import annotations
 
 import abc
 
 import torch
+
+from typing import Callable
 
 from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.layers.attention_metadata import AttentionMetadata
@@ -40,15 +44,39 @@ class Drafter(abc.ABC):
                         index_dtype: torch.dtype) -> None:
         """Allocate the caches `cache_specs` describes."""
 
-    @abc.abstractmethod
+    def first(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata, last_index: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """The first pass over the target's step: next_ids [T] (token t + 1 at row t), hidden
+        [T, ...] what `taps` asks for -> (first draft token or anchor [R], state for `steps`)."""
+        return self.prepare(self.embed(next_ids), hidden, positions, meta, last_index)
+
+    def steps(self, token: torch.Tensor, state, positions: torch.Tensor, block_tables: torch.Tensor,
+              cpu_positions: list[int] | None, k: int,
+              decode_meta: Callable[..., AttentionMetadata]) -> torch.Tensor:
+        """From `first`'s result at each request's last verified position `positions` [R] ->
+        drafts [R, k]: k - 1 one-token `propose` steps, each at the next position.
+        `decode_meta(positions, block_tables, cpu_positions)` builds a one-token step's metadata;
+        `cpu_positions` (host copies of the positions) bound the reference ops, None under CUDA
+        graphs."""
+        tokens = [token]
+        for i in range(1, k):
+            positions = positions + 1
+            if cpu_positions is not None:
+                cpu_positions = [p + 1 for p in cpu_positions]
+            meta = decode_meta(positions, block_tables, cpu_positions)
+            token, state = self.propose(i, self.embed(tokens[-1]), state, positions, meta)
+            tokens.append(token)
+        return torch.stack(tokens, dim=1)
+
     def prepare(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, last_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The first pass over every token of the target's step, writing the draft's KV:
         embeds [T, H] of the next tokens, hidden [T, ...] what `taps` asks for ->
         (first draft token [R], the draft's state at each request's last verified position [R, H])."""
+        raise NotImplementedError(f"{type(self).__name__} overrides `first` instead")
 
-    @abc.abstractmethod
     def propose(self, step: int, embeds: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft step `step` (1 .. k - 1), one token per request: embeds [R, H] of the previous
         draft token, state [R, H] -> (draft token [R], new state [R, H])."""
+        raise NotImplementedError(f"{type(self).__name__} has no one-token draft step")

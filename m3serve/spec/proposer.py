@@ -1,13 +1,15 @@
-"""The proposer: loads a draft kind (`spec/drafter.py`: the EAGLE3 head or the MTP modules) and
-after each step proposes k draft tokens per request with it.
+"""The proposer: loads a draft kind (`spec/drafter.py`: the EAGLE3 head, the MTP modules or the
+DSpark block drafter) and after each step proposes k draft tokens per request with it.
 
 After a step the proposer runs the draft over every token the target just processed (its
-"first pass": at position t the draft sees token t+1, so it needs the step's verified tokens;
-the first pass also writes the draft's KV for every position, prompt chunks included), then
-k - 1 one-token steps per request, each at the next position, feeding the previous step's draft
-hidden state. Draft tokens are the draft's argmax. The draft's caches use the engine's block
-ids (block b is page b of every group), so they are allocated, prefix-cached and freed with the
-target's; KV it writes past the verified tokens is rewritten by a later first pass.
+"first pass", which also writes the draft's KV for every position, prompt chunks included):
+EAGLE3 and MTP see token t+1 at position t, so they need the step's verified tokens, and then
+take k - 1 one-token steps per request, each at the next position, feeding the previous step's
+draft hidden state; DSpark projects the step's target hidden states into its cache, then drafts
+all k tokens in one block pass. Draft tokens are the draft's argmax. The draft's caches use the
+engine's block ids (block b is page b of every group), so they are allocated, prefix-cached and
+freed with the target's; KV a draft writes past the verified tokens is rewritten by a later
+first pass.
 """
 from __future__ import annotations
 
@@ -92,24 +94,16 @@ class Proposer:
 
     def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    hidden: torch.Tensor, last_index: torch.Tensor):
-        """The draft over every token of the step (writing its KV) -> (first draft token [R],
-        the draft's state at each request's last verified position [R, H])."""
-        return self.drafter.prepare(self.drafter.embed(next_ids), hidden, positions, meta, last_index)
+        """The draft over every token of the step (writing its KV) -> (first draft token or
+        anchor [R], the draft kind's state for `draft_steps`)."""
+        return self.drafter.first(next_ids, hidden, positions, meta, last_index)
 
-    def draft_steps(self, token: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor,
+    def draft_steps(self, token: torch.Tensor, prev, positions: torch.Tensor,
                     block_tables: torch.Tensor, cpu_positions: list[int] | None = None) -> torch.Tensor:
-        """k - 1 one-token draft steps from (token, state, position) per request -> drafts
-        [R, k]. `cpu_positions` (positions on the host) bound the reference ops; without them
-        (CUDA graphs) the kernels run to the context limit."""
-        tokens = [token]
-        for i in range(1, self.k):
-            positions = positions + 1
-            if cpu_positions is not None:
-                cpu_positions = [p + 1 for p in cpu_positions]
-            meta = self._decode_meta(positions, block_tables, cpu_positions)
-            token, prev = self.drafter.propose(i, self.drafter.embed(tokens[-1]), prev, positions, meta)
-            tokens.append(token)
-        return torch.stack(tokens, dim=1)
+        """From `first_pass`'s result at each request's last verified position -> drafts [R, k].
+        `cpu_positions` (positions on the host) bound the reference ops; without them (CUDA
+        graphs) the kernels run to the context limit."""
+        return self.drafter.steps(token, prev, positions, block_tables, cpu_positions, self.k, self._decode_meta)
 
     def _decode_meta(self, positions: torch.Tensor, block_tables: torch.Tensor,
                      cpu_positions: list[int] | None) -> AttentionMetadata:
@@ -234,4 +228,64 @@ def _num_mtp_modules(source: Path, target_cfg: M3Config) -> int:
     return n
 
 
-_LOADERS = {"eagle3": _load_eagle3, "mtp": _load_mtp}     # speculative_config.method -> its loader
+def dspark_dir(spec, target_dir) -> Path:
+    """The DSpark draft's folder: speculative_config.model, else the target's `dspark/`."""
+    from m3serve.model.files import resolve_model_dir
+
+    path = resolve_model_dir(spec.model) if spec.model else Path(target_dir) / "dspark"
+    if not (path / "config.json").is_file():
+        raise ValueError(f"DSpark draft {path}: no config.json (speculative_config.model names the draft "
+                         f"folder; without it the target's dspark/ folder is used)")
+    return path
+
+
+def _dspark_dummy_entries(shapes: dict, dtypes: dict, seed: int, device):
+    """Random DSpark weights (`--load-format dummy`); packed projections quantised from them."""
+    from m3serve.kernels.ref.packed import quantize_mxfp8
+    from m3serve.model.loader import LazyTensor
+
+    for index, (name, shape) in enumerate(shapes.items()):
+        if name.endswith("weight_scale_inv"):
+            continue
+        packed = name in dtypes
+
+        def make(name=name, shape=shape, index=index, part=0):
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 + index)
+            if len(shape) == 1:
+                return torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
+            w = torch.empty(shape, device=device).normal_(0.0, shape[-1] ** -0.5, generator=gen)
+            return quantize_mxfp8(w)[part] if packed else w
+        pairs = [(name, LazyTensor(shape, make, torch.float8_e4m3fn if packed else None))]
+        if packed:
+            scale = name[:-len("weight")] + "weight_scale_inv"
+            pairs.append((scale, LazyTensor(shapes[scale], lambda make=make: make(part=1), torch.uint8)))
+        yield "dummy", name, pairs
+
+
+def _load_dspark(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
+    from m3serve.model.loader import fill_parameters, weight_files
+    from m3serve.spec.dspark import (DSparkDraft, DSparkDrafter, canonical_dspark_name, dspark_dtypes,
+                                     dspark_shapes, dspark_to_param, load_dspark_config)
+
+    draft_dir = dspark_dir(spec, target_dir)
+    cfg = load_dspark_config(draft_dir, target_cfg)
+    k = spec.num_speculative_tokens
+    if k > cfg.block_size:
+        raise ValueError(f"speculative_config.num_speculative_tokens {k} exceeds the DSpark draft's "
+                         f"dspark_block_size {cfg.block_size} ({draft_dir})")
+    tp = parallel.tp if draft_tp > 1 else GroupInfo()
+    with torch.device(device):
+        draft = DSparkDraft(cfg, target_cfg, tp, parallel.tp, target.dtype)
+    if cfg.quant is not None:
+        draft.pack_()
+    shapes, dtypes = dspark_shapes(cfg, target_cfg.hidden_size), dspark_dtypes(cfg)
+    if load_format == "dummy":
+        entries = _dspark_dummy_entries(shapes, dtypes, seed, device)
+    else:
+        entries = _checkpoint_entries(weight_files(draft_dir), lambda key, t: [(canonical_dspark_name(key), t)])
+    fill_parameters(draft, target_cfg, entries, f"DSpark draft {draft_dir}", progress=False,
+                    expected=shapes, dtypes=dtypes, to_param=dspark_to_param)
+    return DSparkDrafter(draft.eval(), target, device, k)
+
+
+_LOADERS = {"eagle3": _load_eagle3, "mtp": _load_mtp, "dspark": _load_dspark}   # method -> its loader

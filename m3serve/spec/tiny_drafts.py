@@ -6,6 +6,11 @@ checkpoint in the real layouts, sized for a target checkpoint (default: the embe
   as many KV heads as query heads, GQA the target's KV head count.
 - mtp: a standalone MTP checkpoint (`model_type` minimax_m3_mtp, `model.mtp.layers.{m}.*` with
   the target layer's original tensor names).
+- dspark: the released DSpark layout in `DIR/dspark/` (write it into the target's folder to
+  have the target find it): `DSparkMiniMaxDraftModel`, the released config keys (under
+  `text_config`, a few repeated at the top level), MXFP8 projections with E8M0 scales; the
+  released values for a real-shape target, scaled for a small one (taps spread over its
+  layers like the release's 3, 17, 31, 45, 59 of 60, two layers, a 32-token window).
 `--no-weights` writes only config.json (serve it with `--load-format dummy`: real-shape drafts
 are gigabytes).
 """
@@ -19,7 +24,7 @@ from safetensors.torch import save_file
 
 from m3serve.model.config import layer_shapes, load_config
 
-DRAFT_KINDS = ("eagle3", "eagle3-gqa", "mtp")
+DRAFT_KINDS = ("eagle3", "eagle3-gqa", "mtp", "dspark")
 NUM_TINY_MTP_MODULES = 2
 
 
@@ -62,6 +67,15 @@ def make_draft(out_dir: str | Path, kind: str, target_dir: str | Path | None = N
     target_dir, out = Path(target_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
+    if kind == "dspark":
+        out = out / "dspark"
+        out.mkdir(exist_ok=True)
+        raw = dspark_config_dict(target_dir)
+        (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        if weights:
+            save_file(_dspark_weights(out, target_dir, gen), str(out / "model.safetensors"),
+                      metadata={"format": "pt"})
+        return out
     if kind == "mtp":
         raw = {"architectures": ["MiniMaxM3MTP"], **_target_text_config(target_dir),
                "model_type": "minimax_m3_mtp", "num_mtp_modules": NUM_TINY_MTP_MODULES}
@@ -115,4 +129,53 @@ def _mtp_weights(target_dir: Path, gen: torch.Generator) -> dict[str, torch.Tens
                 out[name] = (0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
             else:
                 out[name] = _random(shape, gen)
+    return out
+
+
+RELEASED_DSPARK_TAPS = (3, 17, 31, 45, 59)      # of 60 target layers
+
+
+def dspark_config_dict(target_dir: Path) -> dict:
+    """The released dspark/config.json's keys, sized for the target."""
+    cfg = load_config(target_dir)
+    L, H = cfg.num_hidden_layers, cfg.hidden_size
+    real = H >= 4096
+    text = {
+        "num_hidden_layers": 5 if real else 2, "hidden_size": H, "vocab_size": cfg.vocab_size,
+        "num_attention_heads": 64 if real else cfg.num_attention_heads,
+        "num_key_value_heads": 4 if real else cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "dense_intermediate_size": 12288 if real else 2 * H, "dspark_ffn_hidden_size": 12288 if real else 2 * H,
+        "dspark_markov_rank": 256 if real else 16, "dspark_markov_head_type": "vanilla",
+        "dspark_block_size": 7, "dspark_noise_token_id": cfg.vocab_size - 6,
+        "dspark_target_layer_ids": [min(L - 1, t * L // 60) for t in RELEASED_DSPARK_TAPS],
+        "sliding_window": 4096 if real else 32, "dspark_use_dense_ffn": True, "sparse_attention_config": None,
+        "dspark_hybrid_context_fusion": False, "dspark_config": {"hybrid_context_fusion": False},
+        "enable_confidence_head": True, "confidence_head_with_markov": True, "use_gemma_norm": True,
+        "rms_norm_eps": cfg.rms_norm_eps,
+    }
+    text["moe_layer_freq"] = [0] * text["num_hidden_layers"]
+    text["layer_types"] = ["sliding_attention"] * text["num_hidden_layers"]
+    return {"architectures": ["DSparkMiniMaxDraftModel"], "model_type": "minimax_m3_dspark",
+            "quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32]},
+            "dspark_block_size": text["dspark_block_size"], "hidden_size": H, "text_config": text}
+
+
+def _dspark_weights(draft_dir: Path, target_dir: Path, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    from m3serve.kernels.ref.packed import quantize_mxfp8
+    from m3serve.spec.dspark import PREFIX, dspark_shapes, load_dspark_config
+
+    cfg = load_dspark_config(draft_dir, load_config(target_dir))
+    out = {}
+    for name, shape in dspark_shapes(cfg, cfg.hidden_size).items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if name == "confidence_head.proj.bias":
+            out[PREFIX + name] = torch.zeros(shape, dtype=torch.bfloat16)
+        elif len(shape) == 1:
+            out[PREFIX + name] = (0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+        elif name.startswith("layers.") and name.endswith("_proj.weight"):
+            codes, scales = quantize_mxfp8(_random(shape, gen).float())
+            out[PREFIX + name], out[PREFIX + name[:-len("weight")] + "weight_scale_inv"] = codes, scales
+        else:
+            out[PREFIX + name] = _random(shape, gen, 3.0 if name.startswith("markov") else 1.0)
     return out

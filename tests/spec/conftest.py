@@ -1,6 +1,6 @@
 """Draft checkpoints for the tiny target, written once per session: EAGLE3 (MHA, GQA) in the
-Inferact layout, a standalone MTP checkpoint, and a copy of the tiny target with the same MTP
-modules bundled into its own checkpoint."""
+Inferact layout, a standalone MTP checkpoint, a copy of the tiny target with the same MTP
+modules bundled into its own checkpoint, and a copy with a DSpark draft in its dspark/ folder."""
 import json
 import shutil
 import sys
@@ -27,5 +27,9 @@ def drafts(tiny_dir, tmp_path_factory):
     raw["text_config"]["num_mtp_modules"] = json.loads((out["mtp"] / "config.json").read_text())["num_mtp_modules"]
     (bundled / "config.json").write_text(json.dumps(raw, indent=2))
     out["bundled"] = bundled
+    with_dspark = root / "dspark-target"
+    shutil.copytree(tiny_dir, with_dspark)
+    make_draft(with_dspark, "dspark", tiny_dir, seed=5)
+    out["dspark"] = with_dspark
     return out
 

@@ -10,8 +10,8 @@ import torch
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
 
-DRAFT_BYTES = {"mtp": 1280, "eagle3": 1024}      # the draft's cache bytes per token (fp32 tiny drafts)
-DRAFT_GROUPS = {"mtp": ("mtp", "mtp_index"), "eagle3": ("draft",)}
+DRAFT_BYTES = {"mtp": 1280, "eagle3": 1024, "dspark": 1024}  # draft cache bytes per token (fp32 tiny drafts)
+DRAFT_GROUPS = {"mtp": ("mtp", "mtp_index"), "eagle3": ("draft",), "dspark": ("dspark",)}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -28,9 +28,11 @@ def _second_turn(tiny_dir, drafts, kind, num_blocks: int, tier: bool, corrupt: b
     flags = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
                  kv_cache_memory=num_blocks * 16 * per_token,
                  speculative_config={"method": kind, "model": str(drafts[kind]), "num_speculative_tokens": 2})
+    if kind == "dspark":                           # the draft lives in the target's dspark/ folder
+        flags["speculative_config"] = {"method": "dspark", "num_speculative_tokens": 2}
     if tier:
         flags["kv_offloading_size"] = 64 * 16 * per_token / (1 << 30)
-    llm = LLM(str(tiny_dir), **flags)
+    llm = LLM(str(drafts["dspark"] if kind == "dspark" else tiny_dir), **flags)
     core = llm.engine.core
     first = ids(70, 31)
     turn1 = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -58,7 +60,7 @@ def _second_turn(tiny_dir, drafts, kind, num_blocks: int, tier: bool, corrupt: b
     return out.outputs[0].token_ids, proposed, out.num_cached_tokens, core.scheduler
 
 
-@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "dspark"])
 def test_drafts_after_a_restore_equal_drafts_after_a_gpu_hit(tiny_dir, drafts, kind):
     want, want_drafts, hit, sched = _second_turn(tiny_dir, drafts, kind, num_blocks=64, tier=False)
     assert hit == 64 and sched.num_restores == 0            # turn 1 stayed in the GPU pool
@@ -66,7 +68,7 @@ def test_drafts_after_a_restore_equal_drafts_after_a_gpu_hit(tiny_dir, drafts, k
     assert hit == 64 and sched.num_restores == 1            # ... here it came back from the tier
     assert got == want
     assert got_drafts == want_drafts and len(want_drafts) > 2
-    if kind == "mtp":
+    if kind in ("mtp", "dspark"):
         got, got_drafts, _, _ = _second_turn(tiny_dir, drafts, kind, num_blocks=10, tier=True, corrupt=True)
         assert got == want                     # still lossless ...
         assert got_drafts != want_drafts       # ... but other drafts: the draft KV is restored

@@ -11,7 +11,8 @@ from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
 
 LENS = (5, 37, 80, 150, 9, 120)
-EXTRA_KV = {"eagle3": 1024, "eagle3-gqa": 256, "mtp": 1280, "bundled": 1280}   # draft bytes/token (fp32)
+EXTRA_KV = {"eagle3": 1024, "eagle3-gqa": 256, "mtp": 1280, "bundled": 1280,   # draft bytes/token (fp32)
+            "dspark": 1024}
 
 
 def _prompts():
@@ -24,6 +25,8 @@ def _prompts():
 def _spec(kind, drafts, k=3) -> dict:
     if kind == "bundled":
         return {"method": "mtp", "num_speculative_tokens": k}
+    if kind == "dspark":                          # the target's own dspark/ folder
+        return {"method": "dspark", "num_speculative_tokens": k}
     return {"method": "mtp" if kind == "mtp" else "eagle3", "model": str(drafts[kind]), "num_speculative_tokens": k}
 
 
@@ -82,11 +85,11 @@ def _check_clean(llm):
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_usable_blocks
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle3-gqa", "mtp", "bundled"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-gqa", "mtp", "bundled", "dspark"])
 @pytest.mark.parametrize("oracle", [False, True], ids=["own-drafts", "oracle-drafts"])
 def test_greedy_lossless(tiny_dir, drafts, reference, kind, oracle):
     prompts, want_ids, want_texts = reference
-    target = drafts["bundled"] if kind == "bundled" else tiny_dir
+    target = drafts[kind] if kind in ("bundled", "dspark") else tiny_dir
     llm = LLM(str(target), speculative_config=_spec(kind, drafts), **_flags(kind))
     if oracle:
         _oracle(llm, {tuple(p): p + ids[0] for p, ids in zip(prompts, want_ids)}, 3)

@@ -26,9 +26,11 @@ class EagerReplaySpecGraphs(SpecDecodeGraphs):
         return self.draft_forward(b, self._outputs[1], self.buffers.seq_lens[:b].tolist(), last)
 
 
-def _spec_llm(tiny_dir, draft, graphs: bool, k=3):
-    llm = LLM(str(tiny_dir), dtype="float32", max_num_seqs=8,
-              speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
+def _spec_llm(tiny_dir, draft, graphs: bool, k=3, kind="eagle3"):
+    spec = ({"method": "eagle3", "model": str(draft), "num_speculative_tokens": k} if kind == "eagle3"
+            else {"method": "dspark", "num_speculative_tokens": k})     # draft: a target with dspark/
+    llm = LLM(str(draft if kind == "dspark" else tiny_dir), dtype="float32", max_num_seqs=8,
+              speculative_config=spec)
     if graphs:
         runner = llm.engine.worker.runner
         runner.spec_graphs = EagerReplaySpecGraphs(runner.model, runner.proposer, runner.buffers, [1, 2, 4, 8],
@@ -40,7 +42,8 @@ def _spec_llm(tiny_dir, draft, graphs: bool, k=3):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
                                     SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=14,
                                                    ignore_eos=True)], ids=["greedy", "seeded"])
-def test_graph_step_equals_eager_step(tiny_dir, drafts, params):
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_graph_step_equals_eager_step(tiny_dir, drafts, params, kind):
     from test_spec_engine import _oracle
 
     prompts = [[(7 * i + 3 * j) % 500 + 10 for j in range(20 + 23 * i)] for i in range(5)]
@@ -50,7 +53,7 @@ def test_graph_step_equals_eager_step(tiny_dir, drafts, params):
                                                                          ignore_eos=True), use_tqdm=False)]
     results = []
     for graphs in (False, True):
-        llm = _spec_llm(tiny_dir, drafts["eagle3"], graphs)
+        llm = _spec_llm(tiny_dir, drafts[kind], graphs, kind=kind)
         _oracle(llm, {tuple(p): p + w for p, w in zip(prompts, want)}, 3)   # long accepted runs
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
