@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -350,32 +351,42 @@ def _parse_speculative(raw) -> dict:
     return out
 
 
-def _dspark_block_size(draft: str | None, target: str | None) -> int:
-    """The DSpark draft's `dspark_block_size` (the default number of speculative tokens): the
-    draft folder `draft`, else the target's dspark/ folder (a hub target: its dspark/config.json)."""
-    from pathlib import Path
-
+def dspark_config_path(draft: str | None, target: str | None) -> Path:
+    """The DSpark draft's config.json: in the draft folder `draft`, else in the target's dspark/
+    folder (a hub target: its dspark/config.json alone is fetched)."""
     if draft is not None:
         from m3serve.model.files import resolve_model_dir
-        path = resolve_model_dir(draft, config_only=True) / "config.json"
-    else:
-        if target is None:
-            from m3serve.model.files import default_model_dir
-            target = str(default_model_dir())
-        path = Path(target) / "dspark" / "config.json"
-        if not Path(target).exists() and str(target).count("/") == 1:
-            try:
-                from huggingface_hub import hf_hub_download
-                path = Path(hf_hub_download(str(target), "dspark/config.json"))
-            except Exception as e:
-                raise ValueError(f"speculative_config: DSpark draft of {target!r}: dspark/config.json could "
-                                 f"not be fetched ({e}); pass num_speculative_tokens and model") from e
+        return resolve_model_dir(draft, config_only=True) / "config.json"
+    if target is None:
+        from m3serve.model.files import default_model_dir
+        target = str(default_model_dir())
+    if not Path(target).exists() and str(target).count("/") == 1:
+        try:
+            from huggingface_hub import hf_hub_download
+            return Path(hf_hub_download(str(target), "dspark/config.json"))
+        except Exception as e:
+            raise ValueError(f"speculative_config: DSpark draft of {target!r}: dspark/config.json could "
+                             f"not be fetched ({e}); pass num_speculative_tokens and model") from e
+    return Path(target) / "dspark" / "config.json"
+
+
+def read_dspark_config(path: Path) -> tuple[dict, dict]:
+    """(the whole config.json, its text_config or itself) of a DSpark draft; ValueError naming
+    the file when it cannot be read."""
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"speculative_config: DSpark draft config {path} cannot be read ({e}); name the "
                          f"draft folder in speculative_config.model") from e
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"DSpark draft config {path}: must be a JSON object")
+    return raw, raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+def _dspark_block_size(draft: str | None, target: str | None) -> int:
+    """The DSpark draft's `dspark_block_size`: the default number of speculative tokens."""
+    path = dspark_config_path(draft, target)
+    raw, text = read_dspark_config(path)
     size = text.get("dspark_block_size", raw.get("dspark_block_size"))
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 16:
         raise ValueError(f"DSpark draft config {path}: 'dspark_block_size' must be an integer in [1, 16] "

@@ -203,20 +203,31 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
         if draft["method"] == "eagle3":
             heads = _kv_heads_per_rank(draft["num_key_value_heads"], draft["tensor_parallel_size"])
             kv["draft"] = 2 * heads * draft["head_dim"] * kv_b
+        elif draft["method"] == "dspark":            # never fp8: the draft's K/V keep the model dtype
+            heads = _kv_heads_per_rank(draft["num_key_value_heads"], draft["tensor_parallel_size"])
+            kv["draft"] = draft["layers"] * 2 * heads * draft["head_dim"] * dtype_bytes
         else:
             kv["draft"] = draft["modules"] * (2 * kv_local * D * kv_b + Di * idx_b)
     return Plan(parts, kv, kv_local)
 
 
-def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig) -> dict:
-    """What the planner needs of a `--speculative-config`: the EAGLE3 draft's KV heads and head
-    size (from its config.json) with the ranks its layer is split over, or MTP's module count."""
+def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig, model: str | None = None) -> dict:
+    """What the planner needs of a `--speculative-config`: the EAGLE3 or DSpark draft's KV heads
+    and head size (from its config.json; DSpark's in `model`'s dspark/ folder unless named) with
+    the ranks its layers are split over and their number, or MTP's module count."""
     import json
 
-    from m3serve.config import SpeculativeConfig
+    from m3serve.config import SpeculativeConfig, dspark_config_path, read_dspark_config
     from m3serve.model.files import resolve_model_dir
 
     spec = SpeculativeConfig(spec_json)
+    if spec.method == "dspark":
+        _, text = read_dspark_config(dspark_config_path(spec.model, model))
+        heads = text.get("num_attention_heads", 1)
+        return {"method": "dspark", "layers": text.get("num_hidden_layers", 1),
+                "num_key_value_heads": text.get("num_key_value_heads", heads),
+                "head_dim": text.get("head_dim") or text.get("hidden_size", heads) // heads,
+                "tensor_parallel_size": spec.draft_tensor_parallel_size or parallel.tensor_parallel_size}
     if spec.method == "eagle3":
         raw = json.loads((resolve_model_dir(spec.model, config_only=True) / "config.json").read_text())
         heads = raw["num_attention_heads"]
@@ -322,7 +333,7 @@ def main(args) -> dict:
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                               data_parallel_size=args.data_parallel_size,
                               enable_expert_parallel=args.enable_expert_parallel)
-    draft = draft_kv(args.speculative_config, cfg, parallel) if args.speculative_config else None
+    draft = draft_kv(args.speculative_config, cfg, parallel, args.model) if args.speculative_config else None
     p = plan(cfg, parallel, args.quantization, args.kv_cache_dtype, args.index_cache_dtype, draft=draft,
              format_of=format_of)
     max_len = args.max_model_len or cfg.max_position_embeddings

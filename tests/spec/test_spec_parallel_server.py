@@ -22,12 +22,16 @@ def plain(tiny_dir):
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(data_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "dp2-ep2"])
-def test_parallel_speculation_is_lossless(tiny_dir, drafts, plain, layout):
+@pytest.mark.parametrize("layout,kind", [(dict(tensor_parallel_size=2), "eagle3"),
+                                         (dict(data_parallel_size=2, enable_expert_parallel=True), "eagle3"),
+                                         (dict(tensor_parallel_size=2), "dspark")],
+                         ids=["tp2", "dp2-ep2", "tp2-dspark"])
+def test_parallel_speculation_is_lossless(tiny_dir, drafts, plain, layout, kind):
     spec = {"method": "eagle3", "model": str(drafts["eagle3-gqa"]), "num_speculative_tokens": 3}
-    llm = LLM(str(tiny_dir), dtype="float32", speculative_config=spec, **layout)
+    if kind == "dspark":          # the draft split over the ranks like the target (block scales whole)
+        spec = {"method": "dspark", "num_speculative_tokens": 4}
+    llm = LLM(str(drafts["dspark"] if kind == "dspark" else tiny_dir), dtype="float32",
+              speculative_config=spec, **layout)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == plain[0]
@@ -38,11 +42,14 @@ def test_parallel_speculation_is_lossless(tiny_dir, drafts, plain, layout):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "dspark"])
 def test_server_speculation(tiny_dir, drafts, plain, tmp_path, kind):
-    spec = json.dumps({"method": kind, "model": str(drafts[kind]), "num_speculative_tokens": 3,
-                       "attention_backend": "FLASH_ATTN"})
-    srv = LiveServer(tiny_dir, "--dtype", "float32", "--speculative-config", spec, log_path=tmp_path / "s.log")
+    spec = {"method": kind, "model": str(drafts[kind]), "num_speculative_tokens": 3, "attention_backend": "FLASH_ATTN"}
+    target = tiny_dir
+    if kind == "dspark":          # the target's own dspark/ folder, k = the draft's block size
+        spec, target = {"method": "dspark", "attention_backend": "FLASH_ATTN"}, drafts["dspark"]
+    srv = LiveServer(target, "--dtype", "float32", "--speculative-config", json.dumps(spec),
+                     log_path=tmp_path / "s.log")
     try:
         body = {"model": "tiny", "prompt": _prompts(), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
@@ -51,7 +58,8 @@ def test_server_speculation(tiny_dir, drafts, plain, tmp_path, kind):
         assert texts == plain[1]
         m = srv.wait_idle()
         assert m["m3serve:spec_decode_num_drafts_total"] > 0
-        assert m["m3serve:spec_decode_num_draft_tokens_total"] >= 3 * m["m3serve:spec_decode_num_drafts_total"] - 30
+        k = 7 if kind == "dspark" else 3
+        assert m["m3serve:spec_decode_num_draft_tokens_total"] >= k * m["m3serve:spec_decode_num_drafts_total"] - 10 * k
         assert m["m3serve:spec_decode_synthetic_acceptance"] == 0
     finally:
         srv.stop()

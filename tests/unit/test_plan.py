@@ -159,6 +159,14 @@ def test_draft_kv_counted(real, tmp_path):
     mtp = plan(real, ParallelConfig(tensor_parallel_size=8),
                draft=draft_kv('{"method": "mtp", "num_speculative_tokens": 3}', real, ParallelConfig()))
     assert mtp.kv_bytes_per_token["draft"] == 3 * (2 * 1 * 128 * 2 + 128 * 2)
+    # DSpark (the released 5 layers, 4 KV heads of 128, bf16 whatever the KV dtype): 10,240 B
+    # per token at TP 1; at TP 8 the 4 KV heads are replicated to one a rank: 2,560 B
+    make_draft(target, "dspark", target, weights=False)
+    for tp, want in ((1, 10240), (8, 2560)):
+        parallel = ParallelConfig(tensor_parallel_size=tp)
+        p = plan(real, parallel, kv_cache_dtype="fp8",
+                 draft=draft_kv('{"method": "dspark"}', real, parallel, str(target)))
+        assert p.kv_bytes_per_token["draft"] == want, tp
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark"])
