@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
 #   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | itl L QUANT CONC PROMPTS | profile L B ISL | pd L | vllm
-#   | startup L | kvacc L
+#   | startup L | kvacc L | specrank N [MODES]
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
@@ -113,6 +113,31 @@ if [ "${1:-}" = rank ]; then
   if [ -n "${PROFILE_B:-}" ]; then
     step rank_profile_tp${N}_${Q}_b$PROFILE_B${TAG:-} timeout 300 python -m m3serve.bench.step_profile $dir --batch $PROFILE_B --isl 8192 "${qflag[@]}"
   fi
+fi
+# specrank N [MODES]: speculation at one TP N rank's shapes at full depth (dummy weights,
+# synthetic acceptance): off, EAGLE3-GQA cut to the rank (k 3, 2.78), DSpark cut to the rank
+# (k 7, 2.3 and 3.0) and DSpark replicated (the released widths on every rank, 2.3); MODES picks
+# a subset (default: all five); POINTS / OSL / SIZES as for rank
+if [ "${1:-}" = specrank ]; then
+  N=${2:-8}; dir=/tmp/rank$N
+  python -m m3serve bench make-realshape $dir --layers 60 --dense-layers 3 --tp-rank $N > /dev/null
+  python -m m3serve make-tiny $dir --draft dspark --target $dir --no-weights > /dev/null
+  python -m m3serve make-tiny /tmp/eg_rank$N --draft eagle3-gqa --target $dir --no-weights > /dev/null
+  python -c "import json, sys; from pathlib import Path; from m3serve.spec.tiny_drafts import dspark_config_dict
+p = Path('/tmp/dsrep$N'); p.mkdir(exist_ok=True); (p / 'config.json').write_text(json.dumps(dspark_config_dict(Path('$dir'), replicated=True)))"
+  syn='"rejection_sample_method": "synthetic", "synthetic_acceptance_length"'
+  for mode in ${3:-off eagle3 dspark23 dspark30 dsparkrep}; do
+    case $mode in
+      off) spec=() ;;
+      eagle3) spec=(--speculative-config '{"method": "eagle3", "model": "/tmp/eg_rank'$N'", "num_speculative_tokens": 3, '"$syn"': 2.78}') ;;
+      dspark23) spec=(--speculative-config '{"method": "dspark", '"$syn"': 2.3}') ;;
+      dspark30) spec=(--speculative-config '{"method": "dspark", '"$syn"': 3.0}') ;;
+      dsparkrep) spec=(--speculative-config '{"method": "dspark", "model": "/tmp/dsrep'$N'", '"$syn"': 2.3}') ;;
+    esac
+    step specrank_tp${N}_$mode${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
+      --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-128} --max-model-len 9472 --max-num-seqs 64 \
+      --max-num-batched-tokens 16384 --cudagraph-capture-sizes ${SIZES:-1,4,16,64} ${QUANT:+--quantization $QUANT} "${spec[@]}"
+  done
 fi
 # profile L B ISL [QUANT]: where one decode step's time goes
 if [ "${1:-}" = profile ]; then

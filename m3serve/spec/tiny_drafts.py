@@ -135,16 +135,21 @@ def _mtp_weights(target_dir: Path, gen: torch.Generator) -> dict[str, torch.Tens
 RELEASED_DSPARK_TAPS = (3, 17, 31, 45, 59)      # of 60 target layers
 
 
-def dspark_config_dict(target_dir: Path) -> dict:
-    """The released dspark/config.json's keys, sized for the target."""
+def dspark_config_dict(target_dir: Path, replicated: bool = False) -> dict:
+    """The released dspark/config.json's keys, sized for the target. A real-shape target gets
+    the released values, cut like the target when it is one tensor-parallel rank's view
+    (`bench make-realshape --tp-rank N`: its heads, KV heads and FFN width over N), unless
+    `replicated` (the released widths whatever the target: a draft each rank runs whole)."""
     cfg = load_config(target_dir)
     L, H = cfg.num_hidden_layers, cfg.hidden_size
     real = H >= 4096
+    cut = 1 if replicated or not real else max(1, 64 // cfg.num_attention_heads)
     text = {
         "num_hidden_layers": 5 if real else 2, "hidden_size": H, "vocab_size": cfg.vocab_size,
-        "num_attention_heads": 64 if real else cfg.num_attention_heads,
-        "num_key_value_heads": 4 if real else cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-        "dense_intermediate_size": 12288 if real else 2 * H, "dspark_ffn_hidden_size": 12288 if real else 2 * H,
+        "num_attention_heads": 64 // cut if real else cfg.num_attention_heads,
+        "num_key_value_heads": max(1, 4 // cut) if real else cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "dense_intermediate_size": 12288 // cut if real else 2 * H,
+        "dspark_ffn_hidden_size": 12288 // cut if real else 2 * H,
         "dspark_markov_rank": 256 if real else 16, "dspark_markov_head_type": "vanilla",
         "dspark_block_size": 7, "dspark_noise_token_id": cfg.vocab_size - 6,
         "dspark_target_layer_ids": [min(L - 1, t * L // 60) for t in RELEASED_DSPARK_TAPS],

@@ -177,3 +177,22 @@ def test_prefill_kernel_compiles_for_hopper(tmp_path):
             for sparse in (False, True) for tma in (False, True)]
     lines = compile_for_hopper(jobs, tmp_path)
     assert len(lines) == 4 and all(line.endswith("True") for line in lines)
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+def test_per_token_left_edge(topk, force_split):
+    """key_lo (DSpark's sliding window): token t sees keys key_lo[t] .. its position, dense and
+    inside selected blocks, across split-K; a left edge past some keys really changes them."""
+    from m3serve.layers.attention import paged_attention_ref as layer_op
+
+    kwargs, meta, deq = make_case([9, 70, 70, 150], [1, 1, 1, 1], **TINY, dtype=torch.float32,
+                                  device="cpu", topk=topk, seed=7)
+    key_lo = torch.tensor([0, 40, 69, 100])
+    got = pa.paged_attention(**kwargs, key_lo=key_lo)
+    ids = kwargs["block_ids"]
+    want = layer_op(kwargs["q"].float(), deq, meta, kwargs["scale"], None if ids is None else ids.long(),
+                    key_lo=key_lo)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+    full = pa.paged_attention(**kwargs)
+    assert (full[1:] - got[1:]).abs().amax(dim=(1, 2)).min() > 1e-3 or topk is not None
+    assert torch.equal(full[0], got[0])                     # key_lo 0 cuts nothing

@@ -120,6 +120,44 @@ def test_tiny_speculative_graphs_gpu(tiny_dir, tmp_path):
     assert gpu.engine.core.scheduler.spec_stats.num_drafts > 10
 
 
+def test_tiny_dspark_gpu(tiny_dir, tmp_path):
+    """DSpark on the GPU (window attention through the window's blocks and the per-token left
+    edge, MXFP8 projections through the packed kernels, verify + draft CUDA graphs): greedy
+    tokens equal the CPU reference without speculation, and the eager GPU engine proposes the
+    CPU engine's drafts (fp32 both)."""
+    import shutil
+
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+    from m3serve.spec.tiny_drafts import make_draft
+    from test_engine import prompts
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dir, target)
+    make_draft(target, "dspark", tiny_dir)
+    spec = {"method": "dspark", "num_speculative_tokens": 5}
+    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150, 9, 120))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in cpu.generate(ps, params, use_tqdm=False)]
+    gpu = LLM(model=str(target), dtype="float32", device="cuda", kv_cache_memory=1 << 28,
+              cudagraph_capture_sizes="1,2,4,8", speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in gpu.generate(ps, params, use_tqdm=False)] == want
+    runner = gpu.engine.worker.runner
+    assert runner.spec_graphs is not None and runner.num_graph_steps > 10
+    del gpu
+
+    def first_drafts(device):
+        llm = LLM(model=str(target), dtype="float32", device=device, enforce_eager=True,
+                  kv_cache_memory=1 << 26, speculative_config=spec)
+        proposer, seen = llm.engine.worker.runner.proposer, []
+        real = proposer.propose
+        proposer.propose = lambda step: seen.append(real(step).tolist()) or torch.tensor(seen[-1])
+        llm.generate([ps[3]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        return seen
+    assert first_drafts("cuda") == first_drafts("cpu")
+
+
 def test_realshape_l4_triton_matches_reference_ops(tmp_path):
     from m3serve.bench.realshape import write_realshape_dir
     from m3serve.layers.dispatch import reference_ops
