@@ -8,7 +8,13 @@ from torch import nn
 from m3serve import envs
 from m3serve.kernels.ref import packed as rp
 from m3serve.layers import dispatch
-from m3serve.layers.packed import MXFP4, MXFP8, W8A8_MIN_ROWS, packed_linear, set_packed_
+from m3serve.layers.packed import (
+    MXFP4,
+    MXFP8,
+    W8A8_MIN_ROWS,
+    packed_linear,
+    set_packed_,
+)
 
 
 def _module(fmt, n=48, k=128, seed=0):
