@@ -21,12 +21,35 @@ from m3serve.kernels.ref.packed import MX_BLOCK
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 
+@triton.jit
+def _k_tile_scales(s_cols, k0, last, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+    """The E8M0 scales of the (up to four) 32-blocks of the K tile at k0 as fp32 2^(e - 127),
+    one [BLOCK_N] vector per block (blocks past the tile repeat the last): one [BLOCK_N, CHUNKS]
+    load per K tile rather than a gather per block. Block indices past K's last block read
+    that block (its products are zero: the codes there are masked to 0)."""
+    blocks = tl.minimum(k0 // 32 + tl.arange(0, CHUNKS), last)
+    e = tl.load(s_cols[:, None] + blocks[None, :])                        # [BLOCK_N, CHUNKS]
+    s = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    if CHUNKS == 1:
+        s0 = tl.reshape(s, (BLOCK_N,))
+        return s0, s0, s0, s0
+    elif CHUNKS == 2:
+        s0, s1 = tl.split(s)
+        return s0, s1, s1, s1
+    else:
+        even, odd = tl.split(tl.reshape(s, (BLOCK_N, 2, 2)))              # blocks 0, 2 | 1, 3
+        s0, s2 = tl.split(even)
+        s1, s3 = tl.split(odd)
+        return s0, s1, s2, s3
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mxfp8_w8a8_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
                        stride_xm, stride_wn, stride_sn, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
     """out [M, N] = xs[:, None] * sum over 32-chunks c of (xq[:, c] @ w[:, c]^T) * 2^(s[:, c] - 127)."""
+    CHUNKS: tl.constexpr = BLOCK_K // 32
     # column tiles vary fastest: the programs in flight share a few activation row blocks and
     # sweep the whole (small, per-rank) weight, which stays in L2
     pid = tl.program_id(0)
@@ -38,23 +61,27 @@ def _mxfp8_w8a8_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K,
     m_ok = offs_m < M
     n_ok = offs_n < N
     x_rows = xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    n64 = offs_n.to(tl.int64)
-    w_cols = w_ptr + n64[None, :] * stride_wn
-    s_cols = s_ptr + n64 * stride_sn
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    # columns past N read row N - 1's scales (never stored): no masks on the scale loads
+    s_cols = s_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_sn
+    last = K // 32 - 1
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // 32):
-            kc = k0 + j * 32
-            offs_k = kc + tl.arange(0, 32)
-            k_ok = offs_k < K                     # K is a multiple of 32: a chunk is all in or out
-            a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            e = tl.load(s_cols + kc // 32, mask=n_ok & (offs_n * 0 + kc < K), other=0)
-            scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)      # 2^(e - 127)
+        s0, s1, s2, s3 = _k_tile_scales(s_cols, k0, last, BLOCK_N, CHUNKS)
+        for j in tl.static_range(CHUNKS):
+            offs_k = k0 + j * 32 + tl.arange(0, 32)
+            if EVEN_K:
+                a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :], other=0.0)
+            else:                         # K is a multiple of 32: a chunk is all in or all out
+                k_ok = offs_k < K
+                a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if UPCAST:                    # the interpreter has no fp8 product; fp32 is exact here
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc += tl.dot(a, w) * scale[None, :]
+            s = s0 if j == 0 else (s1 if j == 1 else (s2 if j == 2 else s3))
+            acc += tl.dot(a, w) * s[None, :]
     xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
     out = acc * xs[:, None]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -105,11 +132,14 @@ def mxfp8_w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, codes: torch.Tensor
     scales = scales.contiguous().view(torch.uint8)
     x_scale = x_scale.float().contiguous()
     cfg = config or w8a8_config(M, N, K)
+    if cfg["BLOCK_K"] not in (32, 64, 128):
+        raise ValueError(f"BLOCK_K must be 32, 64 or 128 (one to four scale blocks), got {cfg['BLOCK_K']}")
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _mxfp8_w8a8_kernel[grid](
         xq, x_scale, codes, scales, out, M, N, K, xq.stride(0), codes.stride(0), scales.stride(0),
         out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN_K=K % cfg["BLOCK_K"] == 0, UPCAST=interpreting(), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 

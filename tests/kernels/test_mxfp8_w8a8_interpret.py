@@ -74,6 +74,9 @@ def test_each_block_scale_on_its_own_k_block():
     c, s = _weight(24, 160, seed=1, spread=12)
     x = torch.randn(7, 160, generator=torch.Generator().manual_seed(2))
     ref = rp.w8a8_reference(x, c, s, torch.float64)
+    for block_k in (32, 64):      # one or two scale blocks per K step (the default: four)
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 1}
+        assert _rel(mxfp8_w8a8_matmul(x, c, s, config=cfg), ref) < 1e-6, block_k
     out = mxfp8_w8a8_matmul(x, c, s)
     assert _rel(out, ref) < 1e-6
     for shift in (1, -1):
@@ -146,6 +149,9 @@ def test_w8a8_rejects_bad_operands():
         mxfp8_w8a8_matmul(x, c, s.float())
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         mxfp8_w8a8_matmul(x[0], c, s)
+    with pytest.raises(ValueError, match="BLOCK_K must be 32, 64 or 128"):
+        mxfp8_w8a8_matmul(x, c, s, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256,
+                                           "num_warps": 4, "num_stages": 1})
     with pytest.raises(ValueError, match="one scale per row"):
         mxfp8_w8a8_gemm(x.to(torch.float8_e4m3fn), torch.ones(3), c, s)
     assert mxfp8_w8a8_matmul(torch.randn(0, 64), c, s).shape == (0, 8)
@@ -164,7 +170,7 @@ aligned = list(types) + ["K", "stride_xm", "stride_wn", "stride_om"]
 for m in json.loads(sys.argv[1]):
     cfg = w8a8_config(m, 1536, 6144)
     consts = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-    consts["UPCAST"] = False
+    consts.update(EVEN_K=True, UPCAST=False)
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(types)
     sig.update({c: "constexpr" for c in consts})
