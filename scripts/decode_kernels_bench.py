@@ -973,8 +973,11 @@ PREFILL_W8A8_SHAPES = {"qkv": (RANK_SHAPES["tp8"]["qkv"], 6144), "o_proj": (6144
                        "dense down": (6144, RANK_SHAPES["tp8"]["dense"]),
                        "shared gate_up": (2 * RANK_SHAPES["tp8"]["I"], 6144),
                        "shared down": (6144, RANK_SHAPES["tp8"]["I"])}
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried beside each kernel's own table
-_W8A16_TILES = [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 8, 3)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, N_FIRST]) tried beside each kernel's own
+# table; W8A16's default grid walks the row blocks of a column tile first, N_FIRST the column
+# tiles of a row block (as the W8A8 kernel does), which keeps the activation rows in L2
+_W8A16_TILES = [(64, 128, 128, 8, 3, True), (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),
+                (128, 128, 128, 8, 3, True), (64, 256, 64, 8, 3, True)]
 _W8A8_TILES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
                (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (128, 128, 64, 8, 4),
                (128, 128, 32, 8, 6), (256, 128, 128, 8, 3)]
@@ -991,7 +994,8 @@ def _max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _tiles(t) -> dict:
-    return {"BLOCK_M": t[0], "BLOCK_N": t[1], "BLOCK_K": t[2], "num_warps": t[3], "num_stages": t[4]}
+    cfg = {"BLOCK_M": t[0], "BLOCK_N": t[1], "BLOCK_K": t[2], "num_warps": t[3], "num_stages": t[4]}
+    return {**cfg, "N_FIRST": t[5]} if len(t) > 5 else cfg
 
 
 def _timed(timer, fn) -> tuple[float, str]:
@@ -1000,6 +1004,18 @@ def _timed(timer, fn) -> tuple[float, str]:
         return timer(fn), ""
     except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
         return float("inf"), f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+def _checked(timer, fn, ref: torch.Tensor, tol: float = 2e-2) -> tuple[float, str]:
+    """`_timed`, after checking fn's result against ref (max relative error within tol): a tile
+    that computes a wrong product is reported, not timed."""
+    try:
+        err = _max_rel(fn(), ref)
+    except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+        return float("inf"), f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+    if not err <= tol:
+        return float("inf"), f"wrong product: max rel err {err:.3g}"
+    return _timed(timer, fn)
 
 
 def prefill_w8a8_cases(shapes: dict, ms, device: str = "cuda", timer=None, sweep: bool = True) -> list[dict]:
@@ -1025,23 +1041,24 @@ def prefill_w8a8_cases(shapes: dict, ms, device: str = "cuda", timer=None, sweep
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             flop = 2.0 * m * n * k
             rec = {"shape": name, "N": n, "K": k, "M": m}
+            ref8 = rp.w8a8_reference(x, codes, scales)
+            ref16 = x.float() @ w_bf16.float().t()
             try:
-                ref8 = rp.w8a8_reference(x, codes, scales)
-                ref16 = x.float() @ w_bf16.float().t()
                 rec["max_rel_err_w8a16_vs_ref"] = _max_rel(packed_matmul(x, codes, scales, None, "mxfp8"), ref16)
                 out8 = mxfp8_w8a8_matmul(x, codes, scales)
                 rec["max_rel_err_w8a8_vs_ref"] = _max_rel(out8, ref8)
                 rec["max_rel_err_w8a8_vs_w8a16_ref"] = _max_rel(out8, ref16)
-                del ref8, ref16, out8
+                del out8
             except Exception as e:  # noqa: BLE001 - reported in the record, the timings still run
                 rec["check_failed"] = f"{type(e).__name__}: {e}"[:300]
             cfg16 = {"table": None, **{str(t): _tiles(t) for t in (_W8A16_TILES if sweep else [])}}
             cfg8 = {"table": None, **{str(t): _tiles(t) for t in (_W8A8_TILES if sweep else [])}}
-            t16 = {c: _timed(timer, lambda: packed_matmul(x, codes, scales, None, "mxfp8", config=cfg))
-                   for c, cfg in cfg16.items()}
             xq, xs = quant_rows_fp8(x)
-            t8 = {c: _timed(timer, lambda: mxfp8_w8a8_gemm(xq, xs, codes, scales, config=cfg))
+            t16 = {c: _checked(timer, lambda: packed_matmul(x, codes, scales, None, "mxfp8", config=cfg), ref16)
+                   for c, cfg in cfg16.items()}
+            t8 = {c: _checked(timer, lambda: mxfp8_w8a8_gemm(xq, xs, codes, scales, config=cfg), ref8)
                   for c, cfg in cfg8.items()}
+            del ref8, ref16
             rec["errors"] = {f"{kind} {tile}": why for kind, d in (("w8a16", t16), ("w8a8", t8))
                              for tile, (_, why) in d.items() if why}
             best16 = min(t16, key=lambda c: t16[c][0])

@@ -201,3 +201,18 @@ def test_w8a8_compiles_to_fp8_wgmma(tmp_path):
     for ln in lines:
         assert ln["wgmma"] and all(w.endswith(".f32.e4m3.e4m3") for w in ln["wgmma"]), ln
         assert ln["cp_async"] > 0, ln
+
+
+def test_prefill_w8a8_bench_runs_on_cpu():
+    """scripts/decode_kernels_bench.py prefill_w8a8's cases (the lead runs them on the GPU) run
+    here with a fake clock: both paths' products checked against their references, one record
+    per (shape, rows)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import decode_kernels_bench as bench
+    clock = iter(range(1000, 0, -1))              # every later call "faster"
+    recs = bench.prefill_w8a8_cases({"tiny": (48, 96)}, (20,), device="cpu",
+                                    timer=lambda fn: (fn(), float(next(clock)))[1], sweep=False)
+    (r,) = recs
+    assert (r["N"], r["K"], r["M"]) == (48, 96, 20) and "check_failed" not in r and not r["errors"]
+    assert r["max_rel_err_w8a16_vs_ref"] < 5e-3 and r["max_rel_err_w8a8_vs_ref"] < 5e-3
+    assert r["max_rel_err_w8a8_vs_w8a16_ref"] > 5e-3          # FP8 activations do change it
