@@ -125,6 +125,18 @@ def use_w8a8(x: torch.Tensor, fmt: PackedFormat) -> bool:
     return x.shape[0] >= W8A8_MIN_ROWS and fmt.kind == "mxfp8" and envs.MXFP8_W8A8
 
 
+def w8a8_note(model: nn.Module) -> str | None:
+    """What the W8A8 opt-in does to this model, for the start-up log; None when it is off."""
+    if not envs.MXFP8_W8A8:
+        return None
+    n = sum(f.kind == "mxfp8" for m in model.modules() for f in m.__dict__.get("packed", {}).values())
+    if not n:
+        return "M3SERVE_MXFP8_W8A8=1 has no effect: this model has no MXFP8 weights"
+    return (f"M3SERVE_MXFP8_W8A8=1: {n} MXFP8 weights multiply products of >= {W8A8_MIN_ROWS} rows "
+            f"with FP8 activations (per-token e4m3, W8A8), not the default dequantised weight x "
+            f"bf16 activation")
+
+
 def packed_linear(x: torch.Tensor, module: nn.Module, attr: str = "weight") -> torch.Tensor:
     """x [T, K] @ dequant(module.<attr>)^T -> [T, N] in x's dtype: dequantised weight times the
     activation as it is (weight-only numerics, W8A16 / W4A16). On CUDA the codes are read by

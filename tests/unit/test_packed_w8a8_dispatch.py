@@ -14,6 +14,7 @@ from m3serve.layers.packed import (
     W8A8_MIN_ROWS,
     packed_linear,
     set_packed_,
+    w8a8_note,
 )
 
 
@@ -77,3 +78,12 @@ def test_env_flag_rejects_other_values(monkeypatch):
     monkeypatch.setenv("M3SERVE_MXFP8_W8A8", "yes")
     with pytest.raises(ValueError, match="M3SERVE_MXFP8_W8A8 must be 0 or 1, got 'yes'"):
         envs.env_flag("M3SERVE_MXFP8_W8A8")
+
+
+def test_start_up_note(monkeypatch):
+    model = nn.ModuleList([_module(MXFP8), _module(MXFP4), _module(MXFP8)])
+    monkeypatch.setattr(envs, "MXFP8_W8A8", False)
+    assert w8a8_note(model) is None
+    monkeypatch.setattr(envs, "MXFP8_W8A8", True)
+    assert w8a8_note(model).startswith("M3SERVE_MXFP8_W8A8=1: 2 MXFP8 weights")
+    assert "no effect" in w8a8_note(nn.ModuleList([_module(MXFP4)]))
