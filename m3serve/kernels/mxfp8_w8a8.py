@@ -8,8 +8,10 @@ Numerics (`ref/packed.w8a8_reference` is the oracle): every 32-wide K chunk (one
 the weight) is its own e4m3 x e4m3 product accumulated in fp32, multiplied by the block's scale
 2^(e - 127) per output column and added to an fp32 accumulator; the token's scale multiplies the
 sum at the end, rounded once to the output dtype. A K tile of 128 is four such chunks, loaded
-and multiplied one by one. Short chunks also keep the FP8 MMA's own reduced-precision
-accumulation to 32 products before each fp32 addition.
+and multiplied one by one, their four scales read in one load. Short chunks also keep the FP8
+MMA's own reduced-precision accumulation to 32 products before each fp32 addition. Scale byte 0
+reads as 0 (as in `packed_gemm.mxfp8_tile`) and 255 as infinity, where the reference has
+2^-127 and NaN: neither occurs in a weight quantised by the MX rule.
 """
 from __future__ import annotations
 
