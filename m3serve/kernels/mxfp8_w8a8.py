@@ -11,7 +11,7 @@ sum at the end, rounded once to the output dtype. A K tile of 128 is four such c
 and multiplied one by one, their four scales read in one load. Short chunks also keep the FP8
 MMA's own reduced-precision accumulation to 32 products before each fp32 addition. Scale byte 0
 reads as 0 (as in `packed_gemm.mxfp8_tile`) and 255 as infinity, where the reference has
-2^-127 and NaN: neither occurs in a weight quantised by the MX rule.
+2^-127 and NaN: real weights have neither (byte 0 is an all-zero block's, or one below 2^-118).
 """
 from __future__ import annotations
 
