@@ -188,6 +188,5 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         x, codes, scales, g, out, M, N, K, x.stride(0), codes.stride(0), scales.stride(0),
         out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         FMT=fmt, GDIV=bool(global_divides), UPCAST=interpreting(), N_FIRST=n_first,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
