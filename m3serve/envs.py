@@ -1,10 +1,25 @@
-"""Environment variables, all read in one place: debug switches, the cache folder, and the
-torchrun variables that multi-node launches may set instead of flags."""
+"""Environment variables, all read in one place: debug switches, the opt-in FP8 activations of
+MXFP8 prefill, the cache folder, and the torchrun variables that multi-node launches may set
+instead of flags."""
 import os
 from pathlib import Path
 
 # Force the PyTorch reference ops even on a GPU (to bisect a kernel problem).
 FORCE_REFERENCE_OPS = os.environ.get("M3SERVE_FORCE_REFERENCE_OPS", "0") == "1"
+
+
+def env_flag(name: str) -> bool:
+    """An on/off switch: "1" on, "0" or unset off; anything else is a ValueError naming it."""
+    value = os.environ.get(name, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+# Opt-in: MXFP8 linear layers run products of >= 256 rows (prefill) with FP8 activations, each
+# token quantised to e4m3 with its own scale (W8A8), instead of dequantised weight x bf16
+# activation, the declared numerics (docs/model.md §8). Off by default: it changes the outputs.
+MXFP8_W8A8 = env_flag("M3SERVE_MXFP8_W8A8")
 
 
 def debug_tracemalloc_frames() -> int:

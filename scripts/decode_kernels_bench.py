@@ -18,8 +18,11 @@
   sample the top-p / top-k cut-offs (radix kernels against sorting) and a whole sampled step;
   rank_moe / rank_gemv  the fused MoE's and the projections' tiles at one TP 8 / TP 4 rank's
          widths (decode rows), against the tables and cuBLAS;
-  rank_packed  the same for packed (MXFP4 / MXFP8) weights.
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample]`"""
+  rank_packed  the same for packed (MXFP4 / MXFP8) weights;
+  prefill_w8a8  MXFP8 at prefill: W8A16 (packed_matmul) against W8A8 (per-token FP8 activations,
+         kernels/mxfp8_w8a8.py, quantisation counted) at one TP 8 rank's dense shapes, 512-8192
+         rows, by tile, with each path's error; JSON to $OUT/prefill_w8a8.json when $OUT is set.
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample] [rank_packed] [prefill_w8a8]`"""
 import sys
 import time
 
@@ -961,6 +964,174 @@ def rank_packed() -> None:
                   f"{packed_config(T, n, k)['BLOCK_K']}), best " +
                   ", ".join(f"{nm} {t:.1f}" for t, nm in res[:3]), flush=True)
 
+
+# one TP 8 rank's dense products (N, K) at prefill: the fused qkv of a sparse layer, o_proj, the
+# dense MLP's gate_up / down, and the shared expert's when it runs as a dense MLP (expert
+# parallelism; otherwise it runs inside the fused MoE)
+PREFILL_W8A8_SHAPES = {"qkv": (RANK_SHAPES["tp8"]["qkv"], 6144), "o_proj": (6144, RANK_SHAPES["tp8"]["o_k"]),
+                       "dense gate_up": (2 * RANK_SHAPES["tp8"]["dense"], 6144),
+                       "dense down": (6144, RANK_SHAPES["tp8"]["dense"]),
+                       "shared gate_up": (2 * RANK_SHAPES["tp8"]["I"], 6144),
+                       "shared down": (6144, RANK_SHAPES["tp8"]["I"])}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, N_FIRST]) tried beside each kernel's own
+# table; W8A16's default grid walks the row blocks of a column tile first, N_FIRST the column
+# tiles of a row block (as the W8A8 kernel does), which keeps the activation rows in L2
+_W8A16_TILES = [(64, 128, 128, 8, 3, True), (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),
+                (128, 128, 128, 8, 3, True), (64, 256, 64, 8, 3, True)]
+_W8A8_TILES = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
+               (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (128, 128, 64, 8, 4),
+               (128, 128, 32, 8, 6), (256, 128, 128, 8, 3)]
+
+
+def _prefill_time(fn) -> float:
+    """Median µs of fn over ~100 ms (L2 flushed between calls, as a prefill step sees it)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def _max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|."""
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def _tiles(t) -> dict:
+    cfg = {"BLOCK_M": t[0], "BLOCK_N": t[1], "BLOCK_K": t[2], "num_warps": t[3], "num_stages": t[4]}
+    return {**cfg, "N_FIRST": t[5]} if len(t) > 5 else cfg
+
+
+def _timed(timer, fn) -> tuple[float, str]:
+    """(µs, "") or (inf, why) when fn fails to compile or run (out of resources etc.)."""
+    try:
+        return timer(fn), ""
+    except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+        return float("inf"), f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+def _checked(timer, fn, ref: torch.Tensor, tol: float = 2e-2) -> tuple[float, str]:
+    """`_timed`, after checking fn's result against ref (max relative error within tol): a tile
+    that computes a wrong product is reported, not timed."""
+    try:
+        err = _max_rel(fn(), ref)
+    except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+        return float("inf"), f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+    if not err <= tol:
+        return float("inf"), f"wrong product: max rel err {err:.3g}"
+    return _timed(timer, fn)
+
+
+def prefill_w8a8_cases(shapes: dict, ms, device: str = "cuda", timer=None, sweep: bool = True) -> list[dict]:
+    """One record per (shape, rows): W8A16 (`packed_matmul`, its table tiles and the best of
+    `_W8A16_TILES`) against W8A8 (`mxfp8_w8a8_matmul`: the row quantiser + the FP8 GEMM, both
+    counted; its table tiles and the best GEMM tiles of `_W8A8_TILES`), the quantiser alone,
+    cuBLAS bf16 on the dequantised weight and, for scale, a per-channel FP8 GEMM
+    (torch._scaled_mm, no block scales) as what FP8 tensor cores reach without them; and each
+    path's max relative error against its reference (`w8a8_reference`; the bf16 product of the
+    dequantised weight). On CPU (TRITON_INTERPRET=1, a fake timer) it checks the plumbing."""
+    from m3serve.kernels.fused_moe import quant_rows_fp8
+    from m3serve.kernels.mxfp8_w8a8 import mxfp8_w8a8_gemm, mxfp8_w8a8_matmul, w8a8_config
+    from m3serve.kernels.packed_gemm import packed_config, packed_matmul
+    from m3serve.kernels.ref import packed as rp
+    timer = timer or _prefill_time
+    records = []
+    for name, (n, k) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(n * 7 + k)
+        codes, scales = rp.quantize_mxfp8(torch.randn(n, k, device=device, generator=g) * k ** -0.5)
+        w_deq = rp.dequantize("mxfp8", codes, scales)                              # fp32 [N, K]
+        w_bf16 = w_deq.to(torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+            flop = 2.0 * m * n * k
+            rec = {"shape": name, "N": n, "K": k, "M": m}
+            ref8 = rp.w8a8_reference(x, codes, scales)
+            ref16 = x.float() @ w_bf16.float().t()
+            try:
+                rec["max_rel_err_w8a16_vs_ref"] = _max_rel(packed_matmul(x, codes, scales, None, "mxfp8"), ref16)
+                out8 = mxfp8_w8a8_matmul(x, codes, scales)
+                rec["max_rel_err_w8a8_vs_ref"] = _max_rel(out8, ref8)
+                rec["max_rel_err_w8a8_vs_w8a16_ref"] = _max_rel(out8, ref16)
+                del out8
+            except Exception as e:  # noqa: BLE001 - reported in the record, the timings still run
+                rec["check_failed"] = f"{type(e).__name__}: {e}"[:300]
+            cfg16 = {"table": None, **{str(t): _tiles(t) for t in (_W8A16_TILES if sweep else [])}}
+            cfg8 = {"table": None, **{str(t): _tiles(t) for t in (_W8A8_TILES if sweep else [])}}
+            xq, xs = quant_rows_fp8(x)
+            t16 = {c: _checked(timer, lambda: packed_matmul(x, codes, scales, None, "mxfp8", config=cfg), ref16)
+                   for c, cfg in cfg16.items()}
+            t8 = {c: _checked(timer, lambda: mxfp8_w8a8_gemm(xq, xs, codes, scales, config=cfg), ref8)
+                  for c, cfg in cfg8.items()}
+            del ref8, ref16
+            rec["errors"] = {f"{kind} {tile}": why for kind, d in (("w8a16", t16), ("w8a8", t8))
+                             for tile, (_, why) in d.items() if why}
+            best16 = min(t16, key=lambda c: t16[c][0])
+            best8 = min(t8, key=lambda c: t8[c][0])
+            quant = _timed(timer, lambda: quant_rows_fp8(x))[0]
+            e2e_table = _timed(timer, lambda: mxfp8_w8a8_matmul(x, codes, scales))[0]
+            e2e_best = _timed(timer, lambda: mxfp8_w8a8_matmul(x, codes, scales, config=cfg8[best8]))[0]
+            rec.update({
+                "w8a16_table_tiles": packed_config(m, n, k), "w8a8_table_tiles": w8a8_config(m, n, k),
+                "w8a16_table_us": t16["table"][0], "w8a16_best_us": t16[best16][0], "w8a16_best_tiles": best16,
+                "w8a8_quant_us": quant, "w8a8_gemm_table_us": t8["table"][0],
+                "w8a8_gemm_best_us": t8[best8][0], "w8a8_best_tiles": best8,
+                "w8a8_table_us": e2e_table, "w8a8_best_us": min(e2e_table, e2e_best),
+                "w8a16_sweep_us": {c: v[0] for c, v in t16.items()},
+                "w8a8_gemm_sweep_us": {c: v[0] for c, v in t8.items()},
+            })
+            rec["cublas_bf16_us"] = _timed(timer, lambda: F.linear(x, w_bf16))[0]
+            rec["fp8_per_channel_scaled_mm_us"] = float("nan")
+            if device == "cuda":
+                from m3serve.kernels.ref.fused_moe import quant_weight_fp8
+                wq, ws = quant_weight_fp8(w_bf16)
+                rec["fp8_per_channel_scaled_mm_us"] = _timed(timer, lambda: torch._scaled_mm(
+                    xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :], out_dtype=torch.bfloat16))[0]
+                del wq, ws
+            for key in ("w8a16_best_us", "w8a8_best_us", "w8a8_gemm_best_us", "cublas_bf16_us"):
+                rec[key.replace("_us", "_tflops")] = flop / rec[key] / 1e6 if rec[key] > 0 else 0.0
+            rec["speedup_w8a8_over_w8a16"] = rec["w8a16_best_us"] / rec["w8a8_best_us"]
+            rec["faster"] = "w8a8" if rec["w8a8_best_us"] < rec["w8a16_best_us"] else "w8a16"
+            records.append(rec)
+            print(f"prefill_w8a8 {name} N={n} K={k} M={m}: W8A16 table {rec['w8a16_table_us']:.1f} / best "
+                  f"{rec['w8a16_best_us']:.1f} us {best16}; W8A8 quant {quant:.1f} + GEMM table "
+                  f"{rec['w8a8_gemm_table_us']:.1f} / best {rec['w8a8_gemm_best_us']:.1f} {best8} -> "
+                  f"end to end {e2e_table:.1f} / {e2e_best:.1f} us; cuBLAS bf16 {rec['cublas_bf16_us']:.1f}, "
+                  f"fp8 per-channel {rec['fp8_per_channel_scaled_mm_us']:.1f}; max rel err W8A16 "
+                  f"{rec.get('max_rel_err_w8a16_vs_ref', float('nan')):.2e}, W8A8 "
+                  f"{rec.get('max_rel_err_w8a8_vs_ref', float('nan')):.2e} (vs the bf16-activation product "
+                  f"{rec.get('max_rel_err_w8a8_vs_w8a16_ref', float('nan')):.2e})"
+                  + (f"; CHECK FAILED {rec['check_failed']}" if "check_failed" in rec else "")
+                  + (f"; failed tiles {rec['errors']}" if rec["errors"] else ""), flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return records
+
+
+def prefill_w8a8() -> None:
+    """W8A16 against W8A8 for MXFP8 weights at one TP 8 rank's dense shapes, 512 / 2048 / 8192
+    rows (`prefill_w8a8_cases`); a table at the end and, when $OUT is set, $OUT/prefill_w8a8.json."""
+    import json
+    import os
+    records = prefill_w8a8_cases(PREFILL_W8A8_SHAPES, (512, 2048, 8192))
+    print("\n| shape | N x K | M | W8A16 table / best µs | W8A8 quant + GEMM table / best µs (quant) "
+          "| best W8A16 / best W8A8 | cuBLAS bf16 µs | max rel err W8A16 / W8A8 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['shape']} | {r['N']} x {r['K']} | {r['M']} | {r['w8a16_table_us']:.1f} / "
+              f"{r['w8a16_best_us']:.1f} | {r['w8a8_table_us']:.1f} / {r['w8a8_best_us']:.1f} "
+              f"({r['w8a8_quant_us']:.1f}) | {r['speedup_w8a8_over_w8a16']:.2f}x | "
+              f"{r['cublas_bf16_us']:.1f} | {r.get('max_rel_err_w8a16_vs_ref', float('nan')):.1e} / "
+              f"{r.get('max_rel_err_w8a8_vs_ref', float('nan')):.1e} |", flush=True)
+    for m in sorted({r["M"] for r in records}):
+        rows = [r for r in records if r["M"] == m]
+        t16 = sum(r["w8a16_best_us"] for r in rows)
+        t8 = sum(r["w8a8_best_us"] for r in rows)
+        print(f"M={m}: all shapes W8A16 {t16:.1f} us, W8A8 {t8:.1f} us -> keep "
+              f"{'W8A8' if t8 < t16 else 'W8A16'} ({t16 / t8:.2f}x)", flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "prefill_w8a8.json")
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "triton": triton.__version__,
+                       "torch": torch.__version__, "records": records}, f, indent=1, default=str)
+        print(f"wrote {path}", flush=True)
 
 if __name__ == "__main__":
     todo = sys.argv[1:] or ["gemv", "attn", "moe"]

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from m3serve.kernels.packed_gemm import PACK_CODES, SCALE_BLOCK, fp4_tiles, mxfp8_tile
+from m3serve.kernels.rmsnorm import cast_rne
 from m3serve.kernels.tma import tma_ready
 
 FP8_MAX = 448.0
@@ -502,32 +503,17 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
 
 
 @triton.jit
-def _round_to_e4m3_grid(v):
-    """Round fp32 to the nearest e4m3 value in fp32 arithmetic (then the cast is exact).
-
-    The interpreter's fp32 -> e4m3 cast drops the carry into the exponent (124.3 -> 64), so
-    under TRITON_INTERPRET the rounding is done here; GPUs use the hardware cast.
-    """
-    mag = tl.abs(v)
-    exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(mag, 1e-30))), -6.0)  # subnormals: 2^-9 step
-    step = tl.exp2(exponent - 3.0)
-    rounded = tl.floor(mag / step + 0.5) * step
-    return tl.where(v < 0, -rounded, rounded)
-
-
-@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, min_scale,
                        BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """One program per row: s = max(amax / 448, min_scale), q = e4m3(x / s)."""
+    """One program per row: s = max(amax / 448, min_scale), q = e4m3(x / s), ties to even (the
+    interpreter's own cast mis-rounds, so SOFT_ROUND rounds in fp32 first: `cast_rne`)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, min_scale)
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    if SOFT_ROUND:
-        q = _round_to_e4m3_grid(q)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    q = cast_rne(tl.clamp(x / scale, -448.0, 448.0), q_ptr.dtype.element_ty, SOFT_ROUND)
+    tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
     tl.store(s_ptr + row, scale)
 
 

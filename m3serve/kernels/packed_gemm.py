@@ -95,10 +95,12 @@ def fp4_tiles(w_base, s_base, g_base, stride_n, stride_sn, offs_n, n_ok, k0, K,
 def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K,
                           stride_xm, stride_wn, stride_sn, stride_om,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          FMT: tl.constexpr, GDIV: tl.constexpr, UPCAST: tl.constexpr):
-    """out [M, N] = x [M, K] @ dequant(w)^T, fp32 accumulation rounded once to out's dtype."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                          FMT: tl.constexpr, GDIV: tl.constexpr, UPCAST: tl.constexpr,
+                          N_FIRST: tl.constexpr):
+    """out [M, N] = x [M, K] @ dequant(w)^T, fp32 accumulation rounded once to out's dtype.
+    N_FIRST: the grid's first axis (the one launched fastest) walks the column tiles."""
+    pid_m = tl.program_id(1 if N_FIRST else 0)
+    pid_n = tl.program_id(0 if N_FIRST else 1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -156,7 +158,9 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """x [M, K] (bf16/fp16/fp32) @ dequant(W)^T -> [M, N] in x's dtype, W held as `kind` codes
     ("mxfp8": e4m3 [N, K]; "mxfp4" / "nvfp4": bytes [N, K/2]) with block scales [N, K/B] and,
     for NVFP4, a per-row fp32 global scale [N] (`global_divides`: compressed-tensors divides
-    by it, ModelOpt multiplies). `config` overrides the tiles (benchmarks)."""
+    by it, ModelOpt multiplies). `config` overrides the tiles (benchmarks); its optional
+    "N_FIRST" launches the column tiles of a row block together (the activation rows stay in
+    L2 while the weight streams), where the default launches a column tile's row blocks together."""
     fmt = PACK_CODES.get(kind)
     if fmt is None:
         raise ValueError(f"unknown packed format {kind!r} ({', '.join(PACK_CODES)})")
@@ -177,10 +181,12 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if M == 0:
         return out
     cfg = config or packed_config(M, N, K)
+    n_first = bool(cfg.get("N_FIRST", False))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+    grid = grid[::-1] if n_first else grid
     _packed_matmul_kernel[grid](
         x, codes, scales, g, out, M, N, K, x.stride(0), codes.stride(0), scales.stride(0),
         out.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        FMT=fmt, GDIV=bool(global_divides), UPCAST=interpreting(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        FMT=fmt, GDIV=bool(global_divides), UPCAST=interpreting(), N_FIRST=n_first,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -7,7 +7,8 @@ bring their own). They keep the layer's `weight_loader`, which shards them like 
 for column-parallel layers, the reduction dimension (in codes and in scale blocks) for
 row-parallel ones and the experts' down projection; a scale block may not straddle two ranks.
 `dequantized` is the reference path (dequantise in fp32, round to the activation dtype,
-multiply); `packed_linear` dispatches to it or, on CUDA, to the packed-weight kernel.
+multiply); `packed_linear` dispatches to it or, on CUDA, to the packed-weight kernel (and, opted
+in, MXFP8 prefill products to FP8 activations: `use_w8a8`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from m3serve.kernels.ref.packed import MX_BLOCK, NVFP4_BLOCK, dequantize
+from m3serve import envs
+from m3serve.kernels.ref.packed import MX_BLOCK, NVFP4_BLOCK, dequantize, w8a8_reference
+
+# From this many rows (tokens in a step) an MXFP8 product may take the W8A8 path (`use_w8a8`):
+# prefill-sized products, where the FP8 tensor cores can pay for quantising the activations;
+# below it the weight-only kernel's tuned decode tiles run.
+W8A8_MIN_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -111,18 +118,46 @@ def dequantized(module: nn.Module, attr: str, dtype: torch.dtype, index=None) ->
     return dequantize(fmt.kind, w, b, g, fmt.global_divides).to(dtype)
 
 
+def use_w8a8(x: torch.Tensor, fmt: PackedFormat) -> bool:
+    """Whether this product quantises its activations to FP8 (W8A8): only with the opt-in
+    M3SERVE_MXFP8_W8A8=1, only for MXFP8 weights, only from `W8A8_MIN_ROWS` rows (a step's
+    tokens, so decode rows that share a step with a long prefill chunk get it too)."""
+    return x.shape[0] >= W8A8_MIN_ROWS and fmt.kind == "mxfp8" and envs.MXFP8_W8A8
+
+
+def w8a8_note(model: nn.Module) -> str | None:
+    """What the W8A8 opt-in does to this model, for the start-up log; None when it is off."""
+    if not envs.MXFP8_W8A8:
+        return None
+    n = sum(f.kind == "mxfp8" for m in model.modules() for f in m.__dict__.get("packed", {}).values())
+    if not n:
+        return "M3SERVE_MXFP8_W8A8=1 has no effect: this model has no MXFP8 weights"
+    return (f"M3SERVE_MXFP8_W8A8=1: {n} MXFP8 weights multiply products of >= {W8A8_MIN_ROWS} rows "
+            f"with FP8 activations (per-token e4m3, W8A8), not the default dequantised weight x "
+            f"bf16 activation")
+
+
 def packed_linear(x: torch.Tensor, module: nn.Module, attr: str = "weight") -> torch.Tensor:
     """x [T, K] @ dequant(module.<attr>)^T -> [T, N] in x's dtype: dequantised weight times the
     activation as it is (weight-only numerics, W8A16 / W4A16). On CUDA the codes are read by
     `kernels/packed_gemm.py` and dequantised in registers; the reference dequantises the whole
-    weight first."""
-    from m3serve.layers.dispatch import use_triton
-    if use_triton("packed_linear", x):
+    weight first. With the W8A8 opt-in (`use_w8a8`) an MXFP8 product quantises each token of x
+    to e4m3 first: `kernels/mxfp8_w8a8.py` on CUDA, `ref/packed.w8a8_reference` (in fp64,
+    rounded once, like `linear`) on CPU; dispatch records it as "packed_linear_w8a8"."""
+    from m3serve.layers.dispatch import executed, use_triton
+    fmt = packed_format(module, attr)
+    codes, scales = getattr(module, attr), getattr(module, attr + "_block_scale")
+    triton_ok = use_triton("packed_linear", x)
+    if use_w8a8(x, fmt):
+        executed[("packed_linear_w8a8", "triton" if triton_ok else "reference")] += 1
+        if triton_ok:
+            from m3serve.kernels.mxfp8_w8a8 import mxfp8_w8a8_matmul
+            return mxfp8_w8a8_matmul(x, codes, scales)
+        return w8a8_reference(x, codes, scales, torch.float64).to(x.dtype)
+    if triton_ok:
         from m3serve.kernels.packed_gemm import packed_matmul
-        fmt = packed_format(module, attr)
         g = getattr(module, attr + "_global_scale") if fmt.has_global else None
-        return packed_matmul(x, getattr(module, attr), getattr(module, attr + "_block_scale"), g,
-                             fmt.kind, fmt.global_divides)
+        return packed_matmul(x, codes, scales, g, fmt.kind, fmt.global_divides)
     from m3serve.layers.linear import linear
     return linear(x, dequantized(module, attr, x.dtype))
 

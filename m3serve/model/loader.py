@@ -397,6 +397,9 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
         load_weights(net, cfg, model_dir, progress=progress, scheme=scheme, **fill)
     if online and net.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
+    from m3serve.layers.packed import w8a8_note
+    if note := w8a8_note(net):
+        logger.info(note)
     return net.eval(), cfg, model_dir
 
 

@@ -42,6 +42,10 @@ def test_packed_matmul_real_widths(fmt, n, k):
         # the weight tile is the reference's: one row alone equals a float64 product closely
         exact = (x.double() @ wd.double().t())
         assert _rel(out, exact) < 5e-3
+    # the prefill tiles with the column tiles first in the grid (benchmark variant)
+    x = torch.randn(300, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "N_FIRST": True}
+    assert _rel(packed_matmul(x, c, s, gs, kind, divides, config=cfg), x @ wd.t()) < TOL
 
 
 @pytest.fixture(scope="module")

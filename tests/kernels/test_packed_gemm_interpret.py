@@ -33,6 +33,11 @@ def test_packed_matmul_equals_dequantised_product(fmt, dtype):
     assert out.dtype == dtype and out.shape == (5, 40)
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    # the column tiles first in the grid: the same product
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "N_FIRST": True}
+    x2 = torch.cat([x] * 4)                                        # 20 rows: two row tiles
+    torch.testing.assert_close(packed_matmul(x2, c, s, gs, kind, divides, config=cfg).double(),
+                               torch.cat([ref] * 4), rtol=tol, atol=tol)
     # the nibble order matters: swapping them is a different weight
     if kind != "mxfp8":
         swapped = (c >> 4) | ((c & 15) << 4)
@@ -100,7 +105,7 @@ def test_packed_kernels_compile_for_hopper(tmp_path):
             jobs.append(["m3serve.kernels.packed_gemm", "_packed_matmul_kernel",
                          {**dense, "w_ptr": code, "s_ptr": scale},
                          {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FMT": fmt, "GDIV": True,
-                          "UPCAST": False}, warps])
+                          "UPCAST": False, "N_FIRST": bm == 64}, warps])
             tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "EVEN_K": False,
                      "USE_FP8": False, "UPCAST": False, "TMA": False, "PACK": fmt, "GDIV": True}
             sig = {**moe, "w_ptr": code, "ws_ptr": code, "w_scale_ptr": scale, "ws_scale_ptr": scale}

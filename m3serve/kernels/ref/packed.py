@@ -90,6 +90,18 @@ def dequantize(fmt: str, codes: torch.Tensor, scales: torch.Tensor,
     return (_blocks(values, block) * s[..., None]).flatten(-2)
 
 
+def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The MXFP8 product with FP8 activations (`kernels/mxfp8_w8a8.py`): x [M, K] quantised
+    per token to e4m3 and back (scale = max(row amax / 448, 1e-12), fp32: the rule of
+    `ref/fused_moe.quant_rows_fp8_ref`), times `dequantize("mxfp8", codes, scales)`^T, both
+    operands and the product in `dtype` (fp32; the CPU backend passes fp64) -> [M, N]."""
+    from m3serve.kernels.ref.fused_moe import quant_rows_fp8_ref
+    q, s = quant_rows_fp8_ref(x)
+    a = q.to(dtype) * s.to(dtype)[:, None]
+    return a @ dequantize("mxfp8", codes, scales).to(dtype).t()
+
+
 def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., N, K] -> (e4m3 codes [..., N, K], E8M0 uint8 [..., N, K/32]); the exponent is
     ceil(log2(amax / 448)) + 127, clamped to [0, 254], so no element saturates."""
