@@ -148,8 +148,59 @@ def packed_config(M: int, N: int, K: int) -> dict:
         return {"BLOCK_M": 16, "BLOCK_N": 16 if N < 2048 else 32,
                 "BLOCK_K": 512 if K >= 4096 else min(256, max(32, triton.next_power_of_2(K))),
                 "num_warps": 4, "num_stages": 3}
+    if M >= 512:     # the sweep's best at 512-8192 rows (below DEQUANT_MIN_ROWS' path takes over)
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": min(64, max(32, triton.next_power_of_2(K))),
+                "num_warps": 8, "num_stages": 3, "N_FIRST": True}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": min(128, max(32, triton.next_power_of_2(K))),
             "num_warps": 8, "num_stages": 3}
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, g_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+                       GDIV: tl.constexpr, UPCAST: tl.constexpr):
+    """out [N, K] = the dequantised weight in out's dtype, a [BLOCK_K, BLOCK_N] tile a program
+    (the matmul's tile loaders, so the values are the ones its products use)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = offs_n < N
+    dtype = out_ptr.dtype.element_ty
+    rows = out_ptr + offs_n[None, :].to(tl.int64) * stride_on
+    if FMT == 1:
+        w = mxfp8_tile(w_ptr, s_ptr, stride_wn, stride_sn, offs_n, n_ok, k0, K, BLOCK_K, BLOCK_N, dtype, UPCAST)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(rows + offs_k[:, None], w, mask=(offs_k < K)[:, None] & n_ok[None, :])
+    else:
+        even, odd = fp4_tiles(w_ptr, s_ptr, g_ptr, stride_wn, stride_sn, offs_n, n_ok, k0, K,
+                              BLOCK_K, BLOCK_N, FMT == 3, GDIV, dtype, UPCAST)
+        offs_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        ok = (offs_k < K)[:, None] & n_ok[None, :]
+        tl.store(rows + offs_k[:, None], even, mask=ok)
+        tl.store(rows + offs_k[:, None] + 1, odd, mask=ok)
+
+
+# From this many rows a packed product dequantises the weight once into a 16-bit scratch and
+# multiplies with cuBLAS: at one TP 8 rank's MXFP8 projections on an H200 the in-register
+# products ran 1.4-4x slower than cuBLAS bf16 at 512-8192 rows (docs/performance.md), and the
+# dequantisation reads 1 byte and writes 2 per weight element once per product.
+DEQUANT_MIN_ROWS = 512
+
+
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None,
+                      kind: str, dtype: torch.dtype, global_divides: bool = True) -> torch.Tensor:
+    """The packed weight (as `packed_matmul` takes it) dequantised to [N, K] in `dtype`: each
+    element the reference's `dequantize(...)` rounded to `dtype`."""
+    fmt = PACK_CODES[kind]
+    N = codes.shape[0]
+    K = codes.shape[1] * (1 if fmt == 1 else 2)
+    codes, scales = codes.contiguous(), scales.contiguous()
+    g = global_scale.float().contiguous() if fmt == 3 else scales
+    out = torch.empty((N, K), dtype=dtype, device=codes.device)
+    bn, bk = (16, 32) if interpreting() else (64, 128)
+    _dequantize_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        codes, scales, g, out, N, K, codes.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, FMT=fmt, GDIV=bool(global_divides), UPCAST=interpreting(), num_warps=4)
+    return out
 
 
 def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -180,6 +231,9 @@ def packed_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
+    if config is None and M >= DEQUANT_MIN_ROWS and x.dtype != torch.float32 and not interpreting():
+        w = dequantize_weight(codes, scales, g if fmt == 3 else None, kind, x.dtype, global_divides)
+        return torch.mm(x, w.t(), out=out)
     cfg = config or packed_config(M, N, K)
     n_first = bool(cfg.get("N_FIRST", False))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))

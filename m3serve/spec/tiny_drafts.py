@@ -45,7 +45,7 @@ def eagle3_config_dict(target_dir: Path, gqa: bool) -> dict:
         "intermediate_size": 16384 if real else 2 * H, "num_hidden_layers": 1, "hidden_act": "silu",
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0 if not real else 5000000.0,
         "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": 32000 if real else cfg.vocab_size // 2, "target_hidden_size": H,
+        "draft_vocab_size": min(32000, cfg.vocab_size) if real else cfg.vocab_size // 2, "target_hidden_size": H,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "eagle_config": {"use_aux_hidden_state": True,
                          "eagle_aux_hidden_state_layer_ids": [2, L // 2, L - 3] if L >= 6 else

@@ -118,3 +118,16 @@ def test_packed_kernels_compile_for_hopper(tmp_path):
     assert len(lines) == len(jobs), lines
     # Hopper's warpgroup MMA for the 64-row prefill tiles (16-row decode tiles use mma.sync)
     assert [ln.endswith("True") for ln in lines] == [j[3]["BLOCK_M"] == 64 for j in jobs], lines
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_weight_is_the_reference_rounded(fmt, dtype):
+    """The prefill path's scratch weight (`dequantize_weight`): every element equals the
+    reference's dequantised value rounded to the activation dtype, N and K off the tile."""
+    from m3serve.kernels.packed_gemm import dequantize_weight
+
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
+    c, s, g, kind, divides, want = quantized(w, fmt, dtype)
+    got = dequantize_weight(c, s, g, kind, dtype, divides)
+    assert got.dtype == dtype and torch.equal(got, want)
