@@ -287,7 +287,9 @@ class SpeculativeConfig:
     DSpark: default the target's dspark/ folder), num_speculative_tokens (k; DSpark: default
     the draft's dspark_block_size, filled in by `EngineConfig`), draft_tensor_parallel_size (1 = the draft replicated on every
     rank, or the target's TP), rejection_sample_method (standard | synthetic),
-    synthetic_acceptance_length (with synthetic: mean tokens emitted per verify step, 1..k+1).
+    synthetic_acceptance_length (with synthetic: mean tokens emitted per verify step, 1..k+1),
+    disable_by_batch_size (a step with at least this many running requests decodes without
+    drafts; None = always speculate).
     The parsed values are the attributes below; None = speculation off."""
     speculative_config: str | dict | None = None
 
@@ -295,7 +297,7 @@ class SpeculativeConfig:
         raw = self.speculative_config
         values = dict(method=None, model=None, num_speculative_tokens=0, draft_tensor_parallel_size=None,
                       rejection_sample_method="standard", synthetic_acceptance_length=None,
-                      not_applicable={})
+                      disable_by_batch_size=None, not_applicable={})
         if raw is not None:
             values.update(_parse_speculative(raw))
         for name, value in values.items():
@@ -309,7 +311,7 @@ class SpeculativeConfig:
 def _parse_speculative(raw) -> dict:
     raw = _json_object_option(raw, "speculative_config")
     known = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
-             "rejection_sample_method", "synthetic_acceptance_length")
+             "rejection_sample_method", "synthetic_acceptance_length", "disable_by_batch_size")
     unknown = sorted(set(raw) - set(known) - set(_SPEC_NOT_APPLICABLE))
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {unknown} (known: {list(known)})")
@@ -346,8 +348,12 @@ def _parse_speculative(raw) -> dict:
     elif length is not None:
         raise ValueError("speculative_config.synthetic_acceptance_length needs rejection_sample_method "
                          "'synthetic' (it is a benchmarking mode, never on by default)")
+    disable = raw.get("disable_by_batch_size")
+    if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 2):
+        raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2 (steps with at "
+                         f"least that many running requests decode without drafts), got {disable!r}")
     out.update(method=method, model=model, num_speculative_tokens=k, draft_tensor_parallel_size=draft_tp,
-               rejection_sample_method=rule, synthetic_acceptance_length=length)
+               rejection_sample_method=rule, synthetic_acceptance_length=length, disable_by_batch_size=disable)
     return out
 
 

@@ -62,7 +62,8 @@ class EngineCore:
                                    config.speculative.num_speculative_tokens, connector,
                                    async_scheduling=async_on,
                                    defer_sampling=async_on and config.parallel.world_size == 1,
-                                   grammars=self.grammars)
+                                   grammars=self.grammars,
+                                   disable_spec_by_batch_size=config.speculative.disable_by_batch_size)
         self.num_steps = 0
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0

@@ -54,7 +54,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
-                 async_scheduling: bool = False, defer_sampling: bool = False, grammars=None):
+                 async_scheduling: bool = False, defer_sampling: bool = False, grammars=None,
+                 disable_spec_by_batch_size: int | None = None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -72,6 +73,11 @@ class Scheduler:
         # the draft writes its KV while proposing.
         self.num_lookahead_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats(num_speculative_tokens)
+        # speculative_config.disable_by_batch_size: steps with this many running requests or
+        # more decode without drafts (drafts cost more than they save there)
+        self.disable_spec_by_batch_size = disable_spec_by_batch_size
+        self.num_plain_steps = 0        # steps a draft model ran without drafts
+        self._speculating = True
         # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
         # is being pulled from a prefill worker, and finished ones held for a decode worker.
         self.connector = kv_connector
@@ -288,6 +294,7 @@ class Scheduler:
         if self.kv_manager.offload is not None and self.kv_manager.offload.num_stores_in_flight:
             in_flight = True
         short_of_blocks = False
+        speculate = self._speculate_this_step()
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -296,7 +303,7 @@ class Scheduler:
                 i += 1
                 continue     # its in-flight token is its last one
             mode = self._sampling_mode(request)
-            if mode is SamplingMode.FULL:
+            if mode is SamplingMode.FULL or not speculate:
                 request.spec_token_ids = []     # verification applies none of what its sampler needs
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
@@ -419,7 +426,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
-            deferred=deferred, sampled_req_ids=sampled if deferred else [],
+            deferred=deferred, sampled_req_ids=sampled if deferred else [], speculate=speculate,
             kv_offload=self.kv_manager.take_offload_work(),
         )
         self.finished_req_ids = set()
@@ -664,6 +671,19 @@ class Scheduler:
                 else:
                     self._finish(request, request.status)
         return outputs
+
+    def _speculate_this_step(self) -> bool:
+        """False when a draft model runs but this step's batch is at or above
+        `disable_by_batch_size` (logged when it turns off and on again)."""
+        limit = self.disable_spec_by_batch_size
+        on = not self.num_lookahead_tokens or limit is None or len(self.running) < limit
+        if self.num_lookahead_tokens and on != self._speculating:
+            logger.info("speculative decoding %s: %d requests running (disable_by_batch_size %d)",
+                        "back on" if on else "off", len(self.running), limit)
+            self._speculating = on
+        if self.num_lookahead_tokens and not on:
+            self.num_plain_steps += 1
+        return on
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts past the context are dropped. Drafts past max_tokens are kept: every request

@@ -124,6 +124,9 @@ class SchedulerOutput:
     sampling_modes: dict[str, SamplingMode] = field(default_factory=dict)
     """req_id -> how its next token is drawn (`core/sampling_mode.py`), for every scheduled
     request: decided here once per step; the worker samples by it and never re-derives it."""
+    speculate: bool = True
+    """With a draft model: whether this step verifies drafts and proposes the next ones (False:
+    a plain decode step; `speculative_config.disable_by_batch_size`)."""
     deferred: bool = False
     """Async scheduling: the step's sampled tokens stay on the device (the next step's inputs
     take them from there) and its output comes with the next call (`ModelRunnerOutput.previous`).

@@ -151,7 +151,7 @@ class ModelRunner:
             previous = sampler.land(prev, placeholders)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         batch = self.batch.schedule(so)
-        if self.proposer is not None:
+        if self.proposer is not None and so.speculate:
             return self._speculative_step(so, batch, dp)
         feed = prev.feed(batch, placeholders) if prev is not None else None
         hidden, local, greedy = self._forward(batch, dp, feed)

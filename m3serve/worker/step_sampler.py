@@ -164,8 +164,10 @@ class StepSampler:
                 greedy = self.head.greedy(local)
             return (greedy.tolist() if self.is_driver else []), None
         logits = self.head.gather(local)               # [R, V] fp32
-        if not self.is_driver:
+        if self.sampler is None:
             return [], None
+        # every rank that samples draws (when speculating, all do: their generators must stay
+        # in step for the verify steps), only the driver reports
         sampled = [0] * batch.num_reqs                 # partial chunks: a placeholder, discarded
         logprobs = [None] * batch.num_reqs
         if not len(rows):
@@ -181,6 +183,8 @@ class StepSampler:
             for req_id, p, token in zip(req_ids, params, out.sampled_token_ids.tolist()):
                 if not self.grammars.accept(req_id, p, token):
                     self.failed[req_id] = GRAMMAR_DEAD_END
+        if not self.is_driver:
+            return [], None
         if out.logprobs is None:
             return sampled, None
         for i, entry in zip(index.tolist(), _logprob_entries(out.logprobs, params)):

@@ -135,6 +135,10 @@ class Worker:
             self.runner.spec_graphs = SpecDecodeGraphs(self.model, self.proposer, self.runner.buffers, sizes,
                                                        k, self.max_model_len)
             self.runner.spec_graphs.capture(self.runner.batch)
+            limit = config.speculative.disable_by_batch_size
+            plain = [s for s in sizes if limit is not None and s >= limit]
+            if plain:        # the steps that decode without drafts (disable_by_batch_size)
+                self.runner.capture_cuda_graphs(plain)
         elif sizes:
             self.runner.capture_cuda_graphs(sizes)
         if self.device.type == "cuda":   # compile prefill / mixed-step kernels before serving

@@ -176,3 +176,24 @@ def test_in_process_state_reports_speculation(tiny_dir, drafts):
     assert state.spec_num_draft_tokens == stats.num_draft_tokens > 0
     assert state.spec_num_accepted_tokens == stats.num_accepted_tokens
     assert state.num_free_blocks == state.num_usable_blocks and state.integrity_error is None
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_disable_by_batch_size_decodes_big_batches_without_drafts(tiny_dir, drafts, kind):
+    """With disable_by_batch_size 3, steps of 3+ running requests decode plainly (no drafts, no
+    draft pass) and smaller ones speculate again as requests finish; greedy outputs equal
+    speculation off, and the books balance."""
+    prompts = _prompts()[:6]
+    lens = [4, 6, 9, 14, 20, 28]                     # the batch shrinks as the short ones finish
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    plain = LLM(str(tiny_dir), **_flags())
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    spec = {**_spec(kind, drafts), "disable_by_batch_size": 3}
+    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=spec, **_flags(kind))
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == want
+    sched = llm.engine.core.scheduler
+    assert sched.num_plain_steps > 3 and sched.spec_stats.num_drafts > 3
+    _check_clean(llm)

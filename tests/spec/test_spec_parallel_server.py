@@ -42,6 +42,25 @@ def test_parallel_speculation_is_lossless(tiny_dir, drafts, plain, layout, kind)
         llm.shutdown()
 
 
+def test_tp2_seeded_sampling_with_plain_steps_equals_one_rank(tiny_dir, drafts):
+    """Seeded sampling through plain (disable_by_batch_size) and speculative steps: TP 2 emits
+    what one rank emits. (Every rank also draws in the plain steps, so the other ranks'
+    generators, which only steer their share of the drafts, stay in step with the driver's;
+    the outputs alone would not show a lag, since the driver decides them.)"""
+    spec = {"method": "eagle3", "model": str(drafts["eagle3-gqa"]), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 3}
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:5]]
+    params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(tiny_dir), dtype="float32", speculative_config=spec, tensor_parallel_size=tp)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "mtp", "dspark"])
 def test_server_speculation(tiny_dir, drafts, plain, tmp_path, kind):
     spec = {"method": kind, "model": str(drafts[kind]), "num_speculative_tokens": 3, "attention_backend": "FLASH_ATTN"}
@@ -91,6 +110,7 @@ def test_server_synthetic_acceptance_is_flagged(tiny_dir, drafts, tmp_path):
     ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
      '"synthetic_acceptance_length": 4}', "[1, num_speculative_tokens + 1 = 3]"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "typo_key": 1}', "unknown key(s) ['typo_key']"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 1}', "disable_by_batch_size must be"),
     ('not json', "not valid JSON"),
 ])
 def test_bad_speculative_config(bad, words):
