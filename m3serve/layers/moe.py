@@ -269,6 +269,16 @@ class MoE(nn.Module):
         out = experts_ref(x, w13, w2, weights, ids, ex.first, cfg.swiglu_alpha, cfg.swiglu_limit)
         return out + self.shared_experts(x).float() if fold_shared else out
 
+    def _dequantise_for(self, x: torch.Tensor) -> bool:
+        """Whether this step's packed experts run from a dequantised 16-bit scratch: a prefill
+        step of at least DEQUANT_MOE_MIN_TOKENS tokens with 16-bit activations, and a scratch of
+        at most DEQUANT_MOE_MAX_BYTES (this rank's experts; counted by the start-up memory
+        profile like any activation)."""
+        if x.shape[0] < DEQUANT_MOE_MIN_TOKENS or x.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        ex = self.experts
+        return ex.num_local * 3 * ex.inter_local * self.cfg.hidden_size * x.element_size() <= DEQUANT_MOE_MAX_BYTES
+
     def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                fold_shared: bool, alignment: tuple | None = None) -> torch.Tensor:
         """Routed experts (+ the shared expert) in one fused call (bf16, FP8 or packed weights);
@@ -294,8 +304,44 @@ class MoE(nn.Module):
                     shared += (up.weight_global_scale, down.weight_global_scale)
             elif scales:
                 shared += (up.weight_scale, down.weight_scale)
+        w13, w2 = ex.w13, ex.w2
+        if fmt is not None and self._dequantise_for(x):
+            # a long prefill step: every expert dequantised once into a 16-bit scratch, then
+            # the 16-bit kernels (the same products, faster tiles than in-register decoding)
+            w13, w2 = _dequantised_stack(ex, "w13", x.dtype), _dequantised_stack(ex, "w2", x.dtype)
+            if shared is not None:
+                shared = (dequantized_weight(sh.gate_up_proj, x.dtype), dequantized_weight(sh.down_proj, x.dtype))
+            scales = {}
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        moe_fn(x, ex.w13, ex.w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+        moe_fn(x, w13, w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
                shared=shared, out=out, first_expert=ex.first,
                **scales, **({"alignment": alignment} if alignment is not None else {}))
         return out
+
+
+# A prefill step of this many tokens or more multiplies packed experts from a dequantised 16-bit
+# scratch (when this rank's experts fit in DEQUANT_MOE_MAX_BYTES): dequantising every expert
+# once costs about one read of the codes and one write of the scratch, less than the in-register
+# decoding costs over that many tokens (docs/performance.md).
+DEQUANT_MOE_MIN_TOKENS = 2048
+DEQUANT_MOE_MAX_BYTES = 2 << 30
+
+
+def _dequantised_stack(module: nn.Module, attr: str, dtype: torch.dtype) -> torch.Tensor:
+    """A packed stack of expert weights [E, N, K] dequantised by the GPU kernel into `dtype`."""
+    from m3serve.kernels.packed_gemm import dequantize_weight
+    fmt = packed_format(module, attr)
+    codes, scale = getattr(module, attr), getattr(module, attr + "_block_scale")
+    g = getattr(module, attr + "_global_scale") if fmt.has_global else None
+    E, N = codes.shape[:2]
+    w = dequantize_weight(codes.reshape(E * N, -1), scale.reshape(E * N, -1),
+                          None if g is None else g.reshape(E * N), fmt.kind, dtype, fmt.global_divides)
+    return w.view(E, N, -1)
+
+
+def dequantized_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A packed linear's weight [N, K] dequantised by the GPU kernel into `dtype`."""
+    from m3serve.kernels.packed_gemm import dequantize_weight
+    fmt = packed_format(module, "weight")
+    g = module.weight_global_scale if fmt.has_global else None
+    return dequantize_weight(module.weight, module.weight_block_scale, g, fmt.kind, dtype, fmt.global_divides)
