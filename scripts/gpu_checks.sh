@@ -116,8 +116,9 @@ if [ "${1:-}" = rank ]; then
 fi
 # specrank N [MODES]: speculation at one TP N rank's shapes at full depth (dummy weights,
 # synthetic acceptance): off, EAGLE3-GQA cut to the rank (k 3, 2.78), DSpark cut to the rank
-# (k 7, 2.3 and 3.0) and DSpark replicated (the released widths on every rank, 2.3); MODES picks
-# a subset (default: all five); POINTS / OSL / SIZES as for rank
+# (k 7, 2.3 and 3.0), DSpark replicated (the released widths on every rank, 2.3), and (not by
+# default) dspark23d4 (disable_by_batch_size 4) and dspark23k3 (k 3); MODES picks a subset
+# (default: the first five); POINTS / OSL / SIZES as for rank
 if [ "${1:-}" = specrank ]; then
   N=${2:-8}; dir=/tmp/rank$N
   python -m m3serve bench make-realshape $dir --layers 60 --dense-layers 3 --tp-rank $N > /dev/null
@@ -133,6 +134,8 @@ p = Path('/tmp/dsrep$N'); p.mkdir(exist_ok=True); (p / 'config.json').write_text
       dspark23) spec=(--speculative-config '{"method": "dspark", '"$syn"': 2.3}') ;;
       dspark30) spec=(--speculative-config '{"method": "dspark", '"$syn"': 3.0}') ;;
       dsparkrep) spec=(--speculative-config '{"method": "dspark", "model": "/tmp/dsrep'$N'", '"$syn"': 2.3}') ;;
+      dspark23d4) spec=(--speculative-config '{"method": "dspark", "disable_by_batch_size": 4, '"$syn"': 2.3}') ;;
+      dspark23k3) spec=(--speculative-config '{"method": "dspark", "num_speculative_tokens": 3, '"$syn"': 2.3}') ;;
     esac
     step specrank_tp${N}_$mode${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
       --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-128} --max-model-len 9472 --max-num-seqs 64 \
