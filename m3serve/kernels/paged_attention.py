@@ -405,7 +405,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     block_ids: torch.Tensor | None = None, max_query_len: int, max_seq_len: int,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, key_lo: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, key_lo: torch.Tensor | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of every query token over its request's paged context.
 
     q: [T, H, D] (bf16 on GPU); kv_cache: [2, num_blocks, block_size, G, D] (plane 0 = K, 1 = V),
@@ -424,6 +425,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     later request whose last, partly filled block reuses that page.
     key_lo: None or [T] int32/int64, token t's first visible key position (a sliding window);
     only with max_query_len <= TOKEN_KERNEL_MAX_QUERY (the token kernel).
+    num_splits: the token kernel's split count, forced (the start-up warm-up compiles each).
     Returns out ([T, H, D], q's dtype); softmax in fp32.
     """
     _check_inputs(q, kv_cache, query_start_loc, seq_lens, block_tables, block_ids, k_scale, v_scale,
@@ -458,8 +460,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             topk = 0
             max_tiles = triton.cdiv(max_seq_len, block_n)
             ids, id_strides = seq_lens, (0, 0, 0)
-        splits = _num_splits(T * G, max_tiles, block_n, q.device,
-                             _MIN_KEYS_PER_SPLIT_SPARSE if sparse else _MIN_KEYS_PER_SPLIT)
+        splits = num_splits or _num_splits(T * G, max_tiles, block_n, q.device,
+                                           _MIN_KEYS_PER_SPLIT_SPARSE if sparse else _MIN_KEYS_PER_SPLIT)
         part_o = part_lse = out  # placeholders when there is a single split
         if splits > 1:
             part_o = torch.empty((T, H, splits, D), dtype=torch.float32, device=q.device)
@@ -497,3 +499,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         TOPK_PAD=max(1, triton.next_power_of_2(topk)), SPARSE=sparse, FP8=fp8, TMA=tma, G=G,
         num_warps=warps if block_q * hpg_pad >= rows else min(warps, 4), num_stages=stages)
     return out
+
+
+def warm_up_token_kernel(num_heads: int, kv_cache: torch.Tensor, dtype: torch.dtype, *, sparse: bool,
+                         key_lo: bool = False, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> None:
+    """Compile every split count of the per-token kernel (and its merge) for one layer's
+    configuration: the count follows the step's tokens and context lengths, so eager steps of
+    new sizes (verify rows, draft steps) would otherwise compile while serving. One query on
+    the null page 0, nothing written."""
+    dev, G, D = kv_cache.device, kv_cache.shape[3], kv_cache.shape[4]
+    q = torch.zeros(1, num_heads, D, dtype=dtype, device=dev)
+    one = torch.ones(1, dtype=torch.int32, device=dev)
+    args = dict(query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev), seq_lens=one,
+                block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev), scale=1.0,
+                block_ids=torch.zeros(1, G, 1, dtype=torch.int32, device=dev) if sparse else None,
+                max_query_len=1, max_seq_len=1, k_scale=k_scale, v_scale=v_scale,
+                key_lo=torch.zeros(1, dtype=torch.int64, device=dev) if key_lo else None)
+    splits = 1
+    while splits <= _MAX_SPLITS:
+        paged_attention(q, kv_cache, num_splits=splits, **args)
+        splits *= 2

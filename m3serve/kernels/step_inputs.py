@@ -16,7 +16,7 @@ from triton.language.extra import libdevice
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _positions_slots_kernel(seq_ptr, tables_ptr, pos_ptr, slot_ptr, num_reqs, stride_t,
                             block_size, BLOCK: tl.constexpr):
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -38,7 +38,7 @@ def decode_positions_slots(seq_lens: torch.Tensor, block_tables: torch.Tensor,
     pos = torch.empty(R, dtype=torch.int64, device=seq_lens.device)
     slots = torch.empty(R, dtype=torch.int64, device=seq_lens.device)
     if R:
-        block = min(1024, triton.next_power_of_2(R))
+        block = 256            # one variant whatever R (eager steps of any size compile nothing)
         _positions_slots_kernel[(triton.cdiv(R, block),)](seq_lens, block_tables, pos, slots, R,
                                                           block_tables.stride(0), block_size,
                                                           BLOCK=block, num_warps=4)

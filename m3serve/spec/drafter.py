@@ -44,6 +44,11 @@ class Drafter(abc.ABC):
                         index_dtype: torch.dtype) -> None:
         """Allocate the caches `cache_specs` describes."""
 
+    def attention_kernels(self) -> list[tuple]:
+        """(query heads, a K/V cache, sparse path, per-token left edge, k_scale, v_scale) of each
+        way the draft calls the paged-attention kernel, for the start-up warm-up."""
+        return []
+
     def first(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               meta: AttentionMetadata, last_index: torch.Tensor) -> tuple[torch.Tensor, object]:
         """The first pass over the target's step: next_ids [T] (token t + 1 at row t), hidden

@@ -343,6 +343,9 @@ class DSparkDrafter(Drafter):
     def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
         return [("dspark", c[p]) for c in self.draft.kv_caches for p in (0, 1)]
 
+    def attention_kernels(self):
+        return [(self.draft.num_heads, self.draft.kv_caches[0], True, True, None, None)]   # window + edge
+
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
         d = self.draft
         # the draft's K/V stay in the model dtype (an fp8 cache would need scales of its own)

@@ -200,6 +200,9 @@ class Eagle3Drafter(Drafter):
     def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
         return [("draft", self.draft.kv_cache[0]), ("draft", self.draft.kv_cache[1])]
 
+    def attention_kernels(self):
+        return [(self.draft.num_heads, self.draft.kv_cache, False, False, None, None)]
+
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
         d = self.draft
         d.kv_cache = torch.zeros(2, num_blocks, block_size, d.num_kv_heads, d.cfg.head_dim, dtype=kv_dtype,

@@ -82,6 +82,10 @@ class MTPDrafter(Drafter):
             planes += [("mtp", attn.kv_cache[0]), ("mtp", attn.kv_cache[1]), ("mtp_index", attn.index_cache)]
         return planes
 
+    def attention_kernels(self):
+        return [(a.num_heads, a.kv_cache, a.is_sparse, False, a.k_scale, a.v_scale)
+                for a in self.draft.attention_layers]
+
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
         cfg, dev = self.draft.cfg, self.device
         for attn in self.draft.attention_layers:

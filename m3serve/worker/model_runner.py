@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from m3serve.layers.dispatch import use_triton
 from m3serve.worker.attn_metadata import StepBuffers
 from m3serve.worker.cuda_graphs import DecodeGraphs
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
@@ -127,7 +128,27 @@ class ModelRunner:
             hidden = self.model(ids, positions, meta)
             last = torch.tensor(qsl[1:], device=hidden.device) - 1
             self.model.lm_head.local_logits(hidden[last])
+        self._warm_up_attention_splits()
         self.step_sampler.warm_up()
+
+    def _warm_up_attention_splits(self) -> None:
+        """Every split count of the per-token attention kernel for each layer configuration of
+        the target and the draft: eager verify and draft steps pick counts by their sizes."""
+        from m3serve.kernels.paged_attention import warm_up_token_kernel
+        configs = [(a.num_heads, a.kv_cache, a.is_sparse, False, a.k_scale, a.v_scale)
+                   for a in self.model.attention_layers]
+        if self.proposer is not None:
+            configs += self.proposer.drafter.attention_kernels()
+        seen = set()
+        for heads, cache, sparse, key_lo, k_scale, v_scale in configs:
+            if cache is None or not use_triton("attention", cache):
+                continue
+            key = (heads, tuple(cache.shape[2:]), cache.dtype, sparse, key_lo)
+            if key in seen:
+                continue
+            seen.add(key)
+            warm_up_token_kernel(heads, cache, self.model.dtype, sparse=sparse, key_lo=key_lo,
+                                 k_scale=k_scale, v_scale=v_scale)
 
     # ------------------------------------------------------------ the step
 

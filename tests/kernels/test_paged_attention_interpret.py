@@ -196,3 +196,22 @@ def test_per_token_left_edge(topk, force_split):
     full = pa.paged_attention(**kwargs)
     assert (full[1:] - got[1:]).abs().amax(dim=(1, 2)).min() > 1e-3 or topk is not None
     assert torch.equal(full[0], got[0])                     # key_lo 0 cuts nothing
+
+
+@pytest.mark.parametrize("sparse,key_lo", [(False, False), (True, False), (True, True)])
+def test_warm_up_runs_every_split_count(sparse, key_lo):
+    """The start-up warm-up's calls (`warm_up_token_kernel`: one query on the null page, each
+    forced split count up to the maximum) run on the configurations the engine uses."""
+    calls = []
+    real = pa.paged_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["num_splits"])
+        return real(*args, **kwargs)
+    cache = torch.zeros(2, 3, 16, 2, 32)
+    pa.paged_attention = counting
+    try:
+        pa.warm_up_token_kernel(4, cache, torch.float32, sparse=sparse, key_lo=key_lo)
+    finally:
+        pa.paged_attention = real
+    assert calls == [1, 2, 4, 8, 16, 32, 64]
