@@ -250,8 +250,10 @@ class GrammarBook:
             return
         try:
             xgr = _xgr()
-            logits = torch.zeros(1, self.vocab_size, device=device)          # [1, V]
-            xgr.apply_token_bitmask_inplace(logits, xgr.allocate_token_bitmask(1, self.vocab_size).to(device))
+            logits = torch.zeros(2, self.vocab_size, device=device)          # [2, V]
+            bitmask = xgr.allocate_token_bitmask(2, self.vocab_size).to(device)
+            xgr.apply_token_bitmask_inplace(logits[:1], bitmask[:1])
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[1])     # verify steps' rows
         except Exception:
             logger.warning("warming the grammar mask kernel failed; the first constrained step compiles it",
                            exc_info=True)
