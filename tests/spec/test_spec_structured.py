@@ -1,7 +1,7 @@
 """Structured outputs with speculative decoding on the tiny model: the grammar's mask is applied
 at every verified position for the grammar state after the drafts before it, and the matcher
 advances over the emitted tokens only. Greedy outputs equal speculation off token for token
-(JSON schema, regex, a forced tool call; n = 2; EAGLE3 and MTP; eager verification and the
+(JSON schema, regex, a forced tool call; n = 2; EAGLE3, MTP and DSpark; eager verification and the
 speculative graph step) with drafts that are the true continuation except for planted mistakes
 the grammar allows (a matcher advanced over rejected drafts would drift) and ones it refuses;
 a grammar ending inside an accepted block stops right at its stop token; sampled outputs always
@@ -156,12 +156,13 @@ def _record_emitted(llm) -> list[list[int]]:
     return blocks
 
 
-@pytest.mark.parametrize("kind,oracle", [("eagle3", False), ("eagle3", True), ("mtp", True)],
-                         ids=["eagle3-own-drafts", "eagle3-oracle-drafts", "mtp-oracle-drafts"])
+@pytest.mark.parametrize("kind,oracle", [("eagle3", False), ("eagle3", True), ("mtp", True), ("dspark", True)],
+                         ids=["eagle3-own-drafts", "eagle3-oracle-drafts", "mtp-oracle-drafts", "dspark-oracle-drafts"])
 def test_greedy_structured_lossless(tiny_dir, drafts, reference, kind, oracle):
     requests, want, eos = reference
     assert all(f == "stop" for i in (0, 1, 3) for _, f in want[i])   # the JSON and regex grammars completed
-    llm = LLM(str(tiny_dir), speculative_config=_spec(kind, drafts, K), **_flags(kind))
+    target = drafts["dspark"] if kind == "dspark" else tiny_dir      # DSpark: the target's own dspark/ folder
+    llm = LLM(str(target), speculative_config=_spec(kind, drafts, K), **_flags(kind))
     if oracle:
         orc = Oracle(llm, requests, want, eos, tiny_dir)
         orc.install_eager()
