@@ -193,14 +193,14 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
-    def samples_from_logits_alone(self) -> bool:
-        """The next token depends on this step's logits (and the request's own generator) but
-        not on the history: no logprobs, penalties, logit bias or grammar (min_tokens aside,
-        which masks stop tokens for a while). The step's sampling mode builds on it
-        (`core/sampling_mode.py`)."""
+    def samples_from_masked_logits(self) -> bool:
+        """The next token depends on this step's logits, masked by the request's grammar if it
+        has one (and its own generator), but not on the history: no logprobs, penalties or logit
+        bias (min_tokens aside, which masks stop tokens for a while). The step's sampling mode
+        builds on it (`core/sampling_mode.py`)."""
         return (self.logprobs is None and self.repetition_penalty == 1.0
                 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
-                and self.structured_outputs is None and not self.logit_bias)
+                and not self.logit_bias)
 
     def add_eos_token_ids(self, eos_token_ids) -> None:
         """Called by the engine with the model's EOS ids: they stop generation (and are held

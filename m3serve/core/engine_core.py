@@ -75,7 +75,7 @@ class EngineCore:
         a client error."""
         if request.sampling_params.structured_outputs is not None:
             from m3serve.worker.structured import check_request
-            check_request(request.sampling_params, self.config.speculative.enabled)
+            check_request(request.sampling_params)
         if request.mm_inputs:
             self._check_media(request)
         self.scheduler.add_request(request)

@@ -21,14 +21,22 @@ class SamplingMode(enum.IntEnum):
     """Drawn from this step's logits alone (temperature, top-k, top-p, min-p; a seeded request's
     own generator). It can be deferred on one rank; its drafts go through rejection sampling."""
     FULL = 2
-    """The whole sampler: logprobs, penalties, logit bias, a grammar, or stop tokens held back
-    while min_tokens is unmet. Never deferred; verifies no drafts (rejection sampling applies
-    none of these)."""
+    """The whole sampler: logprobs, penalties, logit bias, or stop tokens held back while
+    min_tokens is unmet (with or without a grammar). Never deferred; verifies no drafts
+    (rejection sampling applies none of these)."""
+    GRAMMAR = 3
+    """Greedy or drawn as LOGITS, from this step's logits under the request's grammar mask.
+    Never deferred (the mask comes from the grammar's matcher on the host, which must have seen
+    the previous token); its drafts are verified on logits masked, at each verified position,
+    for the grammar state after the drafts before it (greedy: equality with the masked argmax;
+    sampled: rejection sampling of the masked distribution)."""
 
 
 def sampling_mode(params: SamplingParams, num_output_tokens: int) -> SamplingMode:
     """The mode of a request's next token, with `num_output_tokens` outputs before it (in-flight
     ones included)."""
-    if not params.samples_from_logits_alone or num_output_tokens < params.min_tokens:
+    if not params.samples_from_masked_logits or num_output_tokens < params.min_tokens:
         return SamplingMode.FULL
+    if params.structured_outputs is not None:
+        return SamplingMode.GRAMMAR
     return SamplingMode.ARGMAX if params.is_greedy else SamplingMode.LOGITS

@@ -12,7 +12,8 @@ reduces to:
   sample of p_n -- so every emitted token follows the target distribution (lossless). A seeded
   request draws from its own generator, a fixed number of values per verified position.
 - synthetic (benchmarks only): the number of kept drafts follows a fixed distribution with a
-  configured mean number of emitted tokens; the kept tokens are the drafts themselves.
+  configured mean number of emitted tokens; the kept tokens are the drafts themselves (but never
+  one a grammar mask forbids).
 
 Returns per request the emitted tokens (1 .. n + 1) as a padded [R, k + 1] tensor and counts.
 """
@@ -62,7 +63,9 @@ class RejectionSampler:
         target = self._target_tokens(logits, index, valid, drafts, num_drafts, sampling)  # [R, K+1]
         padded = torch.cat([drafts, torch.zeros(R, 1, dtype=drafts.dtype, device=dev)], dim=1)
         if self.method == "synthetic":
-            keep = self._synthetic_keep(R, K, dev) & (cols[None, :K] < num_drafts[:, None])
+            # a draft the row's grammar masks out (-inf) is never kept, whatever the draw
+            allowed = logits[index[:, :K].reshape(-1), drafts.reshape(-1)].view(R, K) > float("-inf")
+            keep = self._synthetic_keep(R, K, dev) & allowed & (cols[None, :K] < num_drafts[:, None])
         else:
             keep = (padded[:, :K] == target[:, :K]) & (cols[None, :K] < num_drafts[:, None])
         # kept drafts = the leading run of kept positions

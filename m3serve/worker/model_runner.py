@@ -291,7 +291,7 @@ class ModelRunner:
         verified = self.step_sampler.verify(so, batch, fwd.hidden, drafts)
         proposals = self.proposer.propose(self._draft_start(batch, fwd, verified)).tolist()
         self.batch.advance(batch)
-        return self.step_sampler.speculative_output(batch, verified.emitted, proposals, verified.done)
+        return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done)
 
     def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified: Verified):
         """The proposer's start: each request's last verified position and the token after it."""
@@ -324,18 +324,23 @@ class ModelRunner:
 
     def _speculative_graph_step(self, so: SchedulerOutput, batch: ScheduledBatch, b: int):
         """Verify and draft replays with acceptance decided on the device in between; one host
-        sync for the emitted tokens and the next drafts."""
+        sync for the emitted tokens and the next drafts. Constrained requests' grammar masks
+        depend only on the host's drafts: they are filled and copied before the verify replay
+        and applied to its logits on the device."""
         g, n = self.spec_graphs, batch.num_reqs
         q = g.q
         self.num_graph_steps += 1
+        verified = [so.scheduled_spec_decode_tokens[r] for r in batch.req_ids]
+        masks = self.step_sampler.grammar_masks(so, batch, np.ones(n, dtype=bool), verified,
+                                                np.arange(n) * q, n * q)
         self.buffers.stage(batch, self.batch, pad_to=b, pad_query_len=q)
         _, _, local, greedy, _ = g.verify(b)
         ids = self.buffers.token_ids[:b * q].view(b, q).long()
-        emitted, kept = self.step_sampler.verify_on_device(so, batch, local, greedy, ids, g.k)
+        emitted, kept = self.step_sampler.verify_on_device(so, batch, local, greedy, ids, g.k, masks)
         g.last_index[:b].copy_(torch.arange(b, device=kept.device) * q + kept)
         g.last_token[:b].copy_(emitted.gather(1, kept[:, None])[:, 0])
         drafts = g.draft(b)
         kept_h, emitted_h, drafts_h = kept[:n].tolist(), emitted[:n].tolist(), drafts[:n].tolist()
         self.batch.advance(batch)
-        return self.step_sampler.speculative_output(batch, [e[:c + 1] for e, c in zip(emitted_h, kept_h)],
+        return self.step_sampler.speculative_output(so, batch, [e[:c + 1] for e, c in zip(emitted_h, kept_h)],
                                                     drafts_h, [True] * n)

@@ -134,7 +134,7 @@ class StepSampler:
                 self._defer(batch, greedy if greedy is not None else self.head.greedy(local), so.sampled_req_ids)
                 previous = self.land(prev, placeholders)
             else:   # sampled on the device; the previous ids land first: the history is whole
-                if (modes == SamplingMode.FULL).any():
+                if not np.isin(modes, (SamplingMode.ARGMAX, SamplingMode.LOGITS)).all():
                     raise RuntimeError("a deferred step has a request whose sampling reads more than its logits")
                 previous = self.land(prev, placeholders)
                 self._defer(batch, self._sample_on_device(batch, local, done), so.sampled_req_ids)
@@ -278,10 +278,29 @@ class StepSampler:
 
     # ------------------------------------------------------------ verification
 
+    def grammar_masks(self, so: SchedulerOutput, batch: ScheduledBatch, done: np.ndarray,
+                      drafts: list[list[int]], first_rows, num_rows: int):
+        """The grammar masks of a verify step's logits [num_rows, V] (`GrammarBook.verify_masks`):
+        request i's verified positions are rows first_rows[i] .. first_rows[i] + len(drafts[i]).
+        Only requests that sample (`done` [R] bool) in a mode that applies a grammar (GRAMMAR,
+        or FULL, whose rows verify no drafts) get them; None when there are none. Built from the
+        host's drafts alone, so the graph step fills them before its verify replay."""
+        if self.grammars is None:
+            return None
+        modes = self.modes(so, batch)
+        picked = np.flatnonzero(done & np.isin(modes, (SamplingMode.GRAMMAR, SamplingMode.FULL))).tolist()
+        if not picked:
+            return None
+        b, rows = self.batch, batch.rows.tolist()
+        return self.grammars.verify_masks(num_rows, [b.req_ids[rows[i]] for i in picked],
+                                          [b.params[rows[i]] for i in picked], [drafts[i] for i in picked],
+                                          [int(first_rows[i]) for i in picked], self.device)
+
     def verify(self, so: SchedulerOutput, batch: ScheduledBatch, hidden: torch.Tensor,
                drafts: list[list[int]]) -> Verified:
         """Eager verification: the target's logits at each request's last num_drafts + 1
-        positions of `hidden` [T, H] decide which drafts it keeps and the token after them."""
+        positions of `hidden` [T, H] (masked by the grammar of constrained requests) decide which
+        drafts it keeps and the token after them."""
         R = batch.num_reqs
         num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=R)
         ends = batch.query_start_loc[1:].astype(np.int64)
@@ -291,13 +310,15 @@ class StepSampler:
         local = self.head.local_logits(hidden[torch.from_numpy(logit_rows).to(hidden.device)])
         done = self.complete(batch)
         argmax = bool((self.modes(so, batch)[done] == SamplingMode.ARGMAX).all())
-        emitted = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax)
+        masks = None if argmax else self.grammar_masks(so, batch, done, drafts, row_start, len(local))
+        emitted = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax, masks)
         return Verified(emitted, num_drafts, done)
 
     def _emitted(self, batch: ScheduledBatch, local: torch.Tensor, row_start: np.ndarray,
                  num_drafts: np.ndarray, drafts: list[list[int]], done: np.ndarray,
-                 argmax: bool) -> list[list[int]]:
-        """-> emitted tokens per request ([] for partial prefill chunks)."""
+                 argmax: bool, masks) -> list[list[int]]:
+        """-> emitted tokens per request ([] for partial prefill chunks); masks: the step's
+        `grammar_masks` or None."""
         head = self.head
         rows = batch.rows.tolist()
         emitted: list[list[int]] = [[] for _ in rows]
@@ -316,6 +337,8 @@ class StepSampler:
         sampling_rows = np.flatnonzero(done).tolist()
         if not sampling_rows:
             return emitted
+        if masks is not None:
+            self.grammars.apply(logits, masks)
         sampling = self.metadata([rows[i] for i in sampling_rows])
         plain = [i for i in sampling_rows if num_drafts[i] == 0]
         verify = [i for i in sampling_rows if num_drafts[i] > 0]
@@ -337,9 +360,11 @@ class StepSampler:
         return emitted
 
     def verify_on_device(self, so: SchedulerOutput, batch: ScheduledBatch, local: torch.Tensor,
-                         greedy: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         greedy: torch.Tensor, ids: torch.Tensor, k: int,
+                         masks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Graph verification, without a host sync: every request verifies exactly k drafts;
-        local / greedy: [b * (k + 1), ...] of the padded batch, ids: [b, k + 1] its input tokens.
+        local / greedy: [b * (k + 1), ...] of the padded batch, ids: [b, k + 1] its input tokens;
+        masks: the step's `grammar_masks` (rows i * (k + 1) + j), filled before the replay.
         -> (emitted [b, k + 1] int64, kept drafts [b] int64); padding rows emit what they like."""
         n, q = batch.num_reqs, k + 1
         b = ids.shape[0]
@@ -351,6 +376,8 @@ class StepSampler:
         dev = local.device
         sampling = self.metadata(batch.rows.tolist())
         logits = self.head.gather(local[:n * q])                                      # collective
+        if masks is not None:
+            self.grammars.apply(logits, masks)
         tokens, counts = self.rejection(logits, torch.arange(n, device=dev) * q,
                                         torch.full((n,), k, device=dev), ids[:n, 1:], sampling)
         emitted = torch.zeros(b, q, dtype=torch.int64, device=dev)
@@ -358,15 +385,33 @@ class StepSampler:
         emitted[:n], kept[:n] = tokens.clamp_min(0), counts - 1
         return emitted, kept
 
-    def speculative_output(self, batch: ScheduledBatch, emitted: list[list[int]], proposals: list[list[int]],
-                           done) -> ModelRunnerOutput | None:
+    def speculative_output(self, so: SchedulerOutput, batch: ScheduledBatch, emitted: list[list[int]],
+                           proposals: list[list[int]], done) -> ModelRunnerOutput | None:
         """The verify step's output on the driver: emitted tokens, and the next drafts of the
-        requests that sampled (the scheduler drops those its next step's mode cannot verify)."""
+        requests that sampled (the scheduler drops those its next step's mode cannot verify).
+        On every rank that samples, first advance each constrained request's grammar over the
+        tokens it emitted (kept drafts and the token after them), and no further."""
+        self.failed = {}
+        if self.grammars is not None:
+            self._advance_grammars(so, batch, emitted, done)
         if not self.is_driver:
             return None
         spec = [proposals[i] if done[i] else [] for i in range(batch.num_reqs)]
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[e or [0] for e in emitted],
-                                 spec_token_ids=spec)
+                                 spec_token_ids=spec, failed=self.failed)
+
+    def _advance_grammars(self, so: SchedulerOutput, batch: ScheduledBatch, emitted: list[list[int]],
+                          done) -> None:
+        modes = self.modes(so, batch)
+        b = self.batch
+        for i, row in enumerate(batch.rows.tolist()):
+            if not done[i] or modes[i] not in (SamplingMode.GRAMMAR, SamplingMode.FULL):
+                continue
+            req_id, params = b.req_ids[row], b.params[row]
+            for token in emitted[i]:
+                if not self.grammars.accept(req_id, params, token):
+                    self.failed[req_id] = GRAMMAR_DEAD_END
+                    break
 
 
 def _logprob_entries(lp, params) -> list[list[LogprobEntry] | None]:

@@ -61,7 +61,7 @@ def _compiler(tokenizer_dir: str, vocab_size: int, stop_ids: tuple[int, ...]):
 def compile_grammar(params, tokenizer_dir, vocab_size: int):
     """The compiled grammar of a request's `structured_outputs` (its stop tokens end it);
     ValueError naming what is wrong with it."""
-    check_request(params, speculative=False)
+    check_request(params)
     return _compile(params.structured_outputs, str(tokenizer_dir), vocab_size,
                     tuple(sorted(params.all_stop_token_ids)))
 
@@ -121,12 +121,8 @@ def _compile(spec: StructuredOutputsParams, tokenizer_dir: str, vocab_size: int,
     return grammar
 
 
-def check_request(params, speculative: bool) -> None:
+def check_request(params) -> None:
     """What can be refused at once, before any compiling (ValueError naming it)."""
-    if speculative:
-        raise ValueError("structured outputs (response_format, structured_outputs, guided_*, "
-                         "tool_choice 'required' or named) cannot be combined with speculative "
-                         "decoding yet")
     if not params.all_stop_token_ids:
         raise ValueError("structured_outputs needs a stop token to end the output: not with ignore_eos "
                          "and no stop_token_ids")
@@ -254,8 +250,10 @@ class GrammarBook:
             return
         try:
             xgr = _xgr()
-            logits = torch.zeros(1, self.vocab_size, device=device)          # [1, V]
-            xgr.apply_token_bitmask_inplace(logits, xgr.allocate_token_bitmask(1, self.vocab_size).to(device))
+            logits = torch.zeros(2, self.vocab_size, device=device)          # [2, V]
+            bitmask = xgr.allocate_token_bitmask(2, self.vocab_size).to(device)
+            xgr.apply_token_bitmask_inplace(logits[:1], bitmask[:1])
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[1])     # verify steps' rows
         except Exception:
             logger.warning("warming the grammar mask kernel failed; the first constrained step compiles it",
                            exc_info=True)
@@ -273,6 +271,50 @@ class GrammarBook:
         sub = logits[index]                     # [len(rows), V], a copy
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device))
         logits[index] = sub
+
+    def verify_masks(self, num_rows: int, req_ids: list[str], params: list, drafts: list[list[int]],
+                     first_rows: list[int], device: torch.device):
+        """The grammar masks of a verify step, for logits [num_rows, V]: request i's verified
+        positions are rows first_rows[i] + j, j = 0 .. len(drafts[i]) (its last token, then
+        each draft). -> (bitmask [num_rows, ceil(V / 32)] int32 on `device`, the rows that carry
+        a mask), or None when no request is constrained.
+
+        Row j of a constrained request gets its grammar's mask after its first j drafts: the
+        matcher accepts them tentatively while the rows are filled and is rolled back after, so
+        it is left where it was (`accept` advances it over the tokens that are kept). Rows that
+        no kept token can come from get no mask: those after a draft the grammar refuses (the
+        row before masks that draft out, so it and every draft after it are rejected) and those
+        after the grammar's end (its stop token ends the request)."""
+        rows: list[int] = []
+        bitmask = None
+        for req_id, p, d, first in zip(req_ids, params, drafts, first_rows):
+            if p.structured_outputs is None:
+                continue
+            if bitmask is None:
+                bitmask = _xgr().allocate_token_bitmask(num_rows, self.vocab_size)   # all allowed
+            matcher = self._matcher(req_id, p)
+            taken = 0
+            for j in range(len(d) + 1):
+                if matcher.is_terminated():      # past the stop token: no mask to fill
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                rows.append(first + j)
+                if j == len(d) or not matcher.accept_token(d[j]):
+                    break
+                taken += 1
+            if taken:
+                matcher.rollback(taken)
+        if bitmask is None:
+            return None
+        return bitmask.to(device, non_blocking=True), rows
+
+    @staticmethod
+    def apply(logits: torch.Tensor, masks) -> None:
+        """Apply `verify_masks`' masks to logits [num_rows, V] fp32, in place (-inf where a
+        row's grammar forbids the token)."""
+        bitmask, rows = masks
+        if rows:
+            _xgr().apply_token_bitmask_inplace(logits, bitmask, indices=rows)
 
     def accept(self, req_id: str, params, token: int) -> bool:
         """Advance the request's grammar by its sampled token; False when the grammar does not

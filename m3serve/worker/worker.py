@@ -118,7 +118,7 @@ class Worker:
             sample_everywhere=self.proposer is not None,
             extra_positions=config.speculative.num_speculative_tokens)
         self.runner.vision = self.vision
-        if self.is_driver and self.proposer is None:
+        if self.is_driver or self.proposer is not None:      # the ranks that sample
             from m3serve.worker.structured import GrammarBook
             self.runner.step_sampler.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
             self.runner.step_sampler.grammars.warm_up(self.device)

@@ -158,6 +158,41 @@ def test_tiny_dspark_gpu(tiny_dir, tmp_path):
     assert first_drafts("cuda") == first_drafts("cpu")
 
 
+def test_tiny_speculative_graphs_structured_gpu(tiny_dir, tmp_path):
+    """Structured outputs with EAGLE3 speculation on the GPU: the verify CUDA graph's logits
+    get the grammar masks (filled on the host before the replay, applied on the device); greedy
+    tokens equal the GPU without speculation, and every output holds its grammar."""
+    import json
+    import re
+
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams, StructuredOutputsParams
+    from m3serve.spec.tiny_drafts import make_draft
+    from test_engine import prompts
+
+    pytest.importorskip("xgrammar")
+    draft = make_draft(tmp_path / "eagle3", "eagle3", tiny_dir)
+    color = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                              "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["color", "n"], "additionalProperties": False}
+    regex = r"[a-z]{2,6}( [a-z]{1,5}){2,5}\."
+    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 9))]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=color, disable_any_whitespace=True) if i % 2 == 0 else StructuredOutputsParams(regex=regex))
+        for i in range(len(ps))]
+    flags = dict(model=str(tiny_dir), dtype="float32", device="cuda", kv_cache_memory=1 << 28,
+                 cudagraph_capture_sizes="1,2,4,8")
+    want = [o.outputs[0].token_ids for o in LLM(**flags).generate(ps, params, use_tqdm=False)]
+    gpu = LLM(**flags, speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    outs = gpu.generate(ps, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for i, o in enumerate(outs):
+        text = o.outputs[0].text
+        assert json.loads(text)["color"] in ("red", "green", "blue") if i % 2 == 0 else re.fullmatch(regex, text)
+    runner = gpu.engine.worker.runner
+    assert runner.spec_graphs is not None and runner.num_graph_steps > 5
+
+
 def test_realshape_l4_triton_matches_reference_ops(tmp_path):
     from m3serve.bench.realshape import write_realshape_dir
     from m3serve.layers.dispatch import reference_ops

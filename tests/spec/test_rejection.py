@@ -105,3 +105,18 @@ def test_synthetic_mean_acceptance_length(k, mean):
                        _sampling([SamplingParams(temperature=0)] * R))
     # standard error of the mean <= sqrt(var / R) < 0.012 here: a 0.05 band is > 4 sigma
     assert abs(count.float().mean().item() - mean) < 0.05
+
+
+def test_synthetic_mode_never_keeps_a_draft_a_grammar_masks_out():
+    """With a grammar's mask on the verified rows (-inf where it forbids a token), synthetic
+    acceptance keeps no masked draft (nor any after it), however likely its draw."""
+    k, R = 3, 2000
+    sampler = RejectionSampler("synthetic", 3.9, k, torch.Generator().manual_seed(5))   # alpha ~ 0.97
+    logits = torch.randn(R * (k + 1), V)
+    drafts = torch.randint(0, V, (R, k))
+    masked = torch.arange(R) % 3 == 0                     # these rows forbid their second draft
+    logits[(torch.arange(R) * (k + 1) + 1)[masked], drafts[masked, 1]] = float("-inf")
+    _, count = sampler(logits, torch.arange(R) * (k + 1), torch.full((R,), k), drafts,
+                       _sampling([SamplingParams(temperature=0)] * R))
+    assert int(count[masked].max()) == 2                  # the first draft at most, then the target's token
+    assert float(count[~masked].float().mean()) > 3.5

@@ -1,7 +1,7 @@
 """Speculation through the other front ends: `LLM` with TP 2 and with DP 2 + EP 2 (gloo CPU
 processes; every rank samples and proposes the same drafts), and `m3serve serve
---speculative-config` (greedy texts equal speculation off; spec-decode counters in /metrics;
-the synthetic mode flagged there and logged loudly)."""
+--speculative-config` (greedy texts equal speculation off, with structured outputs too;
+spec-decode counters in /metrics; the synthetic mode flagged there and logged loudly)."""
 import json
 
 import httpx
@@ -15,11 +15,18 @@ from serverutil import LiveServer
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
+def _structured():
+    """A greedy request constrained to a JSON schema (every sampling rank holds its matcher)."""
+    from m3serve.sampling_params import StructuredOutputsParams
+    return SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=COLOR))
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32")
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
+    [constrained] = llm.generate([{"prompt_token_ids": _prompts()[1]}], _structured(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs], constrained.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("layout,kind", [(dict(tensor_parallel_size=2), "eagle3"),
@@ -33,8 +40,10 @@ def test_parallel_speculation_is_lossless(tiny_dir, drafts, plain, layout, kind)
     llm = LLM(str(drafts["dspark"] if kind == "dspark" else tiny_dir), dtype="float32",
               speculative_config=spec, **layout)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == plain[0]
+        prompts = _prompts() + [_prompts()[1]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [GREEDY] * len(_prompts()) + [_structured()],
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain[0] + [plain[2]]
         for state in llm.engine.engine_states():
             assert state.num_free_blocks == state.num_usable_blocks and state.integrity_error is None
             assert all(r["num_batch_rows"] == 0 for r in state.ranks)
@@ -68,6 +77,7 @@ def test_server_speculation(tiny_dir, drafts, plain, tmp_path, kind):
     if kind == "dspark":          # the target's own dspark/ folder, k = the draft's block size
         spec, target = {"method": "dspark", "attention_backend": "FLASH_ATTN"}, drafts["dspark"]
     srv = LiveServer(target, "--dtype", "float32", "--speculative-config", json.dumps(spec),
+                     "--tool-call-parser", "minimax_m3",
                      log_path=tmp_path / "s.log")
     try:
         body = {"model": "tiny", "prompt": _prompts(), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -75,6 +85,8 @@ def test_server_speculation(tiny_dir, drafts, plain, tmp_path, kind):
         assert r.status_code == 200, r.text
         texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
         assert texts == plain[1]
+        if kind == "eagle3":
+            _structured_outputs_served(srv, tiny_dir)
         m = srv.wait_idle()
         assert m["m3serve:spec_decode_num_drafts_total"] > 0
         k = 7 if kind == "dspark" else 3
@@ -143,3 +155,36 @@ def test_draft_checkpoint_errors_name_the_tensor(tiny_dir, drafts, tmp_path):
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match=r"unexpected tensor 'midlayer.extra.weight'"):
         LLM(str(tiny_dir), speculative_config=spec)
+
+
+DOOR = {"type": "function", "function": {"name": "lock_door", "parameters": {
+    "type": "object", "required": ["locked"], "properties": {"locked": {"type": "boolean"}}}}}
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+         "required": ["color"], "additionalProperties": False}
+
+
+def _structured_outputs_served(srv, tiny_dir):
+    """With speculation on, response_format (greedy) gives what speculation off gives for the
+    same rendered prompt and grammar, and a named tool_choice is served, not refused (the tool
+    grammar itself is checked lossless in test_spec_structured.py; its markup is too long in
+    the tiny vocabulary to complete here cheaply)."""
+    from m3serve.sampling_params import StructuredOutputsParams
+
+    messages = [{"role": "user", "content": "pick one"}]
+    kwargs = {"thinking_mode": "disabled"}
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0, "chat_template_kwargs": kwargs,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": COLOR}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert json.loads(choice["message"]["content"])["color"] in ("red", "green", "blue")
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=COLOR))
+    [out] = LLM(str(tiny_dir), dtype="float32").chat(messages, params, use_tqdm=False, chat_template_kwargs=kwargs)
+    assert choice["message"]["content"] == out.outputs[0].text
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "lock it"}], "max_tokens": 16, "temperature": 0,
+        "tools": [DOOR], "tool_choice": {"type": "function", "function": {"name": "lock_door"}},
+        "chat_template_kwargs": kwargs})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length" and not r.json()["choices"][0]["message"]["content"]
