@@ -291,7 +291,7 @@ class ModelRunner:
         verified = self.step_sampler.verify(so, batch, fwd.hidden, drafts)
         proposals = self.proposer.propose(self._draft_start(batch, fwd, verified)).tolist()
         self.batch.advance(batch)
-        return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done)
+        return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done, verified)
 
     def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified: Verified):
         """The proposer's start: each request's last verified position and the token after it."""

@@ -64,6 +64,8 @@ class Verified:
     emitted: list[list[int]]      # accepted drafts + the token after them; [] for partial chunks
     num_drafts: np.ndarray        # [R] int64 drafts each request verified
     done: np.ndarray              # [R] bool requests whose context is whole after the step
+    logprobs: list | None = None  # per request its sampled token's entries (FULL rows), or None
+    prompt_logprobs: dict | None = None
 
 
 class StepSampler:
@@ -311,8 +313,9 @@ class StepSampler:
         done = self.complete(batch)
         argmax = bool((self.modes(so, batch)[done] == SamplingMode.ARGMAX).all())
         masks = None if argmax else self.grammar_masks(so, batch, done, drafts, row_start, len(local))
+        self._plain_logprobs = None
         emitted = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax, masks)
-        return Verified(emitted, num_drafts, done)
+        return Verified(emitted, num_drafts, done, self._plain_logprobs, self._prompt_logprobs(batch, hidden))
 
     def _emitted(self, batch: ScheduledBatch, local: torch.Tensor, row_start: np.ndarray,
                  num_drafts: np.ndarray, drafts: list[list[int]], done: np.ndarray,
@@ -348,6 +351,11 @@ class StepSampler:
             out = self.sampler(logits[torch.tensor(row_start[plain], device=dev)], part)
             for i, token in zip(plain, out.sampled_token_ids.tolist()):
                 emitted[i] = [token]
+            if out.logprobs is not None:       # FULL rows verify no drafts: one token, as without speculation
+                b = self.batch
+                self._plain_logprobs = [None] * len(rows)
+                for i, entry in zip(plain, _logprob_entries(out.logprobs, [b.params[rows[i]] for i in plain])):
+                    self._plain_logprobs[i] = entry
         if verify:
             part = sampling.select([j for j, i in enumerate(sampling_rows) if num_drafts[i] > 0])
             k = max(num_drafts[verify].max(), 1)
@@ -386,7 +394,8 @@ class StepSampler:
         return emitted, kept
 
     def speculative_output(self, so: SchedulerOutput, batch: ScheduledBatch, emitted: list[list[int]],
-                           proposals: list[list[int]], done) -> ModelRunnerOutput | None:
+                           proposals: list[list[int]], done, verified: Verified | None = None
+                           ) -> ModelRunnerOutput | None:
         """The verify step's output on the driver: emitted tokens, and the next drafts of the
         requests that sampled (the scheduler drops those its next step's mode cannot verify).
         On every rank that samples, first advance each constrained request's grammar over the
@@ -398,7 +407,9 @@ class StepSampler:
             return None
         spec = [proposals[i] if done[i] else [] for i in range(batch.num_reqs)]
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[e or [0] for e in emitted],
-                                 spec_token_ids=spec, failed=self.failed)
+                                 spec_token_ids=spec, failed=self.failed,
+                                 logprobs=verified.logprobs if verified is not None else None,
+                                 prompt_logprobs=verified.prompt_logprobs if verified is not None else {})
 
     def _advance_grammars(self, so: SchedulerOutput, batch: ScheduledBatch, emitted: list[list[int]],
                           done) -> None:

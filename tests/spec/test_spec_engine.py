@@ -197,3 +197,20 @@ def test_disable_by_batch_size_decodes_big_batches_without_drafts(tiny_dir, draf
     sched = llm.engine.core.scheduler
     assert sched.num_plain_steps > 3 and sched.spec_stats.num_drafts > 3
     _check_clean(llm)
+
+
+def test_logprobs_and_prompt_logprobs_with_speculation(tiny_dir, drafts):
+    """A request asking for logprobs (or prompt logprobs) verifies no drafts, and gets the same
+    logprobs and prompt logprobs as without speculation, beside requests that speculate."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:3]]
+    asks = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    plain_params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = [asks, plain_params, asks]
+
+    def run(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+    want = run(LLM(str(tiny_dir), **_flags()))
+    got = run(LLM(str(tiny_dir), speculative_config=_spec("eagle3", drafts), **_flags("eagle3")))
+    assert want[0][1] and want[0][2] and len(want[0][1]) == 6
+    assert got == want
