@@ -18,6 +18,7 @@ from m3serve.distributed import GroupInfo
 from m3serve.layers.attention_metadata import AttentionMetadata, context_slots, write_cache_ref
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.indexer import index_topk_ref
+from m3serve.layers import probes
 from m3serve.layers.linear import QKVParallelLinear, RowParallelLinear, kv_head_range
 from m3serve.layers.norm import RMSNorm, gemma_rms_norm
 from m3serve.layers.rotary import apply_rotary
@@ -74,7 +75,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg, layer_id: int, tp: GroupInfo, dtype: torch.dtype, sparse: bool | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer_id = cfg, layer_id
         self.is_sparse = cfg.is_sparse(layer_id) if sparse is None else sparse
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // tp.size
@@ -117,8 +118,8 @@ class Attention(nn.Module):
         block_ids = None
         if self.is_sparse:
             block_ids = self.indexer(parts[3], parts[4], cos, sin, self.index_cache, meta)
-            if meta.record_selections is not None:
-                meta.record_selections.append(block_ids)
+            if probes.active is not None:
+                probes.active.record(probes.SPARSE_BLOCKS, self.layer_id, block_ids)
         return paged_attention_ref(q, self.kv_cache, meta, self.scale, block_ids, self.k_scale, self.v_scale)
 
     def _forward_triton(self, q, k, v, parts, cos, sin, meta):
@@ -144,8 +145,8 @@ class Attention(nn.Module):
                                    topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                                    init_blocks=cfg.index_init_blocks, max_seq_len=meta.max_seq_len,
                                    max_query_len=meta.max_query_len)
-            if meta.record_selections is not None:
-                meta.record_selections.append(block_ids)
+            if probes.active is not None:
+                probes.active.record(probes.SPARSE_BLOCKS, self.layer_id, block_ids)
         return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                self.scale, block_ids=block_ids, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale)

@@ -24,7 +24,6 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int = 0          # host-side bounds for kernel launch shapes; 0 = derive
     max_seq_len: int = 0
-    record_selections: list | None = None  # when a list, sparse layers append their [T, Hi, topk]
     dp_padded_tokens: int = 0       # with several DP replicas: tokens each one brings to the MoE
 
     def __post_init__(self):
