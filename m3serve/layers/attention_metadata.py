@@ -1,5 +1,5 @@
-"""Attention metadata for one forward over a flattened batch, and the paged-cache helpers
-(slot writes, context slot lookup) shared by the dense, sparse and indexer reference ops."""
+"""Attention metadata for one forward over a flattened batch, and the reference ops' slot write
+into a paged cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,10 +48,3 @@ def write_cache_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: tor
     if scale is not None:
         v = (v.float() / scale).clamp(-448.0, 448.0)
     flat[slot_mapping[keep]] = v.to(cache.dtype)
-
-
-def context_slots(meta: AttentionMetadata, r: int) -> torch.Tensor:
-    """Slot of every context position 0 .. seq_len-1 of request r: [seq_len] int64."""
-    pos = torch.arange(meta.seq_lens_cpu[r], device=meta.block_tables.device)
-    pages = meta.block_tables[r, pos // meta.block_size].long()
-    return pages * meta.block_size + pos % meta.block_size
