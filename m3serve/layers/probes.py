@@ -16,12 +16,13 @@ Contract:
   (with a DP exchange the decode graphs keep every row, as the eager MoE does): views of static
   buffers, overwritten by the next replay, so a probe that keeps them past the step must clone
   them. The capture's warm-up forwards report to no one.
-- A probe lives in one process: under TP each rank reports its own layers to its own probe (the
-  routed experts and selected blocks are the same on every rank; with several DP replicas an
-  MoE layer reports the expert ids of every replica's tokens, padding rows included).
+- A probe lives in one process: under TP each rank reports its own shard to its own probe (the
+  selected blocks of its KV groups; the routed experts, which every rank computes alike); with
+  several DP replicas an MoE layer reports the expert ids of every replica's tokens, padding
+  rows included.
 
-Names: `SPARSE_BLOCKS` ([T, G, topk] logical block ids, -1 padded, int32) and `ROUTED_EXPERTS`
-([T, K] global expert ids).
+Names: `SPARSE_BLOCKS` ([T, G_local, topk] logical block ids per KV group, -1 padded, int32)
+and `ROUTED_EXPERTS` ([T, K] global expert ids).
 """
 from __future__ import annotations
 
