@@ -19,7 +19,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                         seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                         block_ids: torch.Tensor | None = None, max_query_len: int, max_seq_len: int,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None, key_lo: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, key_lo: torch.Tensor | None = None,
+                        num_splits: int | None = None) -> torch.Tensor:
     """Reference of `m3serve.kernels.paged_attention.paged_attention` (same contract).
 
     q: [T, H, D]; kv_cache: [2, num_blocks, block_size, G, D] in q's dtype or float8_e4m3fn (then
@@ -27,8 +28,9 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     padded; ids outside the context are ignored). Request r's queries are the last tokens of its
     context of seq_lens[r]; each sees the keys at positions <= its own, and with `key_lo` ([T]
     int, a sliding window's left edge per token) only those at positions >= key_lo[t]. A token
-    that sees no key gets 0. max_query_len / max_seq_len are unused (kernel tuning hints; the
-    kernel takes key_lo only with max_query_len <= TOKEN_KERNEL_MAX_QUERY, the reference with any).
+    that sees no key gets 0. max_query_len / max_seq_len / num_splits are unused (kernel tuning
+    hints; the kernel takes key_lo only with max_query_len <= TOKEN_KERNEL_MAX_QUERY, the
+    reference with any).
     Returns out ([T, H, D], q's dtype).
     """
     T, H, D = q.shape
