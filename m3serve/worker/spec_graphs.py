@@ -87,17 +87,18 @@ class SpecDecodeGraphs:
     def padded_size(self, num_reqs: int) -> int | None:
         return next((b for b in self.sizes if b >= num_reqs), None)
 
-    def verify(self, b: int, num_reqs: int):
+    def verify(self, b: int, num_reqs: int | None = None):
         """Replay: (hidden, taps, local logits, argmax, positions) of the b x (k + 1) tokens;
-        an installed probe receives the first num_reqs requests' reports (layers/probes.py)."""
+        an installed probe receives the first num_reqs requests' reports (layers/probes.py;
+        None: all b)."""
         graph, *outputs = self.verify_graphs[b]
         graph.replay()
-        self.reports.replay_to(("verify", b), num_reqs, b)
+        self.reports.replay_to(("verify", b), b if num_reqs is None else num_reqs, b)
         return outputs
 
-    def draft(self, b: int, num_reqs: int) -> torch.Tensor:
+    def draft(self, b: int, num_reqs: int | None = None) -> torch.Tensor:
         """Replay after `last_index` / `last_token` are set: drafts [b, k] (reports as `verify`)."""
         graph, drafts = self.draft_graphs[b]
         graph.replay()
-        self.reports.replay_to(("draft", b), num_reqs, b)
+        self.reports.replay_to(("draft", b), b if num_reqs is None else num_reqs, b)
         return drafts
