@@ -28,13 +28,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def _expert_ids(llm) -> list:
-    """Copies of each MoE layer's last expert choices [T, K] (graph buffers are overwritten);
-    none when the engine runs in its own processes."""
+def _expert_ids(llm, recorder) -> list:
+    """Copies of each target MoE layer's last expert choices [T, K] as `recorder` (the probe the
+    bench installs, layers/probes.py) last received them (graph replays overwrite them), in
+    layer order, None for a layer not run yet; none when the engine runs in its own processes."""
+    from m3serve.layers.probes import ROUTED_EXPERTS
     if llm.engine.worker is None:
         return []
-    layers = [layer.mlp for layer in llm.engine.worker.model.model.layers if layer.is_moe]
-    return [m.last_expert_ids.clone() if m.last_expert_ids is not None else None for m in layers]
+    latest = recorder.latest(ROUTED_EXPERTS)
+    ids = [i for i, layer in enumerate(llm.engine.worker.model.model.layers) if layer.is_moe]
+    return [latest[i].clone() if i in latest else None for i in ids]
 
 
 def _count(ids, cfg) -> float:
@@ -129,6 +132,7 @@ def main(args) -> list[dict]:
     from m3serve.bench.roofline import (BF16_TFLOPS, FP8_TFLOPS, decode_floor_ms, decode_step_bytes,
                                         prefill_flops)
     from m3serve.engine_args import engine_kwargs
+    from m3serve.layers import probes
     from m3serve.llm import LLM
 
     t0 = time.time()
@@ -154,87 +158,90 @@ def main(args) -> list[dict]:
             points += [(int(isl), int(b)) for b in batches.split(",")]
         except ValueError:
             raise ValueError(f"--points: expected ISL:batch,batch,..., got {group!r}") from None
-    for isl, bs in points:
-        def prompts():
-            return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
-        one, many = run_params(args, 1), run_params(args, args.osl + 1)
-        # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
-        # no Triton JIT specialisation is compiled inside a measured step
-        llm.generate(prompts(), run_params(args, 4), use_tqdm=False)
-        jit_before = variants_by_kernel()
-        spec_before = _spec_counts(llm)
-        batch = prompts()
-        sync(); a = time.perf_counter()
-        llm.generate(batch, one, use_tqdm=False)
-        sync(); prefill = time.perf_counter() - a
-        # decode: TPOT per request = (last token time - first token time) / (tokens - 1)
-        eng = llm.engine
-        batch = prompts()
-        sync(); started = time.perf_counter()
-        for i, pr in enumerate(batch):
-            eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone(), defer_admission=True)
-        eng.settle()
-        first, last, ntok = {}, {}, {}
-        runner = eng.worker.runner if in_process else None
-        decode_steps, expert_ids = [], []
-        max_running, num_steps, full_steps = (0 if runner else None), 0, 0
-        while eng.has_unfinished_requests():
-            graph_before, t_step = runner.num_graph_steps if runner else 0, time.perf_counter()
-            full = runner is not None and eng.core.scheduler.num_running == bs
-            if runner is not None:
-                max_running = max(max_running, eng.core.scheduler.num_running)
-                num_steps += 1
-                full_steps += full
-            changed = eng.step()
-            now = time.perf_counter()
-            if full and runner.num_graph_steps > graph_before:
-                decode_steps.append(now - t_step)
-                if len(decode_steps) % 8 == 1:   # async copies; counted after the run
-                    expert_ids.append(_expert_ids(llm))
-            for st in changed:
-                n = len(st.sequences[0].token_ids)
-                if n and st.request_id not in first:
-                    first[st.request_id] = now
-                if st.finished:
-                    last[st.request_id], ntok[st.request_id] = now, n
-        total = time.perf_counter() - started
-        tpot = sum((last[r] - first[r]) / (ntok[r] - 1) for r in last) / len(last)
-        tpot_peer = (total - prefill) / args.osl
-        seen = [[_count(ids, cfg) for ids in step] for step in expert_ids] or [
-            [_count(ids, cfg) for ids in _expert_ids(llm)]]
-        # without a measured count (engine processes) the roofline assumes the balanced-routing
-        # expectation of distinct experts per layer for bs tokens x top-k
-        experts = [sum(col) / len(col) for col in zip(*seen)] or _expected_experts(cfg, bs)
-        decode_steps.sort()
-        floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts,
-                                                  weight_bytes=wbytes, kv_bytes=kvbytes,
-                                                  expert_bytes=ebytes))
-        if llm.engine.config.speculative.enabled:
-            floor = None     # a verify + draft step is not the decode step this roofline counts
-        flops = prefill_flops(cfg, bs, isl)
-        compiled = new_variants(jit_before)
-        problem = as_asked(bs, max_running, full_steps, num_steps)
-        if problem:
-            print(f"WARNING: point {isl}:{bs} did not run as asked: {problem}; its TPOT is not "
-                  f"batch {bs}'s and no MBU is given", file=sys.stderr, flush=True)
-            floor = None
-        row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3),
-               "prefill_tflops": round(flops / prefill / 1e12, 1),
-               "prefill_mfu": round(flops / prefill / 1e12 / peak, 3),
-               "tpot_peer_ms": round(tpot_peer * 1e3, 3), "tpot_ms": round(tpot * 1e3, 3),
-               "decode_tok_s": round(bs / tpot_peer, 1), "roofline_ms": round(floor, 3) if floor else None,
-               "mbu_peer_tpot": round(floor / (tpot_peer * 1e3), 3) if floor else None,
-               "distinct_experts": [round(e, 1) for e in experts],
-               "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
-               "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),
-                                                round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
-               "jit_compiles_measured": sum(compiled.values()), "jit_kernels_measured": compiled,
-               "graph_steps": runner.num_graph_steps if runner else None,
-               "eager_steps": runner.num_eager_steps if runner else None,
-               "experts_measured": bool(expert_ids) or in_process,
-               "ran_as_asked": problem is None, **({"not_as_asked": problem} if problem else {}),
-               "max_running": max_running,
-               **_spec_figures(llm, spec_before)}
-        results.append(row)
-        print(json.dumps(row), flush=True)
+    # the MoE layers report their expert choices to this probe (the measured roofline's count)
+    recorder = probes.Recorder(keep_all=False)
+    with probes.installed(recorder):
+        for isl, bs in points:
+            def prompts():
+                return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
+            one, many = run_params(args, 1), run_params(args, args.osl + 1)
+            # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
+            # no Triton JIT specialisation is compiled inside a measured step
+            llm.generate(prompts(), run_params(args, 4), use_tqdm=False)
+            jit_before = variants_by_kernel()
+            spec_before = _spec_counts(llm)
+            batch = prompts()
+            sync(); a = time.perf_counter()
+            llm.generate(batch, one, use_tqdm=False)
+            sync(); prefill = time.perf_counter() - a
+            # decode: TPOT per request = (last token time - first token time) / (tokens - 1)
+            eng = llm.engine
+            batch = prompts()
+            sync(); started = time.perf_counter()
+            for i, pr in enumerate(batch):
+                eng.add_request(f"bench-{isl}-{bs}-{i}", pr, many.clone(), defer_admission=True)
+            eng.settle()
+            first, last, ntok = {}, {}, {}
+            runner = eng.worker.runner if in_process else None
+            decode_steps, expert_ids = [], []
+            max_running, num_steps, full_steps = (0 if runner else None), 0, 0
+            while eng.has_unfinished_requests():
+                graph_before, t_step = runner.num_graph_steps if runner else 0, time.perf_counter()
+                full = runner is not None and eng.core.scheduler.num_running == bs
+                if runner is not None:
+                    max_running = max(max_running, eng.core.scheduler.num_running)
+                    num_steps += 1
+                    full_steps += full
+                changed = eng.step()
+                now = time.perf_counter()
+                if full and runner.num_graph_steps > graph_before:
+                    decode_steps.append(now - t_step)
+                    if len(decode_steps) % 8 == 1:   # async copies; counted after the run
+                        expert_ids.append(_expert_ids(llm, recorder))
+                for st in changed:
+                    n = len(st.sequences[0].token_ids)
+                    if n and st.request_id not in first:
+                        first[st.request_id] = now
+                    if st.finished:
+                        last[st.request_id], ntok[st.request_id] = now, n
+            total = time.perf_counter() - started
+            tpot = sum((last[r] - first[r]) / (ntok[r] - 1) for r in last) / len(last)
+            tpot_peer = (total - prefill) / args.osl
+            seen = [[_count(ids, cfg) for ids in step] for step in expert_ids] or [
+                [_count(ids, cfg) for ids in _expert_ids(llm, recorder)]]
+            # without a measured count (engine processes) the roofline assumes the balanced-routing
+            # expectation of distinct experts per layer for bs tokens x top-k
+            experts = [sum(col) / len(col) for col in zip(*seen)] or _expected_experts(cfg, bs)
+            decode_steps.sort()
+            floor = decode_floor_ms(decode_step_bytes(cfg, bs, isl + args.osl // 2, experts,
+                                                      weight_bytes=wbytes, kv_bytes=kvbytes,
+                                                      expert_bytes=ebytes))
+            if llm.engine.config.speculative.enabled:
+                floor = None     # a verify + draft step is not the decode step this roofline counts
+            flops = prefill_flops(cfg, bs, isl)
+            compiled = new_variants(jit_before)
+            problem = as_asked(bs, max_running, full_steps, num_steps)
+            if problem:
+                print(f"WARNING: point {isl}:{bs} did not run as asked: {problem}; its TPOT is not "
+                      f"batch {bs}'s and no MBU is given", file=sys.stderr, flush=True)
+                floor = None
+            row = {"isl": isl, "bs": bs, "prefill_s": round(prefill, 3),
+                   "prefill_tflops": round(flops / prefill / 1e12, 1),
+                   "prefill_mfu": round(flops / prefill / 1e12 / peak, 3),
+                   "tpot_peer_ms": round(tpot_peer * 1e3, 3), "tpot_ms": round(tpot * 1e3, 3),
+                   "decode_tok_s": round(bs / tpot_peer, 1), "roofline_ms": round(floor, 3) if floor else None,
+                   "mbu_peer_tpot": round(floor / (tpot_peer * 1e3), 3) if floor else None,
+                   "distinct_experts": [round(e, 1) for e in experts],
+                   "full_decode_step_ms_p50": round(decode_steps[len(decode_steps) // 2] * 1e3, 3) if decode_steps else None,
+                   "full_decode_step_ms_mean_max": [round(sum(decode_steps) / len(decode_steps) * 1e3, 3),
+                                                    round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
+                   "jit_compiles_measured": sum(compiled.values()), "jit_kernels_measured": compiled,
+                   "graph_steps": runner.num_graph_steps if runner else None,
+                   "eager_steps": runner.num_eager_steps if runner else None,
+                   "experts_measured": bool(expert_ids) or in_process,
+                   "ran_as_asked": problem is None, **({"not_as_asked": problem} if problem else {}),
+                   "max_running": max_running,
+                   **_spec_figures(llm, spec_before)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
     return results

@@ -1,11 +1,10 @@
 """The attention module of MiniMax-M3 (dense layers and MSA sparse layers: indexer selection +
-block-restricted attention) and its PyTorch reference op over the paged caches; the Triton path is
-picked per call by `layers/dispatch.py`.
+block-restricted attention) over the paged caches; per call `layers/dispatch.py` picks the Triton
+kernels or their PyTorch references (`kernels/ref/`, the CPU path: one reference per op).
 
 Cache layouts (one block = one page of `block_size` tokens, block ids shared by both groups):
   main cache  kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]  (K plane, V plane)
   index cache index_cache [num_blocks, block_size, index_head_dim]             (sparse layers)
-The `_ref` functions here are the PyTorch reference ops (CPU backend, oracle for GPU kernels).
 """
 from __future__ import annotations
 
@@ -15,57 +14,15 @@ import torch
 from torch import nn
 
 from m3serve.distributed import GroupInfo
-from m3serve.layers.attention_metadata import AttentionMetadata, context_slots, write_cache_ref
+# the ops' one PyTorch reference each (the CPU path; `paged_attention_ref` stays importable here)
+from m3serve.kernels.ref.indexer import index_topk_ref
+from m3serve.kernels.ref.paged_attention import paged_attention_ref
+from m3serve.layers import probes
+from m3serve.layers.attention_metadata import AttentionMetadata, write_cache_ref
 from m3serve.layers.dispatch import use_triton
-from m3serve.layers.indexer import index_topk_ref
 from m3serve.layers.linear import QKVParallelLinear, RowParallelLinear, kv_head_range
 from m3serve.layers.norm import RMSNorm, gemma_rms_norm
 from m3serve.layers.rotary import apply_rotary
-
-
-def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, block_ids: torch.Tensor | None = None,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        key_lo: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each query over its request's paged context.
-
-    q: [T, H, D]; kv_cache: [2, num_blocks, block_size, G, D]; block_ids: None (dense) or
-    [T, G, topk] logical block ids (-1 padded) restricting each KV group's visible blocks;
-    key_lo: None or [T], each query's first visible key position (a sliding window).
-    Returns [T, H, D] in q's dtype; softmax in fp32.
-    """
-    T, H, D = q.shape
-    # fp64 on CPU: per-query results independent of how many queries share the call
-    acc = torch.float64 if q.device.type == "cpu" else torch.float32
-    G = kv_cache.shape[3]
-    group_of_head = torch.arange(H, device=q.device) // (H // G)
-    k_flat = kv_cache[0].reshape(-1, G, D)
-    v_flat = kv_cache[1].reshape(-1, G, D)
-    out = torch.empty_like(q)
-    for r in range(meta.num_reqs):
-        qs, qe = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
-        if qe == qs:
-            continue
-        L = meta.seq_lens_cpu[r]
-        slots = context_slots(meta, r)
-        k = k_flat[slots].to(acc)[:, group_of_head]                          # [L, H, D]
-        v = v_flat[slots].to(acc)[:, group_of_head]
-        if k_scale is not None:                                              # fp8 cache
-            k, v = k * k_scale.to(acc), v * v_scale.to(acc)
-        q_pos = torch.arange(L - (qe - qs), L, device=q.device)              # [Tq]
-        key_pos = torch.arange(L, device=q.device)
-        allowed = (key_pos[None, :] <= q_pos[:, None])[:, None, :]           # [Tq, 1, L]
-        if key_lo is not None:
-            allowed = allowed & (key_pos[None, None, :] >= key_lo[qs:qe, None, None])
-        if block_ids is not None:
-            key_block = key_pos // meta.block_size
-            sel = block_ids[qs:qe]                                           # [Tq, G, topk]
-            in_sel = (key_block[None, None, :, None] == sel[:, :, None, :]).any(-1)  # [Tq, G, L]
-            allowed = allowed & in_sel[:, group_of_head]                      # [Tq, H, L]
-        scores = torch.einsum("thd,lhd->thl", q[qs:qe].to(acc), k) * scale
-        scores = scores.masked_fill(~allowed, -math.inf)
-        out[qs:qe] = torch.einsum("thl,lhd->thd", torch.softmax(scores, -1), v).to(q.dtype)
-    return out
 
 
 class Attention(nn.Module):
@@ -74,7 +31,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg, layer_id: int, tp: GroupInfo, dtype: torch.dtype, sparse: bool | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer_id = cfg, layer_id
         self.is_sparse = cfg.is_sparse(layer_id) if sparse is None else sparse
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // tp.size
@@ -117,9 +74,11 @@ class Attention(nn.Module):
         block_ids = None
         if self.is_sparse:
             block_ids = self.indexer(parts[3], parts[4], cos, sin, self.index_cache, meta)
-            if meta.record_selections is not None:
-                meta.record_selections.append(block_ids)
-        return paged_attention_ref(q, self.kv_cache, meta, self.scale, block_ids, self.k_scale, self.v_scale)
+            if probes.active is not None:
+                probes.active.record(probes.SPARSE_BLOCKS, self.layer_id, block_ids)
+        return paged_attention_ref(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                   self.scale, block_ids=block_ids, max_query_len=meta.max_query_len,
+                                   max_seq_len=meta.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _forward_triton(self, q, k, v, parts, cos, sin, meta):
         from m3serve.kernels.indexer import index_topk
@@ -144,8 +103,8 @@ class Attention(nn.Module):
                                    topk=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks,
                                    init_blocks=cfg.index_init_blocks, max_seq_len=meta.max_seq_len,
                                    max_query_len=meta.max_query_len)
-            if meta.record_selections is not None:
-                meta.record_selections.append(block_ids)
+            if probes.active is not None:
+                probes.active.record(probes.SPARSE_BLOCKS, self.layer_id, block_ids)
         return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                self.scale, block_ids=block_ids, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale)
@@ -163,10 +122,12 @@ class Indexer(nn.Module):
 
     def forward(self, iq: torch.Tensor, ik: torch.Tensor, cos, sin, index_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """iq: [T, Hi_local * Di]; ik: [T, Di] -> block ids [T, Hi_local, topk] int64 (-1 padded)."""
+        """iq: [T, Hi_local * Di]; ik: [T, Di] -> block ids [T, Hi_local, topk] int32 (-1 padded)."""
         cfg, T, Di = self.cfg, iq.shape[0], self.cfg.index_head_dim
         iq = apply_rotary(gemma_rms_norm(iq.view(T, -1, Di), self.q_norm.weight, cfg.rms_norm_eps), cos, sin)
         ik = apply_rotary(gemma_rms_norm(ik.view(T, 1, Di), self.k_norm.weight, cfg.rms_norm_eps), cos, sin)
         write_cache_ref(index_cache, ik[:, 0], meta.slot_mapping)
-        return index_topk_ref(iq, index_cache, meta, cfg.index_topk_blocks, cfg.index_local_blocks,
-                              cfg.index_init_blocks)
+        return index_topk_ref(iq, index_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                              block_size=meta.block_size, topk=cfg.index_topk_blocks,
+                              local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,
+                              max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len)

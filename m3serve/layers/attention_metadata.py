@@ -1,5 +1,5 @@
-"""Attention metadata for one forward over a flattened batch, and the paged-cache helpers
-(slot writes, context slot lookup) shared by the dense, sparse and indexer reference ops."""
+"""Attention metadata for one forward over a flattened batch, and the reference ops' slot write
+into a paged cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +24,6 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int = 0          # host-side bounds for kernel launch shapes; 0 = derive
     max_seq_len: int = 0
-    record_selections: list | None = None  # when a list, sparse layers append their [T, Hi, topk]
     dp_padded_tokens: int = 0       # with several DP replicas: tokens each one brings to the MoE
 
     def __post_init__(self):
@@ -49,10 +48,3 @@ def write_cache_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: tor
     if scale is not None:
         v = (v.float() / scale).clamp(-448.0, 448.0)
     flat[slot_mapping[keep]] = v.to(cache.dtype)
-
-
-def context_slots(meta: AttentionMetadata, r: int) -> torch.Tensor:
-    """Slot of every context position 0 .. seq_len-1 of request r: [seq_len] int64."""
-    pos = torch.arange(meta.seq_lens_cpu[r], device=meta.block_tables.device)
-    pages = meta.block_tables[r, pos // meta.block_size].long()
-    return pages * meta.block_size + pos % meta.block_size

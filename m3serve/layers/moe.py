@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from m3serve.distributed import GroupInfo, ParallelInfo
+from m3serve.layers import probes
 from m3serve.layers.activation import swiglu_oai
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, attach_loader,
@@ -162,15 +163,15 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, parallel: ParallelInfo, dtype):
+    def __init__(self, cfg, parallel: ParallelInfo, dtype, layer_id: int):
         super().__init__()
         self.cfg, self.tp, self.dp = cfg, parallel.tp, parallel.dp
+        self.layer_id = layer_id          # the id its routed experts are reported under (layers/probes.py)
         self.gate = Router(cfg.hidden_size, cfg.num_local_experts)
         self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
                                _expert_layout(cfg, parallel), dtype)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_alpha,
                                        cfg.swiglu_limit, parallel.tp, dtype, reduce_results=False)
-        self.last_expert_ids: torch.Tensor | None = None  # [T, K], kept for tests and benchmarks
 
     def forward(self, x: torch.Tensor, dp_padded_tokens: int = 0) -> torch.Tensor:
         """x: [T, H] -> [T, H]. With several DP replicas every one passes the same
@@ -250,7 +251,8 @@ class MoE(nn.Module):
         if hasattr(self.experts, "w13_scale"):      # FP8 experts: the fused kernel's PyTorch twin
             from m3serve.kernels.ref.fused_moe import fused_moe_ref
             return self._fused(fused_moe_ref, x, weights, ids, fold_shared)
-        self.last_expert_ids = ids
+        if probes.active is not None:
+            probes.active.record(probes.ROUTED_EXPERTS, self.layer_id, ids)
         out = experts_ref(x, self.experts.w13, self.experts.w2, weights, ids, self.experts.first,
                           cfg.swiglu_alpha, cfg.swiglu_limit)
         return out + self.shared_experts(x).float() if fold_shared else out
@@ -263,7 +265,8 @@ class MoE(nn.Module):
         executed[("packed_moe", "reference")] += 1
         weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias,
                              cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-        self.last_expert_ids = ids
+        if probes.active is not None:
+            probes.active.record(probes.ROUTED_EXPERTS, self.layer_id, ids)
         w13 = ExpertWeights(ex, "w13", x.dtype) if packed_format(ex, "w13") else ex.w13
         w2 = ExpertWeights(ex, "w2", x.dtype) if packed_format(ex, "w2") else ex.w2
         out = experts_ref(x, w13, w2, weights, ids, ex.first, cfg.swiglu_alpha, cfg.swiglu_limit)
@@ -284,7 +287,8 @@ class MoE(nn.Module):
         """Routed experts (+ the shared expert) in one fused call (bf16, FP8 or packed weights);
         `alignment`: `moe_route_align`'s, for the Triton kernel."""
         cfg, ex, sh = self.cfg, self.experts, self.shared_experts
-        self.last_expert_ids = ids
+        if probes.active is not None:
+            probes.active.record(probes.ROUTED_EXPERTS, self.layer_id, ids)
         scales = {}
         fmt = packed_format(ex, "w13")
         if fmt is not None:

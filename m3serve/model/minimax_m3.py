@@ -27,7 +27,8 @@ from m3serve.model.config import M3Config
 
 class DecoderLayer(nn.Module):
     """One decoder layer; `sparse_moe` builds an MSA + MoE layer whatever the layer schedule
-    says (the MTP modules' layer)."""
+    says (the MTP modules' layer, whose `layer_id` is then only the id its attention and MoE
+    report under, `layers/probes.py`)."""
 
     def __init__(self, cfg: M3Config, layer_id: int, parallel: ParallelInfo, dtype, sparse_moe: bool = False):
         super().__init__()
@@ -35,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer_id, parallel.tp, dtype, sparse=True if sparse_moe else None)
         self.is_moe = sparse_moe or cfg.is_moe(layer_id)
-        self.mlp = (MoE(cfg, parallel, dtype) if self.is_moe else
+        self.mlp = (MoE(cfg, parallel, dtype, layer_id) if self.is_moe else
                     DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
                              cfg.swiglu_limit, parallel.tp, dtype))
 

@@ -45,7 +45,8 @@ from torch import nn
 
 from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.distributed import GroupInfo
-from m3serve.layers.attention import Attention, paged_attention_ref
+from m3serve.kernels.ref.paged_attention import paged_attention_ref
+from m3serve.layers.attention import Attention
 from m3serve.layers.attention_metadata import AttentionMetadata, write_cache_ref
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import ReplicatedLinear, attach_loader, make_param, replicated_loader
@@ -306,7 +307,8 @@ class DSparkDraft(nn.Module):
             return paged_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
                                    block_ids=window_blocks, max_query_len=1, max_seq_len=meta.max_seq_len,
                                    key_lo=key_lo)
-        return paged_attention_ref(q, cache, meta, self.scale, key_lo=key_lo)
+        return paged_attention_ref(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                                   max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, key_lo=key_lo)
 
     def markov(self, base_local: torch.Tensor, anchor: torch.Tensor, target_head) -> torch.Tensor:
         """base_local [R, k, V_local] (this rank's vocabulary slice of the target head's logits),

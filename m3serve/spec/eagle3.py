@@ -24,7 +24,7 @@ from torch import nn
 
 from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.distributed import GroupInfo
-from m3serve.layers.attention import paged_attention_ref
+from m3serve.kernels.ref.paged_attention import paged_attention_ref
 from m3serve.layers.attention_metadata import AttentionMetadata, write_cache_ref
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
@@ -168,7 +168,8 @@ class Eagle3Draft(nn.Module):
                                    self.scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
         write_cache_ref(cache[0], k, meta.slot_mapping)
         write_cache_ref(cache[1], v, meta.slot_mapping)
-        return paged_attention_ref(q, cache, meta, self.scale)
+        return paged_attention_ref(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                   self.scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
 
     def next_tokens(self, out: torch.Tensor, target_head) -> torch.Tensor:
         """Greedy draft tokens (target ids) [N] from the normed outputs [N, H]."""

@@ -32,7 +32,7 @@ _MTP = re.compile(r"^(?:language_model\.model\.|model\.)?mtp\.layers\.(\d+)\.(.+
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: M3Config, parallel: ParallelInfo, dtype):
+    def __init__(self, cfg: M3Config, parallel: ParallelInfo, dtype, index: int):
         super().__init__()
         from m3serve.model.minimax_m3 import DecoderLayer
 
@@ -41,7 +41,8 @@ class MTPModule(nn.Module):
         self.hnorm = RMSNorm(H, eps, dtype)
         self.final_layernorm = RMSNorm(H, eps, dtype)
         self.eh_proj = ReplicatedLinear(2 * H, H, dtype)
-        self.layer = DecoderLayer(cfg, 0, parallel, dtype, sparse_moe=True)
+        # reports to layers/probes.py as layer num_hidden_layers + index, after the target's
+        self.layer = DecoderLayer(cfg, cfg.num_hidden_layers + index, parallel, dtype, sparse_moe=True)
 
     def forward(self, embeds: torch.Tensor, h_prev: torch.Tensor, positions: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -58,7 +59,7 @@ class MTPDraft(nn.Module):
     def __init__(self, cfg: M3Config, num_modules: int, parallel: ParallelInfo, dtype):
         super().__init__()
         self.cfg = cfg
-        self.modules_ = nn.ModuleList(MTPModule(cfg, parallel, dtype) for _ in range(num_modules))
+        self.modules_ = nn.ModuleList(MTPModule(cfg, parallel, dtype, m) for m in range(num_modules))
 
     @property
     def attention_layers(self):

@@ -146,8 +146,7 @@ class StepBuffers:
 
     def inputs(self, num_reqs: int, num_tokens: int, one_token_each: bool,
                query_start_loc_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int = 0,
-               max_seq_len: int = 0, dp_padded_tokens: int = 0,
-               record_selections: list | None = None):
+               max_seq_len: int = 0, dp_padded_tokens: int = 0):
         """(token ids [T], positions [T], AttentionMetadata) over the staged device views; only
         device work, so a CUDA graph can capture it."""
         qsl = self.query_start_loc[:num_reqs + 1]
@@ -159,5 +158,5 @@ class StepBuffers:
             query_start_loc=qsl, seq_lens=seq, block_tables=tables, slot_mapping=slots,
             query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
             block_size=self.block_size, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            record_selections=record_selections, dp_padded_tokens=dp_padded_tokens)
+            dp_padded_tokens=dp_padded_tokens)
         return self.token_ids[:num_tokens], positions, meta

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from m3serve.layers import probes
 from m3serve.worker.attn_metadata import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,9 @@ class DecodeGraphs:
         self.dp_exchange = dp_exchange     # MoE layers exchange tokens with other DP replicas
         # per size: (graph, final hidden [b, H], this rank's fp32 logits [b, V_local], argmax [b])
         self.graphs: dict[int, tuple] = {}
-        # per graph: the MoE layers' expert-id buffers it writes (for the measured expert count)
-        self.expert_ids: dict[int, list[torch.Tensor]] = {}
-        self.moe_layers = [layer.mlp for layer in model.model.layers if layer.is_moe]
+        # per graph: what its layers reported to layers/probes.py at capture, replayed to the
+        # installed probe after each replay (the bench's measured expert count reads them)
+        self.reports = probes.GraphReports()
         self.capture_seconds = 0.0
 
     def forward(self, b: int, seq_lens_cpu: list[int] | None = None):
@@ -55,14 +56,14 @@ class DecodeGraphs:
         self.buffers.stage(None, input_batch, pad_to=self.sizes[-1])   # all rows padding
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):                 # largest first: later ones reuse its pool
-            for _ in range(2):                         # warm-up: compile kernels, settle allocator
-                self.forward(b)
+            with probes.installed(None):
+                for _ in range(2):                     # warm-up: compile kernels, settle allocator
+                    self.forward(b)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with self.reports.collect(b), torch.cuda.graph(graph, pool=pool):
                 outputs = self.forward(b)
             self.graphs[b] = (graph, *outputs)
-            self.expert_ids[b] = [m.last_expert_ids for m in self.moe_layers]
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes),
@@ -77,9 +78,10 @@ class DecodeGraphs:
     def replay(self, b: int, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Replay the size-b graph over the staged inputs -> (hidden [n, H], local logits
         [n, V_local], argmax [n]) of the first n = num_reqs rows: views of static buffers,
-        valid until the next replay."""
+        valid until the next replay. An installed probe receives the layers' reports of this
+        replay (layers/probes.py)."""
         graph, hidden, logits, greedy = self.graphs[b]
         graph.replay()
-        for m, ids_buf in zip(self.moe_layers, self.expert_ids[b]):
-            m.last_expert_ids = ids_buf[:num_reqs]
+        # with a DP exchange the MoE's rows are every replica's, padded: kept whole, as eager
+        self.reports.replay_to(b, b if self.dp_exchange else num_reqs, b)
         return hidden[:num_reqs], logits[:num_reqs], greedy[:num_reqs]

@@ -68,7 +68,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.proposer = None          # spec.proposer.Proposer when speculating (set by the worker)
         self.spec_graphs = None       # worker.spec_graphs.SpecDecodeGraphs, with the proposer on a GPU
-        self.record_selections: list | None = None   # tests: sparse layers append their choices
         self.vision = None            # model.vision.VisionEncoder when images are served (set by the worker)
         self.media: dict = {}         # request id -> worker.media.MediaFeatures
         self.num_graph_steps = self.num_eager_steps = 0
@@ -265,8 +264,7 @@ class ModelRunner:
             n, t, decode = batch.num_reqs, batch.num_tokens, batch.is_decode
             qsl, seq = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
         ids, positions, meta = self.buffers.inputs(
-            n, t, decode, qsl, seq, dp_padded_tokens=dp.num_tokens if dp is not None else 0,
-            record_selections=self.record_selections)
+            n, t, decode, qsl, seq, dp_padded_tokens=dp.num_tokens if dp is not None else 0)
         embeds = None
         if media is not None:
             slots, feats = media
@@ -334,12 +332,12 @@ class ModelRunner:
         masks = self.step_sampler.grammar_masks(so, batch, np.ones(n, dtype=bool), verified,
                                                 np.arange(n) * q, n * q)
         self.buffers.stage(batch, self.batch, pad_to=b, pad_query_len=q)
-        _, _, local, greedy, _ = g.verify(b)
+        _, _, local, greedy, _ = g.verify(b, n)
         ids = self.buffers.token_ids[:b * q].view(b, q).long()
         emitted, kept = self.step_sampler.verify_on_device(so, batch, local, greedy, ids, g.k, masks)
         g.last_index[:b].copy_(torch.arange(b, device=kept.device) * q + kept)
         g.last_token[:b].copy_(emitted.gather(1, kept[:, None])[:, 0])
-        drafts = g.draft(b)
+        drafts = g.draft(b, n)
         kept_h, emitted_h, drafts_h = kept[:n].tolist(), emitted[:n].tolist(), drafts[:n].tolist()
         self.batch.advance(batch)
         return self.step_sampler.speculative_output(so, batch, [e[:c + 1] for e, c in zip(emitted_h, kept_h)],

@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from m3serve.layers import probes
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,6 +33,7 @@ class SpecDecodeGraphs:
         self.last_token = torch.zeros(bmax, dtype=torch.int64, device=dev)
         self.verify_graphs: dict[int, tuple] = {}   # b -> (graph, hidden, taps, local, greedy, positions)
         self.draft_graphs: dict[int, tuple] = {}    # b -> (graph, drafts)
+        self.reports = probes.GraphReports()        # layers/probes.py reports, replayed to a probe
         self.capture_seconds = 0.0
 
     def _inputs(self, b: int, seq_lens_cpu: list[int] | None):
@@ -63,16 +66,17 @@ class SpecDecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             self.last_index[:b] = torch.arange(b, device=self.last_index.device) * self.q
-            for _ in range(2):                     # warm-up: compile kernels, settle the allocator
-                _, tapped, *_ = self.verify_forward(b)
-                self.draft_forward(b, tapped)
+            with probes.installed(None):
+                for _ in range(2):                 # warm-up: compile kernels, settle the allocator
+                    _, tapped, *_ = self.verify_forward(b)
+                    self.draft_forward(b, tapped)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with self.reports.collect(("verify", b)), torch.cuda.graph(graph, pool=pool):
                 outputs = self.verify_forward(b)
             self.verify_graphs[b] = (graph, *outputs)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with self.reports.collect(("draft", b)), torch.cuda.graph(graph, pool=pool):
                 drafts = self.draft_forward(b, outputs[1])
             self.draft_graphs[b] = (graph, drafts)
         torch.cuda.synchronize()
@@ -83,14 +87,18 @@ class SpecDecodeGraphs:
     def padded_size(self, num_reqs: int) -> int | None:
         return next((b for b in self.sizes if b >= num_reqs), None)
 
-    def verify(self, b: int):
-        """Replay: (hidden, taps, local logits, argmax, positions) of the b x (k + 1) tokens."""
+    def verify(self, b: int, num_reqs: int | None = None):
+        """Replay: (hidden, taps, local logits, argmax, positions) of the b x (k + 1) tokens;
+        an installed probe receives the first num_reqs requests' reports (layers/probes.py;
+        None: all b)."""
         graph, *outputs = self.verify_graphs[b]
         graph.replay()
+        self.reports.replay_to(("verify", b), b if num_reqs is None else num_reqs, b)
         return outputs
 
-    def draft(self, b: int) -> torch.Tensor:
-        """Replay after `last_index` / `last_token` are set: drafts [b, k]."""
+    def draft(self, b: int, num_reqs: int | None = None) -> torch.Tensor:
+        """Replay after `last_index` / `last_token` are set: drafts [b, k] (reports as `verify`)."""
         graph, drafts = self.draft_graphs[b]
         graph.replay()
+        self.reports.replay_to(("draft", b), b if num_reqs is None else num_reqs, b)
         return drafts

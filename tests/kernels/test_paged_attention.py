@@ -1,17 +1,17 @@
 """GPU tests of the Triton paged attention kernel at real MiniMax-M3 shapes (bf16 and FP8 cache,
-dense and MSA sparse, decode / prefill / mixed ragged batches) against its PyTorch reference, and
-the case builder shared with the CPU interpreter tests."""
+dense and MSA sparse, decode / prefill / mixed ragged batches) against its PyTorch reference
+(`kernels/ref`, also the CPU path) and an independent token-by-token oracle, plus the case builder
+shared with the CPU interpreter tests."""
 import math
 
 import pytest
 import torch
 
-from m3serve.layers.attention_metadata import AttentionMetadata
 
 
 def make_case(seq_lens, q_lens, *, G, hpg, D, bs, dtype, device, cache_dtype=None, topk=None,
               own_block_prob=1.0, ids_dtype=torch.int32, seed=0):
-    """Random ragged batch: (launcher kwargs, lead-layer AttentionMetadata, dequantized fp32 cache).
+    """Random ragged batch: (launcher kwargs, dequantized fp32 cache).
 
     Pages are shuffled so logical != physical; sparse selections are random causal subsets of
     each token's blocks (own block kept with probability own_block_prob, at least one block),
@@ -68,19 +68,37 @@ def make_case(seq_lens, q_lens, *, G, hpg, D, bs, dtype, device, cache_dtype=Non
         max_query_len=max(q_lens), max_seq_len=max(seq_lens),
         k_scale=None if k_scale is None else k_scale.to(**to),
         v_scale=None if v_scale is None else v_scale.to(**to))
-    meta = AttentionMetadata(
-        query_start_loc=kwargs["query_start_loc"], seq_lens=kwargs["seq_lens"],
-        block_tables=kwargs["block_tables"], slot_mapping=torch.full((T,), -1, dtype=torch.long, **to),
-        query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens), block_size=bs)
-    return kwargs, meta, deq.to(**to)
+    return kwargs, deq.to(**to)
 
 
-def layer_ref(kwargs, meta, deq):
-    """The lead's layer op on the same inputs (fp32 q, dequantized fp32 cache)."""
-    from m3serve.layers.attention import paged_attention_ref as layer_op
-    ids = kwargs["block_ids"]
-    return layer_op(kwargs["q"].float(), deq, meta, kwargs["scale"],
-                    None if ids is None else ids.long())
+def naive_attention(kwargs, deq, key_lo=None):
+    """An oracle written apart from the reference: one query token and KV group at a time, the
+    keys it may see listed position by position (causal, in a selected block, from key_lo[t]
+    on), fp64 over the dequantized cache; a token that sees nothing gets 0. fp32 [T, H, D]."""
+    q, ids, tables = kwargs["q"].double(), kwargs["block_ids"], kwargs["block_tables"]
+    qsl, lens = kwargs["query_start_loc"].tolist(), kwargs["seq_lens"].tolist()
+    T, H, D = q.shape
+    bs, G = deq.shape[2], deq.shape[3]
+    hpg = H // G
+    out = torch.zeros(T, H, D, dtype=torch.float64, device=q.device)
+    for r, L in enumerate(lens):
+        for t in range(qsl[r], qsl[r + 1]):
+            pos = L - (qsl[r + 1] - t)                     # this query's position
+            for g in range(G):
+                seen = torch.arange(pos + 1, device=q.device)
+                if key_lo is not None:
+                    seen = seen[seen >= int(key_lo[t])]
+                if ids is not None:
+                    seen = seen[torch.isin(seen // bs, ids[t, g].long())]
+                if seen.numel() == 0:
+                    continue
+                pages = tables[r, seen // bs].long()
+                k = deq[0, pages, seen % bs, g].double()   # [n, D]
+                v = deq[1, pages, seen % bs, g].double()
+                heads = slice(g * hpg, (g + 1) * hpg)
+                w = torch.softmax(q[t, heads] @ k.T * kwargs["scale"], dim=-1)
+                out[t, heads] = w @ v
+    return out.float()
 
 
 REAL = dict(G=4, hpg=16, D=128, bs=128)
@@ -89,14 +107,13 @@ DECODE_LENS = [1, 127, 128, 129, 2047, 2049, 5000, 9000]
 MIXED = ([4000, 300, 50, 129, 2300, 1], [1, 300, 0, 1, 700, 1])
 
 
-def _check(kwargs, meta, deq, atol, rtol):
+def _check(kwargs, deq, atol, rtol):
     from m3serve.kernels.paged_attention import paged_attention
     from m3serve.kernels.ref.paged_attention import paged_attention_ref
     got = paged_attention(**kwargs)
     ref = paged_attention_ref(**kwargs)
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
-    lead = layer_ref(kwargs, meta, deq)
-    torch.testing.assert_close(ref.float(), lead, atol=atol, rtol=rtol)
+    torch.testing.assert_close(ref.float(), naive_attention(kwargs, deq), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu
@@ -105,18 +122,18 @@ def _check(kwargs, meta, deq, atol, rtol):
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_decode_real_shapes(batch, topk, cache_dtype):
     lens = [DECODE_LENS[i % len(DECODE_LENS)] for i in range(batch)]
-    kwargs, meta, deq = make_case(lens, [1] * batch, **REAL, dtype=torch.bfloat16, device="cuda",
-                                  cache_dtype=cache_dtype, topk=topk, seed=batch)
-    _check(kwargs, meta, deq, atol=2e-2, rtol=2e-2)  # bf16 output rounding + bf16 P in P@V
+    kwargs, deq = make_case(lens, [1] * batch, **REAL, dtype=torch.bfloat16, device="cuda",
+                            cache_dtype=cache_dtype, topk=topk, seed=batch)
+    _check(kwargs, deq, atol=2e-2, rtol=2e-2)  # bf16 output rounding + bf16 P in P@V
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("topk", [None, 16])
 def test_mixed_prefill_real_shapes(topk, cache_dtype):
-    kwargs, meta, deq = make_case(*MIXED, **REAL, dtype=torch.bfloat16, device="cuda",
-                                  cache_dtype=cache_dtype, topk=topk, own_block_prob=0.8, seed=7)
-    _check(kwargs, meta, deq, atol=2e-2, rtol=2e-2)
+    kwargs, deq = make_case(*MIXED, **REAL, dtype=torch.bfloat16, device="cuda",
+                            cache_dtype=cache_dtype, topk=topk, own_block_prob=0.8, seed=7)
+    _check(kwargs, deq, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -131,9 +148,9 @@ def test_prefill_tma_and_per_thread_loads(lens, topk, tma, monkeypatch):
     if tma:
         assert pa.tma_ready(torch.device("cuda")), "this test wants a Hopper GPU"
     monkeypatch.setattr(pa, "_PREFILL_TMA", tma)
-    kwargs, meta, deq = make_case(*lens, **REAL, dtype=torch.bfloat16, device="cuda", topk=topk,
-                                  own_block_prob=0.8, seed=11)
-    _check(kwargs, meta, deq, atol=2e-2, rtol=2e-2)
+    kwargs, deq = make_case(*lens, **REAL, dtype=torch.bfloat16, device="cuda", topk=topk,
+                            own_block_prob=0.8, seed=11)
+    _check(kwargs, deq, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -147,27 +164,27 @@ def test_verify_real_shapes(k, topk, cache_dtype):
 
     lens = [k + 1, 1000, 2047 + k, 3000, 9000, 130]
     assert k + 1 <= TOKEN_KERNEL_MAX_QUERY
-    kwargs, meta, deq = make_case(lens, [k + 1] * len(lens), **REAL, dtype=torch.bfloat16, device="cuda",
-                                  cache_dtype=cache_dtype, topk=topk, seed=10 + k)
-    _check(kwargs, meta, deq, atol=2e-2, rtol=2e-2)
+    kwargs, deq = make_case(lens, [k + 1] * len(lens), **REAL, dtype=torch.bfloat16, device="cuda",
+                            cache_dtype=cache_dtype, topk=topk, seed=10 + k)
+    _check(kwargs, deq, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [None, 4])
 @pytest.mark.parametrize("q_lens", [[1, 1, 1, 1], [1, 0, 17, 5]])
 def test_tiny_model_shapes_gpu(q_lens, topk):
-    kwargs, meta, deq = make_case([1, 70, 40, 200], q_lens, G=2, hpg=2, D=32, bs=16,
-                                  dtype=torch.bfloat16, device="cuda", topk=topk, seed=3)
-    _check(kwargs, meta, deq, atol=2e-2, rtol=2e-2)
+    kwargs, deq = make_case([1, 70, 40, 200], q_lens, G=2, hpg=2, D=32, bs=16,
+                            dtype=torch.bfloat16, device="cuda", topk=topk, seed=3)
+    _check(kwargs, deq, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
 def test_out_buffer_and_split_path_gpu():
     from m3serve.kernels import paged_attention as pa
-    kwargs, meta, deq = make_case([9000], [1], **REAL, dtype=torch.bfloat16, device="cuda", seed=5)
+    kwargs, deq = make_case([9000], [1], **REAL, dtype=torch.bfloat16, device="cuda", seed=5)
     assert pa._num_splits(4, 9000 // pa._DECODE_BLOCK_N, pa._DECODE_BLOCK_N,
                           torch.device("cuda"), pa._MIN_KEYS_PER_SPLIT) > 1  # batch 1 takes split-K
     out = torch.empty_like(kwargs["q"])
     got = pa.paged_attention(**kwargs, out=out)
     assert got is out
-    torch.testing.assert_close(out.float(), layer_ref(kwargs, meta, deq), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), naive_attention(kwargs, deq), atol=2e-2, rtol=2e-2)

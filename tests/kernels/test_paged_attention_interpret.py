@@ -1,6 +1,6 @@
 """CPU interpreter tests of the Triton paged attention kernel at tiny ragged shapes (dense and
 sparse, decode / split-K / prefill / mixed, fp32 / fp16 / FP8 cache), and of its PyTorch
-reference against the attention layer's own paged_attention_ref."""
+reference (the CPU path) against an independent token-by-token oracle."""
 import os
 
 import pytest
@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from m3serve.kernels import paged_attention as pa  # noqa: E402
 from m3serve.kernels.ref.paged_attention import paged_attention_ref  # noqa: E402
-from test_paged_attention import layer_ref, make_case  # noqa: E402
+from test_paged_attention import make_case, naive_attention  # noqa: E402
 
 TINY = dict(G=2, hpg=2, D=32, bs=16)
 FP32_TOL = dict(atol=2e-5, rtol=1e-4)
@@ -32,29 +32,57 @@ def force_split(monkeypatch):
 
 
 @pytest.mark.parametrize("topk", [None, 4])
-def test_ref_matches_layer_op(topk):
+def test_ref_matches_naive_oracle(topk):
     # contexts shorter and longer than topk x block (64), chunked prefill, empty request
-    kwargs, meta, deq = make_case([1, 37, 200, 90, 12], [1, 5, 40, 0, 12], **TINY,
-                                  dtype=torch.float32, device="cpu", topk=topk, seed=1)
+    kwargs, deq = make_case([1, 37, 200, 90, 12], [1, 5, 40, 0, 12], **TINY,
+                            dtype=torch.float32, device="cpu", topk=topk, seed=1)
     ref = paged_attention_ref(**kwargs)
-    torch.testing.assert_close(ref, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    torch.testing.assert_close(ref, naive_attention(kwargs, deq), **FP32_TOL)
     if topk is not None:  # the selection really changes the result
         dense = paged_attention_ref(**{**kwargs, "block_ids": None})
         assert (dense - ref).abs().max() > 1e-2
 
 
+def _positions(kwargs) -> torch.Tensor:
+    """Each query token's position [T]."""
+    qsl, lens = kwargs["query_start_loc"].tolist(), kwargs["seq_lens"].tolist()
+    return torch.tensor([L - (qsl[r + 1] - t) for r, L in enumerate(lens) for t in range(qsl[r], qsl[r + 1])])
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+def test_ref_left_edge(topk):
+    """key_lo: token t sees only keys at positions >= key_lo[t] (a sliding window of W is
+    key_lo = position - W + 1), in prefill-sized batches too."""
+    kwargs, deq = make_case([1, 37, 200, 90], [1, 5, 40, 90], **TINY, dtype=torch.float32,
+                            device="cpu", topk=topk, seed=11)
+    pos = _positions(kwargs)
+    for window in (3, 17, 40):
+        key_lo = (pos - window + 1).clamp_min(0)
+        torch.testing.assert_close(paged_attention_ref(**kwargs, key_lo=key_lo),
+                                   naive_attention(kwargs, deq, key_lo=key_lo), **FP32_TOL)
+    cut = paged_attention_ref(**kwargs, key_lo=(pos - 16).clamp_min(0))
+    assert (cut - paged_attention_ref(**kwargs)).abs().max() > 1e-2
+    if topk is None:  # a window of 1: each query sees only its own key, so it returns its own value
+        got = paged_attention_ref(**kwargs, key_lo=pos)
+        qsl, tables, bs, hpg = kwargs["query_start_loc"].tolist(), kwargs["block_tables"], TINY["bs"], TINY["hpg"]
+        for t, p in enumerate(pos.tolist()):
+            r = max(i for i in range(len(qsl) - 1) if qsl[i] <= t)
+            own_v = deq[1, tables[r, p // bs], p % bs]                        # [G, D]
+            torch.testing.assert_close(got[t], own_v.repeat_interleave(hpg, 0), **FP32_TOL)
+
+
 def test_dense_decode_split_k(force_split):
-    kwargs, meta, deq = make_case([1, 37, 70], [1, 1, 1], **TINY, dtype=torch.float32,
-                                  device="cpu", seed=2)
+    kwargs, deq = make_case([1, 37, 70], [1, 1, 1], **TINY, dtype=torch.float32,
+                            device="cpu", seed=2)
     # the split + merge path runs
     assert pa._num_splits(3 * 2, 5, 16, torch.device("cpu"), pa._MIN_KEYS_PER_SPLIT) == 4
     got, ref = _run(kwargs)
     torch.testing.assert_close(got, ref, **FP32_TOL)
-    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    torch.testing.assert_close(got, naive_attention(kwargs, deq), **FP32_TOL)
 
 
 def test_dense_decode_single_split_fp16_out_buffer():
-    kwargs, meta, deq = make_case([20, 33], [1, 1], **TINY, dtype=torch.float16, device="cpu", seed=3)
+    kwargs, deq = make_case([20, 33], [1, 1], **TINY, dtype=torch.float16, device="cpu", seed=3)
     out = torch.full_like(kwargs["q"], float("nan"))
     got = pa.paged_attention(**kwargs, out=out)
     assert got is out
@@ -66,11 +94,11 @@ def test_dense_mixed_prefill_batch(monkeypatch, block_m):
     # decode, full prefill, chunked prefill over earlier context, empty request, in one call;
     # block_m 16 = 8-token query tiles, so requests span several tiles
     monkeypatch.setitem(pa._PREFILL_TILES, (False, False), (block_m, 64, 4, 2))
-    kwargs, meta, deq = make_case([40, 20, 50, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
-                                  device="cpu", seed=4)
+    kwargs, deq = make_case([40, 20, 50, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
+                            device="cpu", seed=4)
     got, ref = _run(kwargs)
     torch.testing.assert_close(got, ref, **FP32_TOL)
-    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    torch.testing.assert_close(got, naive_attention(kwargs, deq), **FP32_TOL)
 
 
 @pytest.mark.parametrize("q_lens,tiled,ids_dtype", [
@@ -84,13 +112,13 @@ def test_sparse_batches(force_split, monkeypatch, q_lens, tiled, ids_dtype):
     # unselected; 8-token query tiles so the 30-token request spans four tiles
     monkeypatch.setattr(pa, "_SPARSE_PREFILL_TILED", tiled)
     monkeypatch.setitem(pa._PREFILL_TILES, (True, False), (16, 64, 4, 3))
-    kwargs, meta, deq = make_case([100, 30, 90, 70], q_lens, **TINY, dtype=torch.float32,
-                                  device="cpu", topk=4, own_block_prob=0.7, ids_dtype=ids_dtype,
-                                  seed=5)
+    kwargs, deq = make_case([100, 30, 90, 70], q_lens, **TINY, dtype=torch.float32,
+                            device="cpu", topk=4, own_block_prob=0.7, ids_dtype=ids_dtype,
+                            seed=5)
     assert (kwargs["block_ids"] == -1).any()
     got, ref = _run(kwargs)
     torch.testing.assert_close(got, ref, **FP32_TOL)
-    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    torch.testing.assert_close(got, naive_attention(kwargs, deq), **FP32_TOL)
 
 
 @pytest.mark.parametrize("topk", [None, 4])
@@ -101,34 +129,34 @@ def test_prefill_through_tensor_descriptors(monkeypatch, topk):
     prefill, a chunk over earlier context and an empty request in one call."""
     monkeypatch.setattr(pa, "tma_ready", lambda device: True)
     monkeypatch.setitem(pa._PREFILL_TILES, (topk is not None, True), (16, 16, 4, 2))
-    kwargs, meta, deq = make_case([40, 20, 75, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
-                                  device="cpu", topk=topk, own_block_prob=0.7, seed=12)
+    kwargs, deq = make_case([40, 20, 75, 10], [1, 20, 9, 0], **TINY, dtype=torch.float32,
+                            device="cpu", topk=topk, own_block_prob=0.7, seed=12)
     got, ref = _run(kwargs)
     torch.testing.assert_close(got, ref, **FP32_TOL)
-    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    torch.testing.assert_close(got, naive_attention(kwargs, deq), **FP32_TOL)
 
 
 @pytest.mark.parametrize("topk", [None, 4])
 def test_fp8_cache(topk):
-    kwargs, meta, deq = make_case([45, 70], [1, 3], **TINY, dtype=torch.float32, device="cpu",
-                                  cache_dtype=torch.float8_e4m3fn, topk=topk, seed=6)
+    kwargs, deq = make_case([45, 70], [1, 3], **TINY, dtype=torch.float32, device="cpu",
+                            cache_dtype=torch.float8_e4m3fn, topk=topk, seed=6)
     got, ref = _run(kwargs)
     torch.testing.assert_close(got, ref, **FP32_TOL)
-    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    torch.testing.assert_close(got, naive_attention(kwargs, deq), **FP32_TOL)
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1], [1, 3]])
 def test_real_head_layout_g4_d128(q_lens):
     # 16 heads per group as M, head_dim 128, page 128 split into two 64-key tiles
-    kwargs, meta, deq = make_case([200, 130], q_lens, G=4, hpg=16, D=128, bs=128,
-                                  dtype=torch.float32, device="cpu", seed=8)
+    kwargs, deq = make_case([200, 130], q_lens, G=4, hpg=16, D=128, bs=128,
+                            dtype=torch.float32, device="cpu", seed=8)
     got, ref = _run(kwargs)
     torch.testing.assert_close(got, ref, **FP32_TOL)
-    torch.testing.assert_close(got, layer_ref(kwargs, meta, deq), **FP32_TOL)
+    torch.testing.assert_close(got, naive_attention(kwargs, deq), **FP32_TOL)
 
 
 def test_token_without_visible_keys_gets_zero():
-    kwargs, _, _ = make_case([40], [1], **TINY, dtype=torch.float32, device="cpu", topk=2, seed=9)
+    kwargs, _ = make_case([40], [1], **TINY, dtype=torch.float32, device="cpu", topk=2, seed=9)
     kwargs["block_ids"][0, 0] = torch.tensor([-1, 7])  # block 7 is past the token: nothing visible
     got, ref = _run(kwargs)
     assert torch.equal(got[0, :2], torch.zeros(2, 32)) and torch.equal(ref[0, :2], torch.zeros(2, 32))
@@ -183,16 +211,12 @@ def test_prefill_kernel_compiles_for_hopper(tmp_path):
 def test_per_token_left_edge(topk, force_split):
     """key_lo (DSpark's sliding window): token t sees keys key_lo[t] .. its position, dense and
     inside selected blocks, across split-K; a left edge past some keys really changes them."""
-    from m3serve.layers.attention import paged_attention_ref as layer_op
-
-    kwargs, meta, deq = make_case([9, 70, 70, 150], [1, 1, 1, 1], **TINY, dtype=torch.float32,
-                                  device="cpu", topk=topk, seed=7)
+    kwargs, deq = make_case([9, 70, 70, 150], [1, 1, 1, 1], **TINY, dtype=torch.float32,
+                            device="cpu", topk=topk, seed=7)
     key_lo = torch.tensor([0, 40, 69, 100])
     got = pa.paged_attention(**kwargs, key_lo=key_lo)
-    ids = kwargs["block_ids"]
-    want = layer_op(kwargs["q"].float(), deq, meta, kwargs["scale"], None if ids is None else ids.long(),
-                    key_lo=key_lo)
-    torch.testing.assert_close(got, want, **FP32_TOL)
+    torch.testing.assert_close(got, paged_attention_ref(**kwargs, key_lo=key_lo), **FP32_TOL)
+    torch.testing.assert_close(got, naive_attention(kwargs, deq, key_lo=key_lo), **FP32_TOL)
     full = pa.paged_attention(**kwargs)
     assert (full[1:] - got[1:]).abs().amax(dim=(1, 2)).min() > 1e-3 or topk is not None
     assert torch.equal(full[0], got[0])                     # key_lo 0 cuts nothing

@@ -30,8 +30,9 @@ class PagedRunner:
         self.hidden: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self, chunks: dict[int, list[int]], record: list | None = None) -> torch.Tensor:
-        """chunks: seq id -> new token ids. Returns fp32 logits [total new tokens, V]."""
+    def step(self, chunks: dict[int, list[int]]) -> torch.Tensor:
+        """chunks: seq id -> new token ids. Returns fp32 logits [total new tokens, V]. (What the
+        layers chose: install a `m3serve.layers.probes.Recorder` around the call.)"""
         new, cached = [], CachedRequestData.make_empty()
         scheduled = {}
         for sid, toks in chunks.items():
@@ -52,7 +53,6 @@ class PagedRunner:
             scheduled[rid] = len(toks)
             self.lens[sid] = end
         so = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), {}, set(), set())
-        self.runner.record_selections = record
         self.hidden = self.runner.forward_hidden(so)   # final hidden states [T, H] of this step
         return self.model.compute_logits(self.hidden)
 

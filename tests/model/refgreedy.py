@@ -23,12 +23,15 @@ def paged_against_reference(model, ref: ReferenceM3, ids: torch.Tensor) -> tuple
     steps) and the reference in one dense pass; assert the logits agree. Returns (each sparse
     layer's block choices from the paged run, the reference's), in layer order."""
     from paged import PagedRunner
+
+    from m3serve.layers import probes
     ref_logits, ref_sel = ref.forward(ids)
-    record = []
     runner = PagedRunner(model, seed=1)
-    logits = [runner.step({0: ids[:70].tolist()}, record), runner.step({0: ids[70:175].tolist()}, record)]
-    for t in ids[175:].tolist():
-        logits.append(runner.step({0: [t]}, record))
+    with probes.installed(probes.Recorder()) as rec:
+        logits = [runner.step({0: ids[:70].tolist()}), runner.step({0: ids[70:175].tolist()})]
+        for t in ids[175:].tolist():
+            logits.append(runner.step({0: [t]}))
+    record = rec.tensors(probes.SPARSE_BLOCKS)
     logits = torch.cat(logits)
     assert (logits - ref_logits).abs().max() <= 1e-4 * ref_logits.abs().max()
     n_sparse = len(ref_sel)

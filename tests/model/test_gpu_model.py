@@ -77,6 +77,39 @@ def test_tiny_async_scheduling_gpu_equals_cpu(tiny_dir):
     torch.cuda.empty_cache()
 
 
+def test_decode_graph_replays_report_to_the_probe(tiny_dir):
+    """Real CUDA graphs: after each decode replay the installed probe (layers/probes.py)
+    receives the routed experts and selected blocks of the step's real requests; they equal the
+    eager GPU engine's step by step (the bench's measured-experts count reads them)."""
+    from m3serve.layers import probes
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+    from test_engine import prompts
+
+    class Cloning:
+        def __init__(self):
+            self.reports = []
+
+        def record(self, name, layer_id, tensor):
+            self.reports.append((name, layer_id, tensor.clone()))   # replays rewrite the buffers
+
+    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    seen = []
+    for eager in (True, False):
+        llm = LLM(model=str(tiny_dir), dtype="float32", device="cuda", enforce_eager=eager,
+                  max_num_seqs=4, kv_cache_memory=1 << 28)
+        with probes.installed(Cloning()) as probe:
+            llm.generate(ps, params, use_tqdm=False)
+        seen.append((probe.reports, llm.engine.worker.runner.num_graph_steps))
+        del llm
+    (want, eager_graphs), (got, graph_steps) = seen
+    assert eager_graphs == 0 and graph_steps >= 4
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    for (name, layer, a), (_, _, b) in zip(want, got):
+        assert a.shape == b.shape and torch.equal(a.long(), b.long()), (name, layer)
+
+
 def test_tiny_greedy_mp_executor_on_one_gpu(tiny_dir):
     """The multiprocess executor at world size 1: an engine process joining a one-rank NCCL
     world, CUDA graphs captured there; greedy tokens equal the CPU reference's."""
@@ -211,15 +244,16 @@ def test_realshape_l4_triton_matches_reference_ops(tmp_path):
     import m3serve.layers.attention as attention_mod
     import m3serve.layers.moe as moe_mod
 
+    from m3serve.layers import probes
+
     def run(forced=None):
         runner = PagedRunner(model, num_blocks=64, device="cuda")
-        record, experts, captured = [], [], []
-        moe_layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-        for chunk in (seqs, {0: [5], 1: [7]}):
-            runner.step(chunk, record)
-            captured.append(runner.hidden.float())
-            experts.extend(m.last_expert_ids for m in moe_layers)
-        return torch.cat(captured), record, experts
+        captured = []
+        with probes.installed(probes.Recorder()) as rec:
+            for chunk in (seqs, {0: [5], 1: [7]}):
+                runner.step(chunk)
+                captured.append(runner.hidden.float())
+        return torch.cat(captured), rec.tensors(probes.SPARSE_BLOCKS), rec.tensors(probes.ROUTED_EXPERTS)
 
     triton_h, selections, expert_ids = run()
     with reference_ops():

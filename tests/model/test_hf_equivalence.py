@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from m3serve.layers import rotary
+from m3serve.layers import probes, rotary
 from m3serve.model.loader import load_model
 from paged import PagedRunner
 
@@ -72,10 +72,11 @@ def fp32_model(request, hf_checkpoints):
 def test_fp32_logits_and_selections_match_hf(fp32_model, hf_results, n):
     ids = prompt(n, seed=n)
     ref_logits, ref_sel = hf_results("forward", n, n)
-    record = []
     runner = PagedRunner(fp32_model)
     cut = n // 2 + 7  # two chunks: prefill-then-continue must select like a one-shot prefill
-    logits = torch.cat([runner.step({0: ids[:cut]}, record), runner.step({0: ids[cut:]}, record)])
+    with probes.installed(probes.Recorder()) as rec:
+        logits = torch.cat([runner.step({0: ids[:cut]}), runner.step({0: ids[cut:]})])
+    record = rec.tensors(probes.SPARSE_BLOCKS)
     assert (logits - ref_logits).abs().max() <= 1e-4 * ref_logits.abs().max()
     n_sparse = len(ref_sel)
     assert n_sparse == 3
@@ -108,9 +109,10 @@ def test_bf16_logits_close_to_hf(hf_checkpoints):
     assert ours.model.layers[2].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     for n, seed in ((220, 3), (300, 4)):
         ids = prompt(n, seed=seed)
-        record = []
-        logits = PagedRunner(ours).step({0: ids}, record)
-        expert_ids = [layer.mlp.last_expert_ids for layer in ours.model.layers if hasattr(layer.mlp, "gate")]
+        with probes.installed(probes.Recorder()) as rec:
+            logits = PagedRunner(ours).step({0: ids})
+        record = rec.tensors(probes.SPARSE_BLOCKS)
+        expert_ids = rec.tensors(probes.ROUTED_EXPERTS)   # one per MoE layer, in layer order
         hooks = []
         for layer in hf.model.layers:
             if layer.self_attn.indexer is not None:
@@ -146,8 +148,9 @@ def test_breaking_local_block_or_rope_is_caught(hf_checkpoints, monkeypatch):
     for layer in model.model.layers:
         if layer.self_attn.is_sparse:
             layer.self_attn.indexer.cfg = no_local
-    record = []
-    PagedRunner(model).step({0: ids}, record)
+    with probes.installed(probes.Recorder()) as rec:
+        PagedRunner(model).step({0: ids})
+    record = rec.tensors(probes.SPARSE_BLOCKS)
     assert not all(same_sets(a, b) for a, b in zip(record, ref_sel))
 
     def interleaved(x, cos, sin):

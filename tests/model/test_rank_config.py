@@ -89,7 +89,7 @@ def test_rank_config_errors():
     view = dict(text, expert_parallel_view={"rank": 0, "size": 2})
     with pytest.raises(ValueError, match="one rank's view of expert parallelism"):
         from m3serve.layers.moe import MoE
-        MoE(parse_config(view), ParallelInfo(GroupInfo(0, 2)), torch.float32)
+        MoE(parse_config(view), ParallelInfo(GroupInfo(0, 2)), torch.float32, layer_id=1)
 
 
 def test_expert_view_computes_only_its_experts(tmp_path):

@@ -214,3 +214,20 @@ def test_logprobs_and_prompt_logprobs_with_speculation(tiny_dir, drafts):
     got = run(LLM(str(tiny_dir), speculative_config=_spec("eagle3", drafts), **_flags("eagle3")))
     assert want[0][1] and want[0][2] and len(want[0][1]) == 6
     assert got == want
+
+
+def test_mtp_layers_report_after_the_targets(tiny_dir, drafts):
+    """The MTP modules' layers report to layers/probes.py as num_hidden_layers + m, so a probe
+    (the bench's measured-experts count) never mixes draft and target layers."""
+    from m3serve.layers import probes
+
+    llm = LLM(str(tiny_dir), speculative_config=_spec("mtp", drafts, k=2), **_flags("mtp"))
+    with probes.installed(probes.Recorder()) as rec:
+        _generate(llm, _prompts()[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    cfg = llm.engine.model_config
+    L = cfg.num_hidden_layers
+    modules = len(llm.engine.worker.runner.proposer.drafter.draft.modules_)
+    target_moe = {i for i in range(L) if cfg.is_moe(i)}
+    draft = set(range(L, L + modules))
+    assert set(rec.latest(probes.ROUTED_EXPERTS)) == target_moe | draft
+    assert set(rec.latest(probes.SPARSE_BLOCKS)) == set(cfg.sparse_layer_ids) | draft

@@ -16,12 +16,12 @@ class EagerReplaySpecGraphs(SpecDecodeGraphs):
         self.verify_graphs = {b: None for b in self.sizes}
         self.replays = 0
 
-    def verify(self, b):
+    def verify(self, b, num_reqs):
         self.replays += 1
         self._outputs = self.verify_forward(b, self.buffers.seq_lens[:b].tolist())
         return self._outputs
 
-    def draft(self, b):
+    def draft(self, b, num_reqs):
         last = (self._outputs[4][self.last_index[:b]]).tolist()
         return self.draft_forward(b, self._outputs[1], self.buffers.seq_lens[:b].tolist(), last)
 

@@ -194,8 +194,8 @@ def test_graph_step_applies_the_masks(tiny_dir, drafts, reference):
     state = {}
 
     class OracleGraphs(EagerReplaySpecGraphs):
-        def draft(self, b):
-            out = super().draft(b).clone()
+        def draft(self, b, num_reqs):
+            out = super().draft(b, num_reqs).clone()
             last = self._outputs[4][self.last_index[:b]].tolist()
             for i, row in enumerate(state["rows"]):
                 toks = orc.drafts(orc._prompt(row), last[i])

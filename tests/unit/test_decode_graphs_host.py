@@ -3,22 +3,44 @@ block-table rows left over from earlier (longer) requests, and the in-graph argm
 replaced by an eager run of exactly the captured function over the same staged buffers, so every
 input the model sees comes through the graph path; outputs must equal the plain eager engine's."""
 import pytest
+import torch
 
+from m3serve.layers import probes
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
 from m3serve.worker.cuda_graphs import DecodeGraphs
 
 
+class _EagerGraph:
+    """Stands in for a captured CUDA graph: `replay` reruns the captured function eagerly and
+    writes its results into the tensors the capture produced (the graph's static outputs and
+    the tensors the layers reported), as a real replay rewrites them in place."""
+
+    def __init__(self, graphs, b, outputs):
+        self.graphs, self.b, self.outputs = graphs, b, outputs
+
+    def replay(self):
+        g, b = self.graphs, self.b
+        fresh = probes.GraphReports()
+        with fresh.collect(b):
+            outputs = g.forward(b, g.buffers.seq_lens[:b].tolist())
+        static = g.reports.reports(b)
+        assert [r[:2] for r in fresh.reports(b)] == [r[:2] for r in static]
+        for (_, _, old), (_, _, new) in zip(static, fresh.reports(b)):
+            old.copy_(new)
+        for old, new in zip(self.outputs, outputs):
+            old.copy_(new)
+
+
 class EagerReplayGraphs(DecodeGraphs):
-    """DecodeGraphs whose 'replay' runs the captured function eagerly."""
+    """DecodeGraphs whose graphs run the captured function eagerly (the real `replay`)."""
 
     def capture(self, input_batch) -> None:
         self.buffers.stage(None, input_batch, pad_to=self.sizes[-1])
-        self.graphs = {b: None for b in self.sizes}
-
-    def replay(self, b: int, num_reqs: int):
-        hidden, local, greedy = self.forward(b, self.buffers.seq_lens[:b].tolist())
-        return hidden[:num_reqs], local[:num_reqs], greedy[:num_reqs]
+        for b in self.sizes:
+            with self.reports.collect(b):
+                outputs = self.forward(b, self.buffers.seq_lens[:b].tolist())
+            self.graphs[b] = (_EagerGraph(self, b, outputs), *outputs)
 
 
 def graphed_llm(tiny_dir, **flags) -> LLM:
@@ -48,6 +70,45 @@ def test_staged_decode_equals_eager(engines):
         assert got == want
     runner = graphed.engine.worker.runner
     assert runner.num_graph_steps >= 2 * 11 and runner.num_eager_steps >= 2
+
+
+class _Cloning:
+    """A probe that keeps a copy of every report (graph replays rewrite what they report)."""
+
+    def __init__(self):
+        self.reports = []
+
+    def record(self, name, layer_id, tensor):
+        self.reports.append((name, layer_id, tensor.clone()))
+
+
+def test_graph_replays_report_what_eager_steps_do(engines):
+    """The layers' reports (layers/probes.py) reach an installed probe after each graph replay,
+    cut to the step's real requests, and equal the eager engine's step by step; the bench's
+    measured-experts roofline reads them."""
+    plain, graphed = engines
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 400 + 3 for j in range(9 + 40 * i)]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    seen = []
+    for llm in (plain, graphed):
+        before = llm.engine.worker.runner.num_graph_steps
+        with probes.installed(_Cloning()) as probe:
+            llm.generate(prompts, params, use_tqdm=False)
+        seen.append((probe.reports, llm.engine.worker.runner.num_graph_steps - before))
+    (eager, no_graphs), (graph, graph_steps) = seen
+    assert no_graphs == 0 and graph_steps >= 4
+    assert probes.active is None
+    cfg = plain.engine.model_config
+    per_step = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers)) + len(cfg.sparse_layer_ids)
+    assert len(eager) == len(graph) and len(eager) % per_step == 0
+    names = {probes.ROUTED_EXPERTS: 0, probes.SPARSE_BLOCKS: 0}
+    for (name, layer, want), (name_g, layer_g, got) in zip(eager, graph):
+        assert (name_g, layer_g) == (name, layer)
+        assert got.shape == want.shape and torch.equal(got.long(), want.long()), (name, layer)
+        names[name] += 1
+    assert all(names.values())
+    # decode steps of 3 requests padded to a graph of 4: three rows each
+    assert graph[-1][2].shape[0] == 3
 
 
 def test_staged_decode_sampled_path_uses_logits(engines):
