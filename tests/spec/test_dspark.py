@@ -189,3 +189,32 @@ def test_dspark_config_errors(drafts, tmp_path):
     assert llm.engine.worker.runner.proposer.k == 2
     cfg = load_config(bare)
     assert cfg.hidden_size == 64
+
+
+def test_lossless_on_the_all_msa_target(tiny_m31_dir, tmp_path):
+    """DSpark on MiniMax-M3.1-Flash's layout (the tiny all-MSA flavor, bf16 weights): greedy
+    outputs equal speculation off, with chunked prefill, a prefix hit and accepted runs (drafts
+    replaced by the true continuation, every third one wrong)."""
+    from test_spec_engine import _oracle, _prompts
+
+    from m3serve.spec.tiny_drafts import make_draft
+
+    target = tmp_path / "m31"
+    shutil.copytree(tiny_m31_dir, target)
+    make_draft(target, "dspark", target, seed=3)
+    flags = dict(dtype="float32", max_num_batched_tokens=40, max_num_seqs=8)
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    plain = LLM(str(target), **flags)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                          use_tqdm=False)]
+    for oracle in (False, True):
+        llm = LLM(str(target), speculative_config={"method": "dspark", "num_speculative_tokens": 4}, **flags)
+        if oracle:
+            _oracle(llm, {tuple(p): p + w for p, w in zip(prompts, want)}, 4)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                            use_tqdm=False)]
+        assert got == want
+        stats = llm.engine.core.scheduler.spec_stats
+        assert stats.num_drafts > 0 and (not oracle or stats.mean_acceptance_length > 2.0)
+        assert llm.engine.core.kv_manager.prefix_cache_hits > 0
