@@ -200,9 +200,9 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
     kv = {"main": cfg.num_hidden_layers * 2 * kv_local * D * kv_b,
           "index": len(cfg.sparse_layer_ids) * Di * idx_b}
     if draft is not None:
-        if draft["method"] == "eagle3":
+        if draft["method"] == "eagle3":               # never fp8, like DSpark's below
             heads = _kv_heads_per_rank(draft["num_key_value_heads"], draft["tensor_parallel_size"])
-            kv["draft"] = 2 * heads * draft["head_dim"] * kv_b
+            kv["draft"] = 2 * heads * draft["head_dim"] * dtype_bytes
         elif draft["method"] == "dspark":            # never fp8: the draft's K/V keep the model dtype
             heads = _kv_heads_per_rank(draft["num_key_value_heads"], draft["tensor_parallel_size"])
             kv["draft"] = draft["layers"] * 2 * heads * draft["head_dim"] * dtype_bytes

@@ -196,6 +196,7 @@ class Eagle3Drafter(Drafter):
 
     def cache_specs(self, kv_bytes: int, index_bytes: int) -> list[CacheGroupSpec]:
         d = self.draft
+        kv_bytes = d.dtype.itemsize if kv_bytes == 1 else kv_bytes      # never fp8 (allocate_caches)
         return [CacheGroupSpec("draft", (0,), 2 * d.num_kv_heads * d.cfg.head_dim * kv_bytes)]
 
     def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
@@ -206,7 +207,9 @@ class Eagle3Drafter(Drafter):
 
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
         d = self.draft
-        d.kv_cache = torch.zeros(2, num_blocks, block_size, d.num_kv_heads, d.cfg.head_dim, dtype=kv_dtype,
+        # the draft's K/V stay in the model dtype with an fp8 target cache (it has no cache scales)
+        dtype = d.dtype if kv_dtype == torch.float8_e4m3fn else kv_dtype
+        d.kv_cache = torch.zeros(2, num_blocks, block_size, d.num_kv_heads, d.cfg.head_dim, dtype=dtype,
                                  device=self.device)
 
     def prepare(self, embeds, hidden, positions, meta, last_index):

@@ -231,3 +231,20 @@ def test_mtp_layers_report_after_the_targets(tiny_dir, drafts):
     draft = set(range(L, L + modules))
     assert set(rec.latest(probes.ROUTED_EXPERTS)) == target_moe | draft
     assert set(rec.latest(probes.SPARSE_BLOCKS)) == set(cfg.sparse_layer_ids) | draft
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_fp8_kv_keeps_the_draft_cache_in_the_model_dtype(tiny_dir, drafts, kind):
+    """With --kv-cache-dtype fp8 the target's cache is fp8 but a draft's stays in the model dtype
+    (it has no cache scales; the GPU kernel refuses an fp8 cache without them), and greedy
+    outputs stay equal to speculation off with the same fp8 target cache."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(str(tiny_dir), dtype="float32", kv_cache_dtype="fp8")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), dtype="float32", kv_cache_dtype="fp8",
+              speculative_config=_spec(kind, drafts))
+    drafter = llm.engine.worker.runner.proposer.drafter
+    caches = drafter.draft.kv_caches if kind == "dspark" else [drafter.draft.kv_cache]
+    assert all(c.dtype == torch.float32 for c in caches)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
