@@ -737,6 +737,17 @@ RANK_SHAPES = {"tp8": {"I": 384, "qkv": 1536, "o_k": 1024, "dense": 1536, "vocab
                "tp4": {"I": 768, "qkv": 2816, "o_k": 2048, "dense": 3072, "vocab": 50016}}
 
 
+def _sweep_moe_tiles(run, g0: dict, d0: dict, gate_grid: list, down_grid: list):
+    """A coordinate search over the fused MoE's tiles: `run((gate_up config, down config))` ->
+    µs. gate_up configs (label, config) beside the table's down, then down configs beside the
+    best gate_up -> (the table's time, gate_up results, down results), results sorted
+    [(µs, label, config)]."""
+    table = run((g0, d0))
+    gate = sorted(((run((g, d0)), n, g) for n, g in gate_grid), key=lambda r: r[0])
+    down = sorted(((run((gate[0][2], d)), n, d) for n, d in down_grid), key=lambda r: r[0])
+    return table, gate, down
+
+
 def rank_moe() -> None:
     """The fused MoE at one TP rank's expert width (4 routed of 128 + the shared expert, bf16
     and FP8, 1 / 4 / 16 tokens): the tile table against a coordinate search, gate_up tiles
@@ -766,23 +777,12 @@ def rank_moe() -> None:
                                                        config=pair, **scales))
                     except Exception:  # noqa: BLE001 - a config that does not compile is skipped
                         return float("inf")
-                table = run((g0, d0))
-                res = []
-                for bn in (16, 32, 64):
-                    for bk in (128, 256):
-                        for st in (3, 5):
-                            for wp in (2, 4):
-                                g = _config(g0["BLOCK_M"], bn, bk, 1, wp, st)
-                                res.append((run((g, d0)), f"n{bn} k{bk} s{st} w{wp}", g))
-                res.sort(key=lambda r: r[0])
-                g_best = res[0][2]
-                res2 = []
-                for bn in (32, 64, 128):
-                    for bk in (64, 128):
-                        for st in (2, 3, 4):
-                            d = _config(d0["BLOCK_M"], bn, bk, 1, 4, st)
-                            res2.append((run((g_best, d)), f"n{bn} k{bk} s{st}", d))
-                res2.sort(key=lambda r: r[0])
+                table, res, res2 = _sweep_moe_tiles(
+                    run, g0, d0,
+                    [(f"n{bn} k{bk} s{st} w{wp}", _config(g0["BLOCK_M"], bn, bk, 1, wp, st))
+                     for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5) for wp in (2, 4)],
+                    [(f"n{bn} k{bk} s{st}", _config(d0["BLOCK_M"], bn, bk, 1, 4, st))
+                     for bn in (32, 64, 128) for bk in (64, 128) for st in (2, 3, 4)])
                 print(f"rank_moe {'fp8' if fp8 else 'bf16'} {rank} I={I} T={T} ideal {ideal:.1f} us: "
                       f"table {table:.1f} ({ideal / table:.0%}); gate_up best " +
                       ", ".join(f"{n} {t:.1f}" for t, n, _ in res[:4]) + "; then down best " +
@@ -918,21 +918,12 @@ def rank_packed() -> None:
                                                    packed=kind, shared=sh, out=out, config=pair))
                 except Exception:  # noqa: BLE001 - a config that does not compile is skipped
                     return float("inf")
-            table = run((g0, d0))
-            res = []
-            for bn in (16, 32, 64):
-                for bk in (128, 256, 512):
-                    for wp in (4, 8):
-                        g = _config(g0["BLOCK_M"], bn, bk, 1, wp, 3)
-                        res.append((run((g, d0)), f"n{bn} k{bk} w{wp}", g))
-            res.sort(key=lambda r: r[0])
-            g_best = res[0][2]
-            res2 = []
-            for bn in (32, 64, 128):
-                for bk in (64, 128, 256):
-                    d = _config(d0["BLOCK_M"], bn, bk, 1, 4, 3)
-                    res2.append((run((g_best, d)), f"n{bn} k{bk}", d))
-            res2.sort(key=lambda r: r[0])
+            table, res, res2 = _sweep_moe_tiles(
+                run, g0, d0,
+                [(f"n{bn} k{bk} w{wp}", _config(g0["BLOCK_M"], bn, bk, 1, wp, 3))
+                 for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)],
+                [(f"n{bn} k{bk}", _config(d0["BLOCK_M"], bn, bk, 1, 4, 3))
+                 for bn in (32, 64, 128) for bk in (64, 128, 256)])
             print(f"rank_packed moe {kind} I={I} T={T} ideal {ideal:.1f} us: bf16 table {bf16:.1f}; "
                   f"{kind} table {table:.1f} ({ideal / table:.0%}); gate_up best " +
                   ", ".join(f"{n} {t:.1f}" for t, n, _ in res[:4]) + "; then down best " +

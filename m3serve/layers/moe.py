@@ -22,7 +22,7 @@ from m3serve.layers.activation import swiglu_oai
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, attach_loader,
                                    check_shape, linear, make_param, replicated_loader)
-from m3serve.layers.packed import dequantized, is_row_scale, packed_format, row_fill
+from m3serve.layers.packed import dequantized, dequantized_scratch, is_row_scale, packed_format, row_fill
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -312,9 +312,10 @@ class MoE(nn.Module):
         if fmt is not None and self._dequantise_for(x):
             # a long prefill step: every expert dequantised once into a 16-bit scratch, then
             # the 16-bit kernels (the same products, faster tiles than in-register decoding)
-            w13, w2 = _dequantised_stack(ex, "w13", x.dtype), _dequantised_stack(ex, "w2", x.dtype)
+            w13, w2 = dequantized_scratch(ex, "w13", x.dtype), dequantized_scratch(ex, "w2", x.dtype)
             if shared is not None:
-                shared = (dequantized_weight(sh.gate_up_proj, x.dtype), dequantized_weight(sh.down_proj, x.dtype))
+                shared = (dequantized_scratch(sh.gate_up_proj, "weight", x.dtype),
+                          dequantized_scratch(sh.down_proj, "weight", x.dtype))
             scales = {}
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         moe_fn(x, w13, w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
@@ -329,23 +330,3 @@ class MoE(nn.Module):
 # decoding costs over that many tokens (docs/performance.md).
 DEQUANT_MOE_MIN_TOKENS = 2048
 DEQUANT_MOE_MAX_BYTES = 2 << 30
-
-
-def _dequantised_stack(module: nn.Module, attr: str, dtype: torch.dtype) -> torch.Tensor:
-    """A packed stack of expert weights [E, N, K] dequantised by the GPU kernel into `dtype`."""
-    from m3serve.kernels.packed_gemm import dequantize_weight
-    fmt = packed_format(module, attr)
-    codes, scale = getattr(module, attr), getattr(module, attr + "_block_scale")
-    g = getattr(module, attr + "_global_scale") if fmt.has_global else None
-    E, N = codes.shape[:2]
-    w = dequantize_weight(codes.reshape(E * N, -1), scale.reshape(E * N, -1),
-                          None if g is None else g.reshape(E * N), fmt.kind, dtype, fmt.global_divides)
-    return w.view(E, N, -1)
-
-
-def dequantized_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A packed linear's weight [N, K] dequantised by the GPU kernel into `dtype`."""
-    from m3serve.kernels.packed_gemm import dequantize_weight
-    fmt = packed_format(module, "weight")
-    g = module.weight_global_scale if fmt.has_global else None
-    return dequantize_weight(module.weight, module.weight_block_scale, g, fmt.kind, dtype, fmt.global_divides)

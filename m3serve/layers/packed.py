@@ -118,6 +118,21 @@ def dequantized(module: nn.Module, attr: str, dtype: torch.dtype, index=None) ->
     return dequantize(fmt.kind, w, b, g, fmt.global_divides).to(dtype)
 
 
+def dequantized_scratch(module: nn.Module, attr: str, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantized`'s values on the GPU, for the whole weight or stack of expert weights
+    ([..., N, K]) at once: the packed-weight kernels' own tile loaders write it into a `dtype`
+    scratch (long prefill products multiply it with the 16-bit kernels)."""
+    from m3serve.kernels.packed_gemm import dequantize_weight
+    fmt = packed_format(module, attr)
+    codes, scale = getattr(module, attr), getattr(module, attr + "_block_scale")
+    g = getattr(module, attr + "_global_scale") if fmt.has_global else None
+    *lead, n, _ = codes.shape
+    rows = n * (lead[0] if lead else 1)
+    w = dequantize_weight(codes.reshape(rows, -1), scale.reshape(rows, -1),
+                          None if g is None else g.reshape(rows), fmt.kind, dtype, fmt.global_divides)
+    return w.view(*lead, n, -1)
+
+
 def use_w8a8(x: torch.Tensor, fmt: PackedFormat) -> bool:
     """Whether this product quantises its activations to FP8 (W8A8): only with the opt-in
     M3SERVE_MXFP8_W8A8=1, only for MXFP8 weights, only from `W8A8_MIN_ROWS` rows (a step's

@@ -120,13 +120,13 @@ def test_fused_moe_packed_graph_replay(experts):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_moe_prefill_scratch_is_the_dequantised_stack(experts, fmt):
     """Long prefill steps run packed experts from a dequantised bf16 scratch
-    (`layers/moe._dequantised_stack`): each element is the reference's dequantised weight
+    (`layers/packed.dequantized_scratch`): each element is the reference's dequantised weight
     rounded to bf16, and the bf16 kernels over it agree with the in-register packed product."""
     from torch import nn
 
     from m3serve.kernels.fused_moe import fused_moe, moe_route
     from m3serve.layers import packed as lp
-    from m3serve.layers.moe import _dequantised_stack
+    from m3serve.layers.packed import dequantized_scratch
     p13, p2, s13, s2, d13, d2, kind, divides = _stacks(experts, fmt, 384)
     m = nn.Module()
     m.w13, m.w13_block_scale, m.w2, m.w2_block_scale = p13[0], p13[1], p2[0], p2[1]
@@ -134,7 +134,7 @@ def test_moe_prefill_scratch_is_the_dequantised_stack(experts, fmt):
     if pf.has_global:
         m.w13_global_scale, m.w2_global_scale = p13[2], p2[2]
     m.packed = {"w13": pf, "w2": pf}
-    w13, w2 = _dequantised_stack(m, "w13", torch.bfloat16), _dequantised_stack(m, "w2", torch.bfloat16)
+    w13, w2 = dequantized_scratch(m, "w13", torch.bfloat16), dequantized_scratch(m, "w2", torch.bfloat16)
     assert torch.equal(w13, d13.to(torch.bfloat16)) and torch.equal(w2, d2.to(torch.bfloat16))
     x = torch.randn(2600, H, device="cuda", dtype=torch.bfloat16)
     w, ids = moe_route(x, experts["gate"], experts["bias"], K, 2.0)
