@@ -285,8 +285,9 @@ class SpeculativeConfig:
     """`--speculative-config` JSON (or `LLM(speculative_config={...})`), vLLM's keys:
     method (eagle3 | mtp | dspark), model (the draft; MTP: default the target checkpoint;
     DSpark: default the target's dspark/ folder), num_speculative_tokens (k; DSpark: default
-    the draft's dspark_block_size, filled in by `EngineConfig`), draft_tensor_parallel_size (1 = the draft replicated on every
-    rank, or the target's TP), rejection_sample_method (standard | synthetic),
+    the draft's dspark_block_size, filled in by `EngineConfig`), draft_tensor_parallel_size
+    (1 = the draft replicated on every rank, or the target's TP), rejection_sample_method
+    (standard | synthetic),
     synthetic_acceptance_length (with synthetic: mean tokens emitted per verify step, 1..k+1),
     disable_by_batch_size (a step with at least this many running requests decodes without
     drafts; None = always speculate).
@@ -340,11 +341,7 @@ def _parse_speculative(raw) -> dict:
                          f"got {rule!r}")
     length = raw.get("synthetic_acceptance_length")
     if rule == "synthetic":
-        if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1.0 <= length <= (k or 16) + 1:
-            raise ValueError(f"speculative_config.synthetic_acceptance_length must be a number in "
-                             f"[1, num_speculative_tokens + 1 = {k + 1}] with rejection_sample_method "
-                             f"'synthetic', got {length!r}")
-        length = float(length)
+        length = _synthetic_length(length, k or 16)      # DSpark's default k: checked again once known
     elif length is not None:
         raise ValueError("speculative_config.synthetic_acceptance_length needs rejection_sample_method "
                          "'synthetic' (it is a benchmarking mode, never on by default)")
@@ -355,6 +352,14 @@ def _parse_speculative(raw) -> dict:
     out.update(method=method, model=model, num_speculative_tokens=k, draft_tensor_parallel_size=draft_tp,
                rejection_sample_method=rule, synthetic_acceptance_length=length, disable_by_batch_size=disable)
     return out
+
+
+def _synthetic_length(length, k: int) -> float:
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1.0 <= length <= k + 1:
+        raise ValueError(f"speculative_config.synthetic_acceptance_length must be a number in "
+                         f"[1, num_speculative_tokens + 1 = {k + 1}] with rejection_sample_method "
+                         f"'synthetic', got {length!r}")
+    return float(length)
 
 
 def dspark_config_path(draft: str | None, target: str | None) -> Path:
@@ -592,10 +597,8 @@ class EngineConfig:
         spec = self.speculative
         if spec.method == "dspark" and spec.num_speculative_tokens == 0:
             k = _dspark_block_size(spec.model, self.model.model)
-            if spec.synthetic_acceptance_length is not None and spec.synthetic_acceptance_length > k + 1:
-                raise ValueError(f"speculative_config.synthetic_acceptance_length must be at most "
-                                 f"num_speculative_tokens + 1 = {k + 1} (the DSpark draft's block size), "
-                                 f"got {spec.synthetic_acceptance_length}")
+            if spec.synthetic_acceptance_length is not None:
+                _synthetic_length(spec.synthetic_acceptance_length, k)
             object.__setattr__(spec, "num_speculative_tokens", k)
         if self.kv_transfer.enabled and self.speculative.enabled:
             raise ValueError("--kv-transfer-config cannot be combined with --speculative-config yet: "

@@ -676,13 +676,14 @@ class Scheduler:
         """False when a draft model runs but this step's batch is at or above
         `disable_by_batch_size` (logged when it turns off and on again)."""
         limit = self.disable_spec_by_batch_size
-        on = not self.num_lookahead_tokens or limit is None or len(self.running) < limit
-        if self.num_lookahead_tokens and on != self._speculating:
+        if not self.num_lookahead_tokens or limit is None:
+            return True
+        on = len(self.running) < limit
+        if on != self._speculating:
             logger.info("speculative decoding %s: %d requests running (disable_by_batch_size %d)",
                         "back on" if on else "off", len(self.running), limit)
             self._speculating = on
-        if self.num_lookahead_tokens and not on:
-            self.num_plain_steps += 1
+        self.num_plain_steps += not on
         return on
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:

@@ -8,10 +8,9 @@ knows nothing of the engine's batch. Sequential drafts (EAGLE3, MTP) implement `
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 import torch
-
-from typing import Callable
 
 from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.layers.attention_metadata import AttentionMetadata

@@ -228,7 +228,7 @@ def _num_mtp_modules(source: Path, target_cfg: M3Config) -> int:
     return n
 
 
-def dspark_dir(spec, target_dir) -> Path:
+def _dspark_dir(spec, target_dir) -> Path:
     """The DSpark draft's folder: speculative_config.model, else the target's `dspark/`."""
     from m3serve.model.files import resolve_model_dir
 
@@ -240,26 +240,20 @@ def dspark_dir(spec, target_dir) -> Path:
 
 
 def _dspark_dummy_entries(shapes: dict, dtypes: dict, seed: int, device):
-    """Random DSpark weights (`--load-format dummy`); packed projections quantised from them."""
+    """Random DSpark weights (`--load-format dummy`, `_dummy_entries`' draws); the packed
+    projections quantised from them, codes and scales."""
     from m3serve.kernels.ref.packed import quantize_mxfp8
     from m3serve.model.loader import LazyTensor
 
-    for index, (name, shape) in enumerate(shapes.items()):
-        if name.endswith("weight_scale_inv"):
+    plain = {n: s for n, s in shapes.items() if not n.endswith("weight_scale_inv")}
+    for source, name, [(cname, lazy)] in _dummy_entries(plain, seed, device):
+        if name not in dtypes:
+            yield source, name, [(cname, lazy)]
             continue
-        packed = name in dtypes
-
-        def make(name=name, shape=shape, index=index, part=0):
-            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 + index)
-            if len(shape) == 1:
-                return torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
-            w = torch.empty(shape, device=device).normal_(0.0, shape[-1] ** -0.5, generator=gen)
-            return quantize_mxfp8(w)[part] if packed else w
-        pairs = [(name, LazyTensor(shape, make, torch.float8_e4m3fn if packed else None))]
-        if packed:
-            scale = name[:-len("weight")] + "weight_scale_inv"
-            pairs.append((scale, LazyTensor(shapes[scale], lambda make=make: make(part=1), torch.uint8)))
-        yield "dummy", name, pairs
+        scale = name[:-len("weight")] + "weight_scale_inv"
+        yield source, name, [
+            (name, LazyTensor(lazy.shape, lambda lazy=lazy: quantize_mxfp8(lazy.load())[0], torch.float8_e4m3fn)),
+            (scale, LazyTensor(shapes[scale], lambda lazy=lazy: quantize_mxfp8(lazy.load())[1], torch.uint8))]
 
 
 def _load_dspark(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
@@ -267,7 +261,7 @@ def _load_dspark(spec, target, target_cfg, target_dir, parallel, draft_tp, devic
     from m3serve.spec.dspark import (DSparkDraft, DSparkDrafter, canonical_dspark_name, dspark_dtypes,
                                      dspark_shapes, dspark_to_param, load_dspark_config)
 
-    draft_dir = dspark_dir(spec, target_dir)
+    draft_dir = _dspark_dir(spec, target_dir)
     cfg = load_dspark_config(draft_dir, target_cfg)
     k = spec.num_speculative_tokens
     if k > cfg.block_size:

@@ -134,14 +134,14 @@ class ModelRunner:
         """Every split count of the per-token attention kernel for each layer configuration of
         the target and the draft: eager verify and draft steps pick counts by their sizes."""
         from m3serve.kernels.paged_attention import warm_up_token_kernel
+        if not use_triton("attention", self.model.lm_head.weight):
+            return
         configs = [(a.num_heads, a.kv_cache, a.is_sparse, False, a.k_scale, a.v_scale)
                    for a in self.model.attention_layers]
         if self.proposer is not None:
             configs += self.proposer.drafter.attention_kernels()
         seen = set()
         for heads, cache, sparse, key_lo, k_scale, v_scale in configs:
-            if cache is None or not use_triton("attention", cache):
-                continue
             key = (heads, tuple(cache.shape[2:]), cache.dtype, sparse, key_lo)
             if key in seen:
                 continue
@@ -289,7 +289,8 @@ class ModelRunner:
         verified = self.step_sampler.verify(so, batch, fwd.hidden, drafts)
         proposals = self.proposer.propose(self._draft_start(batch, fwd, verified)).tolist()
         self.batch.advance(batch)
-        return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done, verified)
+        return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done,
+                                                    verified.logprobs, verified.prompt_logprobs)
 
     def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified: Verified):
         """The proposer's start: each request's last verified position and the token after it."""

@@ -313,14 +313,14 @@ class StepSampler:
         done = self.complete(batch)
         argmax = bool((self.modes(so, batch)[done] == SamplingMode.ARGMAX).all())
         masks = None if argmax else self.grammar_masks(so, batch, done, drafts, row_start, len(local))
-        self._plain_logprobs = None
-        emitted = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax, masks)
-        return Verified(emitted, num_drafts, done, self._plain_logprobs, self._prompt_logprobs(batch, hidden))
+        emitted, logprobs = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax, masks)
+        return Verified(emitted, num_drafts, done, logprobs, self._prompt_logprobs(batch, hidden))
 
     def _emitted(self, batch: ScheduledBatch, local: torch.Tensor, row_start: np.ndarray,
                  num_drafts: np.ndarray, drafts: list[list[int]], done: np.ndarray,
-                 argmax: bool, masks) -> list[list[int]]:
-        """-> emitted tokens per request ([] for partial prefill chunks); masks: the step's
+                 argmax: bool, masks) -> tuple[list[list[int]], list | None]:
+        """-> (emitted tokens per request ([] for partial prefill chunks), the logprob entries of
+        requests that verified no draft and asked for them, or None); masks: the step's
         `grammar_masks` or None."""
         head = self.head
         rows = batch.rows.tolist()
@@ -335,14 +335,15 @@ class StepSampler:
                 while kept < n and drafts[i][kept] == t[kept]:
                     kept += 1
                 emitted[i] = t[:kept + 1]
-            return emitted
+            return emitted, None
         logits = head.gather(local)                                          # [N, V], collective
         sampling_rows = np.flatnonzero(done).tolist()
         if not sampling_rows:
-            return emitted
+            return emitted, None
         if masks is not None:
             self.grammars.apply(logits, masks)
         sampling = self.metadata([rows[i] for i in sampling_rows])
+        logprobs = None
         plain = [i for i in sampling_rows if num_drafts[i] == 0]
         verify = [i for i in sampling_rows if num_drafts[i] > 0]
         dev = logits.device
@@ -352,10 +353,10 @@ class StepSampler:
             for i, token in zip(plain, out.sampled_token_ids.tolist()):
                 emitted[i] = [token]
             if out.logprobs is not None:       # FULL rows verify no drafts: one token, as without speculation
-                b = self.batch
-                self._plain_logprobs = [None] * len(rows)
-                for i, entry in zip(plain, _logprob_entries(out.logprobs, [b.params[rows[i]] for i in plain])):
-                    self._plain_logprobs[i] = entry
+                logprobs = [None] * len(rows)
+                params = [self.batch.params[rows[i]] for i in plain]
+                for i, entry in zip(plain, _logprob_entries(out.logprobs, params)):
+                    logprobs[i] = entry
         if verify:
             part = sampling.select([j for j, i in enumerate(sampling_rows) if num_drafts[i] > 0])
             k = max(num_drafts[verify].max(), 1)
@@ -365,7 +366,7 @@ class StepSampler:
                                             torch.tensor(num_drafts[verify], device=dev), padded, part)
             for i, t, c in zip(verify, tokens.tolist(), counts.tolist()):
                 emitted[i] = t[:c]
-        return emitted
+        return emitted, logprobs
 
     def verify_on_device(self, so: SchedulerOutput, batch: ScheduledBatch, local: torch.Tensor,
                          greedy: torch.Tensor, ids: torch.Tensor, k: int,
@@ -394,10 +395,11 @@ class StepSampler:
         return emitted, kept
 
     def speculative_output(self, so: SchedulerOutput, batch: ScheduledBatch, emitted: list[list[int]],
-                           proposals: list[list[int]], done, verified: Verified | None = None
-                           ) -> ModelRunnerOutput | None:
+                           proposals: list[list[int]], done, logprobs: list | None = None,
+                           prompt_logprobs: dict | None = None) -> ModelRunnerOutput | None:
         """The verify step's output on the driver: emitted tokens, and the next drafts of the
-        requests that sampled (the scheduler drops those its next step's mode cannot verify).
+        requests that sampled (the scheduler drops those its next step's mode cannot verify),
+        with the `logprobs` / `prompt_logprobs` of requests that asked (eager steps only).
         On every rank that samples, first advance each constrained request's grammar over the
         tokens it emitted (kept drafts and the token after them), and no further."""
         self.failed = {}
@@ -408,8 +410,7 @@ class StepSampler:
         spec = [proposals[i] if done[i] else [] for i in range(batch.num_reqs)]
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=[e or [0] for e in emitted],
                                  spec_token_ids=spec, failed=self.failed,
-                                 logprobs=verified.logprobs if verified is not None else None,
-                                 prompt_logprobs=verified.prompt_logprobs if verified is not None else {})
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs or {})
 
     def _advance_grammars(self, so: SchedulerOutput, batch: ScheduledBatch, emitted: list[list[int]],
                           done) -> None:

@@ -136,7 +136,7 @@ class Worker:
                                                        k, self.max_model_len)
             self.runner.spec_graphs.capture(self.runner.batch)
             limit = config.speculative.disable_by_batch_size
-            plain = [s for s in sizes if limit is not None and s >= limit]
+            plain = [s for s in sizes if s >= limit] if limit is not None else []
             if plain:        # the steps that decode without drafts (disable_by_batch_size)
                 self.runner.capture_cuda_graphs(plain)
         elif sizes:

@@ -148,9 +148,9 @@ def _record_emitted(llm) -> list[list[int]]:
     sampler = llm.engine.worker.runner.step_sampler
     real, blocks = sampler.speculative_output, []
 
-    def output(so, batch, emitted, proposals, done, *rest):
+    def output(so, batch, emitted, proposals, done, *rest, **kwargs):
         blocks.extend(e for e, d in zip(emitted, done) if d)
-        return real(so, batch, emitted, proposals, done, *rest)
+        return real(so, batch, emitted, proposals, done, *rest, **kwargs)
 
     sampler.speculative_output = output
     return blocks
