@@ -6,7 +6,6 @@ CLI flags and `LLM(**kwargs)` keywords are generated from the dataclass fields (
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -382,16 +381,18 @@ def dspark_config_path(draft: str | None, target: str | None) -> Path:
 
 
 def read_dspark_config(path: Path) -> tuple[dict, dict]:
-    """(the whole config.json, its text_config or itself) of a DSpark draft; ValueError naming
-    the file when it cannot be read."""
+    """(the whole config.json, its text_config, or the whole where it has none) of a DSpark
+    draft; ValueError naming the file when it cannot be read."""
+    from m3serve.model.config import read_config_json
     try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+        raw = read_config_json(Path(path).parent, "DSpark draft")
+    except ValueError as e:
         raise ValueError(f"speculative_config: DSpark draft config {path} cannot be read ({e}); name the "
-                         f"draft folder in speculative_config.model") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"DSpark draft config {path}: must be a JSON object")
-    return raw, raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+                         f"draft folder in speculative_config.model") from None
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise ValueError(f"DSpark draft config {path}: 'text_config' must be an object (got {text!r})")
+    return raw, text
 
 
 def _dspark_block_size(draft: str | None, target: str | None) -> int:

@@ -1,7 +1,7 @@
 """The DSpark draft (`DSparkMiniMaxDraftModel`, shipped in a target checkpoint's `dspark/`
 folder): a block-parallel drafter over a context projected from the target's hidden states.
 
-Per step of the target (T tokens, R requests; the proposer's "prepare"):
+Per step of the target (T tokens, R requests; `DSparkDrafter.first`, then `steps`):
 1. Context. The target's residual streams after its layers `dspark_target_layer_ids`
    (concatenated, [T, n x H]) -> `main = hidden_norm(fc(taps))` [T, H]. For every draft layer l:
    `k = k_norm(W_k main)` with RoPE at the token's position, `v = W_v main`, written to layer l's
@@ -21,9 +21,9 @@ Per step of the target (T tokens, R requests; the proposer's "prepare"):
 The confidence head (`confidence_head.proj`) is read and checked, not used: verification is
 static (every request verifies all k drafts).
 
-Caches: one paged group per draft layer ("dspark"), on the engine's block ids, so the draft's
-context KV is prefix-cached, offloaded and freed with the target's. The sliding window bounds
-what a query reads (the window's blocks), not what is kept.
+Caches: one paged group ("dspark", a cache per draft layer) on the engine's block ids, so the
+draft's context KV is prefix-cached, offloaded and freed with the target's. The sliding window
+bounds what a query reads (the window's blocks), not what is kept.
 
 Checkpoint (`dspark/`): config.json (architectures DSparkMiniMaxDraftModel, a `text_config`
 whose keys may repeat at the top level and must then agree), weights named
@@ -53,13 +53,11 @@ from m3serve.layers.linear import ReplicatedLinear, attach_loader, make_param, r
 from m3serve.layers.moe import DenseMLP
 from m3serve.layers.norm import RMSNorm, gemma_rms_norm
 from m3serve.layers.rotary import RotaryEmbedding, apply_rotary
-from m3serve.model.config import FULL, M3Config, read_config_json
+from m3serve.model.config import FULL, M3Config
 from m3serve.spec.drafter import Drafter
 
 ARCHITECTURE = "DSparkMiniMaxDraftModel"
 PREFIX = "language_model.model.dspark."
-_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -99,16 +97,13 @@ def load_dspark_config(draft_dir: Path, target: M3Config) -> DSparkConfig:
     """Read and check `dspark/config.json` against the target it drafts for; what this engine
     does not implement (another Markov head, hybrid context fusion, MoE or sparse draft layers)
     is refused by name rather than guessed."""
+    from m3serve.config import read_dspark_config
+
     path = Path(draft_dir) / "config.json"
-    raw = read_config_json(draft_dir, "DSpark draft")
+    raw, text = read_dspark_config(path)
     archs = raw.get("architectures") or []
     if ARCHITECTURE not in archs:
         raise _bad(path, "architectures", archs, f"must list {ARCHITECTURE!r}")
-    text = raw.get("text_config")
-    if text is None:
-        text = raw
-    elif not isinstance(text, dict):
-        raise _bad(path, "text_config", text, "must be an object")
     for key, value in text.items():            # keys repeated at the top level must agree
         if key in raw and key != "text_config" and raw[key] != value:
             raise _bad(path, key, raw[key], f"at the top level disagrees with text_config's {value!r}")
@@ -139,11 +134,10 @@ def load_dspark_config(draft_dir: Path, target: M3Config) -> DSparkConfig:
     if heads % kv:
         raise _bad(path, "num_key_value_heads", kv, f"must divide num_attention_heads {heads}")
     head_dim = positive("head_dim", H // heads)
-    ffn = get("dspark_ffn_hidden_size", get("dense_intermediate_size"))
-    dense = get("dense_intermediate_size", ffn)
-    if ffn != dense:
-        raise _bad(path, "dspark_ffn_hidden_size", ffn, f"disagrees with dense_intermediate_size {dense}")
-    ffn = positive("dspark_ffn_hidden_size", ffn) if ffn is not None else positive("dspark_ffn_hidden_size")
+    ffn = positive("dspark_ffn_hidden_size", get("dense_intermediate_size"))
+    if get("dense_intermediate_size", ffn) != ffn:
+        raise _bad(path, "dspark_ffn_hidden_size", ffn,
+                   f"disagrees with dense_intermediate_size {get('dense_intermediate_size')}")
     L = target.num_hidden_layers
     ids = get("dspark_target_layer_ids", required=True)
     if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
@@ -427,7 +421,7 @@ def dspark_dtypes(cfg: DSparkConfig) -> dict[str, tuple[torch.dtype, ...]]:
         return {}
     out = {}
     for l in range(cfg.num_layers):
-        for name in _PROJ:
+        for name in _LAYER_PARAMS:           # the seven projections of a layer
             p = f"layers.{l}.decoder_layer.{name}."
             out[p + "weight"] = (torch.float8_e4m3fn,)
             out[p + "weight_scale_inv"] = (torch.uint8, torch.float8_e8m0fnu)
