@@ -23,6 +23,7 @@
          kernels/mxfp8_w8a8.py, quantisation counted) at one TP 8 rank's dense shapes, 512-8192
          rows, by tile, with each path's error; JSON to $OUT/prefill_w8a8.json when $OUT is set.
 `PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample] [rank_packed] [prefill_w8a8]`"""
+import os
 import sys
 import time
 
@@ -888,20 +889,22 @@ def _packed_stack(w: torch.Tensor, kind: str):
 
 def rank_packed() -> None:
     """The packed-weight kernels at one TP 8 rank's widths, decode rows: the fused MoE with
-    MXFP4 / MXFP8 experts (4 routed of 128 + the shared expert) at the table's tiles against a
+    packed experts (PACKED_KINDS, default mxfp4,mxfp8; nvfp4 too) (4 routed of 128 + the shared expert) at the table's tiles against a
     sweep (gate_up tiles first, then down tiles beside the best), the bf16 experts' table time
     beside it; then the dense packed product (MXFP8) against cuBLAS bf16 at the rank's
-    projection shapes, by tile."""
+    projection shapes, by tile (skipped with PACKED_DENSE=0)."""
     from m3serve.kernels.fused_moe import _config, fused_moe, get_config
     from m3serve.bench.roofline import PACKED_BYTES
     from m3serve.kernels.packed_gemm import packed_config, packed_matmul
     E, H, I = 128, 6144, RANK_SHAPES["tp8"]["I"]
     (w13, w2, shared), _ = _moe_weights(E, H, I), {}
-    for kind in ("mxfp4", "mxfp8"):
+    for kind in os.environ.get("PACKED_KINDS", "mxfp4,mxfp8").split(","):
         c13, s13, g13 = _packed_stack(w13, kind)
         c2, s2, g2 = _packed_stack(w2, kind)
         sh13, sh2 = _packed_stack(shared[0][None], kind), _packed_stack(shared[1][None], kind)
         sh = (sh13[0][0], sh2[0][0], sh13[1][0], sh2[1][0])
+        if kind == "nvfp4":
+            sh += (sh13[2][0], sh2[2][0])
         for T in (1, 4, 16):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             ids = torch.stack([torch.randperm(E, device="cuda")[:4] for _ in range(T)]).int()
@@ -915,7 +918,8 @@ def rank_packed() -> None:
             def run(pair):
                 try:
                     return bench(lambda: fused_moe(x, c13, c2, wts, ids, w13_scale=s13, w2_scale=s2,
-                                                   packed=kind, shared=sh, out=out, config=pair))
+                                                   w13_global=g13, w2_global=g2, packed=kind,
+                                                   shared=sh, out=out, config=pair))
                 except Exception:  # noqa: BLE001 - a config that does not compile is skipped
                     return float("inf")
             table, res, res2 = _sweep_moe_tiles(
@@ -928,6 +932,8 @@ def rank_packed() -> None:
                   f"{kind} table {table:.1f} ({ideal / table:.0%}); gate_up best " +
                   ", ".join(f"{n} {t:.1f}" for t, n, _ in res[:4]) + "; then down best " +
                   ", ".join(f"{n} {t:.1f} ({ideal / t:.0%})" for t, n, _ in res2[:3]), flush=True)
+    if os.environ.get("PACKED_DENSE", "1") == "0":
+        return
     shp = RANK_SHAPES["tp8"]
     for name, (n, k) in {"qkv": (shp["qkv"], 6144), "o_proj": (6144, shp["o_k"]),
                          "dense gate_up": (2 * shp["dense"], 6144),

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from m3serve.kernels.packed_gemm import PACK_CODES, SCALE_BLOCK, fp4_tiles, mxfp8_tile
+from m3serve.kernels.packed_gemm import (PACK_CODES, SCALE_BLOCK, even_odd_columns, fp4_tiles,
+                                         mxfp8_tile)
 from m3serve.kernels.rmsnorm import cast_rne
 from m3serve.kernels.tma import tma_ready
 
@@ -649,10 +650,7 @@ def _gemm1_swiglu_kernel(
             u0, u1 = fp4_tiles(u_codes, u_scales, g_base + n_inter, stride_n, stride_s, offs_n,
                                n_ok, k * BLOCK_K, hidden, BLOCK_K, BLOCK_N, PACK == 3, GDIV,
                                x_ptr.dtype.element_ty, UPCAST)
-            cols = k * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
-            a_ok = row_ok[:, None] & (cols < hidden)[None, :]
-            a0 = tl.load(x_rows + cols[None, :], mask=a_ok, other=0.0)
-            a1 = tl.load(x_rows + cols[None, :] + 1, mask=a_ok, other=0.0)
+            a0, a1 = even_odd_columns(x_rows, row_ok, k * BLOCK_K, hidden, BLOCK_K)
             if UPCAST:
                 a0, a1 = a0.to(tl.float32), a1.to(tl.float32)
                 g0, g1 = g0.to(tl.float32), g1.to(tl.float32)
@@ -752,9 +750,7 @@ def _gemm2_kernel(
             b0, b1 = fp4_tiles(w_base, scale_base, g_base, stride_n, stride_s, offs_n, n_ok,
                                k * BLOCK_K, k_inter, BLOCK_K, BLOCK_N, PACK == 3, GDIV,
                                h_ptr.dtype.element_ty, UPCAST)
-            cols = k * BLOCK_K + 2 * tl.arange(0, BLOCK_K // 2)
-            a0 = tl.load(h_rows + cols[None, :], mask=(cols < k_inter)[None, :], other=0.0)
-            a1 = tl.load(h_rows + cols[None, :] + 1, mask=(cols < k_inter)[None, :], other=0.0)
+            a0, a1 = even_odd_columns(h_rows, row_ok, k * BLOCK_K, k_inter, BLOCK_K)
             if UPCAST:
                 a0, a1 = a0.to(tl.float32), a1.to(tl.float32)
                 b0, b1 = b0.to(tl.float32), b1.to(tl.float32)

@@ -42,6 +42,78 @@ def _fp4_value(c):
 
 
 @triton.jit
+def _mxfp4_bf16(c, s):
+    """MXFP4 code bytes c (the even element in the low nibble) and bf16 block scales s =
+    2^(e - 127), same shape -> the (even, odd) weights in bf16, exactly the reference's values,
+    four bytes per PTX block. Each nibble's magnitude bits become a bf16's two low exponent
+    bits and top mantissa bit and its bit 3 the sign: the code's value x 2^-126 (codes 0 and 1
+    land on bf16 subnormals, kept exactly); times 2^126, then times the scale, two products
+    that round nothing (packed bf16 pairs: `mul.rn.bf16x2`, sm_90). GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, m, g, k, z;
+        mov.b32 z, 0;
+        mov.b32 k, 0x7E807E80;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        and.b32 m, t0, 0x00070007; shl.b32 m, m, 6;
+        and.b32 g, t0, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
+        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $0, m, $5;
+        and.b32 m, t1, 0x00070007; shl.b32 m, m, 6;
+        and.b32 g, t1, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
+        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $1, m, $6;
+        and.b32 m, t0, 0x00700070; shl.b32 m, m, 2;
+        and.b32 g, t0, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
+        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $2, m, $5;
+        and.b32 m, t1, 0x00700070; shl.b32 m, m, 2;
+        and.b32 g, t1, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
+        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $3, m, $6;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r", args=[c, s], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp4_scaled_bf16(c, s):
+    """FP4 code bytes c and fp32 scales s (the block scale x 2^14), same shape -> the (even,
+    odd) weights rounded once to bf16 from the fp32 product, as the reference rounds them: each
+    nibble becomes an fp16 (its magnitude bits in the low exponent bits and top mantissa bit:
+    the value x 2^-14, exact, subnormals included), widened to fp32, times s, rounded to bf16.
+    Four bytes per PTX block. GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, m, g, z;
+        .reg .b16 l, h;
+        .reg .f32 a, b, x, y;
+        mov.b32 z, 0;
+        prmt.b32 t0, $4, z, 0x4140;
+        prmt.b32 t1, $4, z, 0x4342;
+        and.b32 m, t0, 0x00070007; shl.b32 m, m, 9;
+        and.b32 g, t0, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
+        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
+        mov.b32 x, $5; mov.b32 y, $6; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
+        cvt.rn.bf16x2.f32 $0, b, a;
+        and.b32 m, t1, 0x00070007; shl.b32 m, m, 9;
+        and.b32 g, t1, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
+        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
+        mov.b32 x, $7; mov.b32 y, $8; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
+        cvt.rn.bf16x2.f32 $1, b, a;
+        and.b32 m, t0, 0x00700070; shl.b32 m, m, 5;
+        and.b32 g, t0, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
+        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
+        mov.b32 x, $5; mov.b32 y, $6; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
+        cvt.rn.bf16x2.f32 $2, b, a;
+        and.b32 m, t1, 0x00700070; shl.b32 m, m, 5;
+        and.b32 g, t1, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
+        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
+        mov.b32 x, $7; mov.b32 y, $8; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
+        cvt.rn.bf16x2.f32 $3, b, a;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r", args=[c, s], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4)
+
+
+@triton.jit
 def mxfp8_tile(w_base, s_base, stride_n, stride_sn, offs_n, n_ok, k0, K,
                BK: tl.constexpr, BN: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """Dequantised MXFP8 weight tile [BK, BN] (rows k0.., columns offs_n) in DTYPE: e4m3 codes
@@ -75,6 +147,9 @@ def fp4_tiles(w_base, s_base, g_base, stride_n, stride_sn, offs_n, n_ok, k0, K,
     offs_b = k0 // SB + tl.arange(0, BK // SB)
     raw = tl.load(s_base + n64 * stride_sn + offs_b[:, None],
                   mask=(offs_b < K // SB)[:, None] & n_ok[None, :], other=0.0)
+    if not NV and not EMULATE and DTYPE == tl.bfloat16:
+        s16 = (raw.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)       # 2^(e - 127); byte 0: 0
+        return _mxfp4_bf16(c, _expand_k(s16, BK // SB, SB // 2, BN))
     if NV:
         g = tl.load(g_base + offs_n, mask=n_ok, other=1.0)
         s = raw.to(tl.float32)
@@ -86,9 +161,22 @@ def fp4_tiles(w_base, s_base, g_base, stride_n, stride_sn, offs_n, n_ok, k0, K,
     else:
         s = ((raw.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)   # 2^(e - 127) x 2^14
     s = _expand_k(s, BK // SB, SB // 2, BN)
+    if not EMULATE and DTYPE == tl.bfloat16:
+        return _fp4_scaled_bf16(c, s)
     even = cast_rne(_fp4_value(c & 15) * s, DTYPE, EMULATE)
     odd = cast_rne(_fp4_value(c >> 4) * s, DTYPE, EMULATE)
     return even, odd
+
+
+@triton.jit
+def even_odd_columns(rows, row_ok, k0, K, BK: tl.constexpr):
+    """Columns k0 + 2j and k0 + 2j + 1 (j < BK/2) of the 16-bit rows at `rows` ([BM, 1]
+    pointers; rows not `row_ok` and columns past K read as 0), as two [BM, BK/2] tiles: the
+    operands an FP4 tile's even and odd elements multiply. One contiguous load, split in
+    registers (two strided loads would not vectorise)."""
+    offs = k0 + tl.arange(0, BK)
+    a = tl.load(rows + offs[None, :], mask=row_ok[:, None] & (offs < K)[None, :], other=0.0)
+    return tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -121,10 +209,7 @@ def _packed_matmul_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K,
         else:
             even, odd = fp4_tiles(w_ptr, s_ptr, g_ptr, stride_wn, stride_sn, offs_n, n_ok, k0, K,
                                   BLOCK_K, BLOCK_N, FMT == 3, GDIV, dtype, UPCAST)
-            offs_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            ok = m_ok[:, None] & (offs_k < K)[None, :]
-            a0 = tl.load(x_rows + offs_k[None, :], mask=ok, other=0.0)
-            a1 = tl.load(x_rows + offs_k[None, :] + 1, mask=ok, other=0.0)
+            a0, a1 = even_odd_columns(x_rows, m_ok, k0, K, BLOCK_K)
             if UPCAST:
                 a0 = a0.to(tl.float32)
                 a1 = a1.to(tl.float32)

@@ -141,3 +141,39 @@ def test_moe_prefill_scratch_is_the_dequantised_stack(experts, fmt):
     packed = fused_moe(x, p13[0], p2[0], w, ids, w13_scale=p13[1], w2_scale=p2[1], w13_global=p13[2],
                        w2_global=p2[2], packed=kind, global_divides=divides)
     assert _rel(fused_moe(x, w13, w2, w, ids), packed) < TOL
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "nvfp4-modelopt", "mxfp8"])
+def test_dequantisation_exact_for_every_code_and_scale(fmt):
+    """The GPU tile loaders (the ones the products use; here through `dequantize_weight`) give
+    every code byte under every finite scale exactly the reference's value rounded to bf16:
+    each row holds all 256 code bytes, rows and blocks walk the scale bytes (E8M0 64..190, i.e.
+    2^-63..2^63, and every finite e4m3 block scale, with a global scale per row that divides or
+    multiplies)."""
+    import m3serve.kernels.ref.packed as rp
+    from m3serve.kernels.packed_gemm import dequantize_weight
+    kind, divides = fmt.split("-")[0], fmt != "nvfp4-modelopt"
+    rows, nbytes = 254, 512
+    r = torch.arange(rows, device="cuda")[:, None]
+    codes = ((torch.arange(nbytes, device="cuda")[None, :] + 7 * r) % 256).to(torch.uint8)
+    k = nbytes * (1 if kind == "mxfp8" else 2)
+    if kind == "mxfp8":
+        codes = codes.view(torch.float8_e4m3fn)
+        finite = (codes.view(torch.uint8) & 0x7F) != 0x7F                 # e4m3 NaN codes out
+        codes = torch.where(finite, codes.view(torch.uint8), 0).view(torch.float8_e4m3fn)
+    nblocks = k // (16 if kind == "nvfp4" else 32)
+    b = torch.arange(nblocks, device="cuda")[None, :]
+    if kind == "nvfp4":
+        byte = (r * 5 + b * 3) % 256
+        byte = torch.where((byte & 0x7F) == 0x7F, 0x38, byte)            # 0x7F / 0xFF are NaN
+        scales = byte.to(torch.uint8).view(torch.float8_e4m3fn)
+        g = torch.rand(rows, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)) * 900 + 0.01
+        want = rp.dequantize("nvfp4", codes, scales, g, divides)
+    else:
+        scales = (64 + (r + 37 * b) % 127).to(torch.uint8)
+        g = None
+        want = rp.dequantize(kind, codes, scales)
+    got = dequantize_weight(codes, scales, g, kind, torch.bfloat16, divides)
+    want = want.to(torch.bfloat16)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert bool(same.all()), (got[~same][:8], want[~same][:8], same.logical_not().nonzero()[:8])
