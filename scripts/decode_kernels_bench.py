@@ -914,6 +914,9 @@ def rank_packed() -> None:
             m = -(-T * 4 // E)
             g0, d0 = get_config(m, I, H, torch.bfloat16, True), get_config(m, H, I, torch.bfloat16)
             bf16 = bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out))
+            bf16_split = {sp: bench(lambda: fused_moe(x, w13, w2, wts, ids, shared=shared, out=out,
+                                                      config=({**g0, "SPLIT_K": sp}, d0)))
+                          for sp in (2, 4, 8)}
 
             def run(pair):
                 try:
@@ -924,11 +927,12 @@ def rank_packed() -> None:
                     return float("inf")
             table, res, res2 = _sweep_moe_tiles(
                 run, g0, d0,
-                [(f"n{bn} k{bk} w{wp}", _config(g0["BLOCK_M"], bn, bk, 1, wp, 3))
-                 for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8)],
+                [(f"n{bn} k{bk} w{wp} s{sp}", _config(g0["BLOCK_M"], bn, bk, 1, wp, 3, split_k=sp))
+                 for bn in (32, 64) for bk in (128, 256) for wp in (4, 8) for sp in (1, 2, 4, 8)],
                 [(f"n{bn} k{bk}", _config(d0["BLOCK_M"], bn, bk, 1, 4, 3))
                  for bn in (32, 64, 128) for bk in (64, 128, 256)])
-            print(f"rank_packed moe {kind} I={I} T={T} ideal {ideal:.1f} us: bf16 table {bf16:.1f}; "
+            print(f"rank_packed moe {kind} I={I} T={T} ideal {ideal:.1f} us: bf16 table {bf16:.1f} "
+                  f"(split 2/4/8: {' / '.join(f'{t:.1f}' for t in bf16_split.values())}); "
                   f"{kind} table {table:.1f} ({ideal / table:.0%}); gate_up best " +
                   ", ".join(f"{n} {t:.1f}" for t, n, _ in res[:4]) + "; then down best " +
                   ", ".join(f"{n} {t:.1f} ({ideal / t:.0%})" for t, n, _ in res2[:3]), flush=True)

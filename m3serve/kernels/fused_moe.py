@@ -399,11 +399,14 @@ def decode_block_m(num_tokens: int, top_k: int, num_experts: int, dtype: torch.d
 
 
 def _config(block_m, block_n, block_k, group_m, num_warps, num_stages, tma=False,
-            reduce_sum=False) -> dict:
+            reduce_sum=False, split_k=1) -> dict:
     """A tile config: TMA = weight tiles through tensor descriptors; SUM = the down GEMM stores
-    expert outputs for one summing pass (`fused_moe`'s reduce=None follows it)."""
+    expert outputs for one summing pass (`fused_moe`'s reduce=None follows it); SPLIT_K (a
+    gate_up config's) = K ranges of the gate_up GEMM run as separate programs, their partial
+    sums added by one more small kernel that applies SwiGLU (not with FP8 activations or TMA)."""
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m,
-            "num_warps": num_warps, "num_stages": num_stages, "TMA": tma, "SUM": reduce_sum}
+            "num_warps": num_warps, "num_stages": num_stages, "TMA": tma, "SUM": reduce_sum,
+            "SPLIT_K": split_k}
 
 
 # Tile regimes whose weight tiles load through tensor descriptors (TMA), by weight dtype, and
@@ -584,6 +587,38 @@ def _clear_chunk(ptr, numel, chunk):
         tl.store(ptr + offs, tl.zeros((1024,), dtype=tl.float32), mask=offs < numel)
 
 
+@triton.jit
+def _swiglu(acc_g, acc_u, alpha, limit):
+    """SwiGLU-OAI of fp32 gate / up pre-activations (one formula for both places it runs)."""
+    gate = tl.minimum(acc_g, limit)
+    up = tl.clamp(acc_u, -limit, limit)
+    return gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _split_swiglu_kernel(part_ptr, h_ptr, num_post_ptr, num_rows, inter_max, part_stride,
+                         stride_h, alpha, limit, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    """h [rows, I_max] = SwiGLU of the split gate_up GEMM's fp32 partial sums at part_ptr
+    [SPLIT, rows, 2 I_max] (gate at column n, up at I_max + n), added in split order (the same
+    sum on every run), rounded to h's dtype as the unsplit GEMM stores it. Rows past the
+    aligned count are skipped; rows of blocks the GEMM skipped come out as garbage nobody reads."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R >= tl.load(num_post_ptr):
+        return
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (r < num_rows)[:, None] & (c < inter_max)[None, :]
+    ptrs = part_ptr + r[:, None].to(tl.int64) * (2 * inter_max) + c[None, :]
+    g = tl.load(ptrs, mask=ok, other=0.0)
+    u = tl.load(ptrs + inter_max, mask=ok, other=0.0)
+    for sp in tl.static_range(1, SPLIT):
+        g += tl.load(ptrs + sp * part_stride, mask=ok, other=0.0)
+        u += tl.load(ptrs + sp * part_stride + inter_max, mask=ok, other=0.0)
+    h = _swiglu(g, u, alpha, limit)
+    tl.store(h_ptr + r[:, None].to(tl.int64) * stride_h + c[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok)
+
+
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
 @triton.jit(do_not_specialize=["num_pid_m", "num_rows", "zero_numel", "zero_chunk"])
 def _gemm1_swiglu_kernel(
@@ -592,11 +627,11 @@ def _gemm1_swiglu_kernel(
         num_rows, num_choices, hidden, inter, inter_shared, num_experts,
         stride_xt, stride_we, stride_wn, stride_wsn, stride_se, stride_h,
         alpha, limit, zero_ptr, zero_numel, zero_chunk,
-        g_ptr, gs_ptr, stride_ge, stride_sn, stride_ssn,
+        g_ptr, gs_ptr, stride_ge, stride_sn, stride_ssn, part_ptr, part_stride, inter_max,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
         UPCAST: tl.constexpr, ZERO: tl.constexpr, TMA: tl.constexpr,
-        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True):
+        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True, SPLIT: tl.constexpr = 1):
     """h[p, n] = SwiGLU-OAI(x[t] . w13[e, n], x[t] . w13[e, I_e + n]) for one [BLOCK_M, BLOCK_N]
     tile of expert e's aligned rows p, each holding pair t * K' + k (K' = num_choices).
     With ZERO every program first clears its chunk of the down GEMM's fp32 atomic target (one
@@ -605,9 +640,14 @@ def _gemm1_swiglu_kernel(
     copy engine) instead of per-thread loads. PACK (1 MXFP8, 2 MXFP4, 3 NVFP4): w13 (and the
     shared w13) are codes with block scales at w_scale_ptr / ws_scale_ptr ([.., 2 I, H / B],
     row strides stride_sn / stride_ssn) and NVFP4 global scales at g_ptr [E, 2 I] / gs_ptr,
-    dequantised in registers to x's dtype (`kernels/packed_gemm.py`)."""
+    dequantised in registers to x's dtype (`kernels/packed_gemm.py`). SPLIT > 1 (split K, for
+    decode steps' few programs): grid axis 1 picks a K range, and the fp32 gate / up partial
+    sums go to part_ptr [SPLIT, rows, 2 I_max] (row stride 2 I_max); `_split_swiglu_kernel`
+    adds them and writes h."""
+    pid_k = tl.program_id(1)
     if ZERO:
-        _clear_chunk(zero_ptr, zero_numel, zero_chunk)
+        if pid_k == 0:
+            _clear_chunk(zero_ptr, zero_numel, zero_chunk)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -641,7 +681,16 @@ def _gemm1_swiglu_kernel(
         x_rows = x_ptr + tokens[:, None] * stride_xt
         u_codes = w_base + n_inter.to(tl.int64) * stride_n
         u_scales = scale_base + n_inter.to(tl.int64) * stride_s
-    for k in range(tl.cdiv(hidden, BLOCK_K)):
+    k_steps = tl.cdiv(hidden, BLOCK_K)
+    k_first = 0
+    if SPLIT > 1:
+        per_split = tl.cdiv(k_steps, SPLIT)
+        k_first = pid_k * per_split
+        k_steps = tl.minimum(k_steps, k_first + per_split)
+        a_ptrs += k_first * BLOCK_K
+        g_ptrs += k_first * BLOCK_K
+        u_ptrs += k_first * BLOCK_K
+    for k in range(k_first, k_steps):
         k_ok = offs_k < hidden - k * BLOCK_K
         if PACK > 1:
             g0, g1 = fp4_tiles(w_base, scale_base, g_base, stride_n, stride_s, offs_n, n_ok,
@@ -693,11 +742,15 @@ def _gemm1_swiglu_kernel(
         su = tl.load(scale_base + n_inter + offs_n, mask=n_ok, other=0.0)
         acc_g = acc_g * sx[:, None] * sg[None, :]
         acc_u = acc_u * sx[:, None] * su[None, :]
-    gate = tl.minimum(acc_g, limit)
-    up = tl.clamp(acc_u, -limit, limit)
-    h = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+    if SPLIT > 1:
+        p_ptrs = (part_ptr + pid_k.to(tl.int64) * part_stride
+                  + offs_m[:, None].to(tl.int64) * (2 * inter_max) + offs_n[None, :])
+        tl.store(p_ptrs, acc_g, mask=n_ok[None, :])
+        tl.store(p_ptrs + inter_max, acc_u, mask=n_ok[None, :])
+    else:
+        h = _swiglu(acc_g, acc_u, alpha, limit)
+        h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 # sizes that change from step to step are not specialised on (no recompiles mid-serving)
@@ -1042,18 +1095,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     h = alloc(num_padded, inter_max, dtype=x.dtype, device=x.device)
     num_n1 = triton.cdiv(inter_max, cfg1["BLOCK_N"])
     grid1 = num_blocks * num_n1
+    split = cfg1.get("SPLIT_K", 1) if not (fp8 or tma) else 1
+    # split K: [SPLIT, B*BM, 2 I_max] fp32 gate / up partial sums, then h from their sum
+    parts = (torch.empty(split, num_padded, 2 * inter_max, dtype=torch.float32, device=x.device)
+             if split > 1 else route_w)
     zero_chunk = triton.cdiv(triton.cdiv(acc.numel(), grid1), 1024) * 1024 if atomic else 0
-    _gemm1_swiglu_kernel[(grid1,)](
+    part_stride = num_padded * 2 * inter_max
+    _gemm1_swiglu_kernel[(grid1, split)](
         xq, x_scale, w13, s13, ws13, ss13, h, sorted_ids, block_expert, num_post,
         num_blocks, num_n1, num_rows, num_choices, hidden, inter, inter_shared, num_experts,
         xq.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), s13.stride(0), h.stride(0),
         alpha, limit, acc, acc.numel(), zero_chunk,
         g13, gs13, g13.stride(0), s13.stride(-2) if pack else 0, ss13.stride(-2) if pack else 0,
+        parts, part_stride, inter_max,
         BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
         GROUP_M=cfg1["GROUP_M"], EVEN_K=hidden % cfg1["BLOCK_K"] == 0, USE_FP8=fp8,
         UPCAST=_INTERPRET, ZERO=atomic, TMA=tma1, PACK=pack, GDIV=bool(global_divides),
-        num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])
+        SPLIT=split, num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])
 
+    if split > 1:
+        block_c = min(128, triton.next_power_of_2(inter_max))
+        _split_swiglu_kernel[(triton.cdiv(num_padded, 16), triton.cdiv(inter_max, block_c))](
+            parts, h, num_post, num_padded, inter_max, part_stride, h.stride(0), alpha, limit,
+            SPLIT=split, BLOCK_R=16, BLOCK_C=block_c, num_warps=4)
     if fp8:
         hq, h_scale = quant_rows_fp8(h)                                     # [B*BM, I_max], [B*BM]
     else:

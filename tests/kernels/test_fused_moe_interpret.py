@@ -406,6 +406,20 @@ def test_config_override_with_ragged_k_tiles():
     assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids, shared=shared)) < 1e-5
 
 
+@pytest.mark.parametrize("split,dtype", [(2, torch.float32), (3, torch.float16)])
+def test_split_k_gate_up_matches_ref(split, dtype):
+    """Split K: the gate_up GEMM's four K steps in `split` ranges (3: one range shorter), their
+    fp32 partial sums added in the down GEMM with SwiGLU; a narrower shared expert, both reduce
+    modes."""
+    w13, w2, shared = _weights(21, inter_shared=I // 2, dtype=dtype)
+    x, weights, ids = _routing(22, 7, 2, dtype=dtype)
+    cfg = (fm._config(16, 16, 16, 1, 4, 1, split_k=split), fm._config(16, 16, 16, 1, 4, 1))
+    for reduce in ("atomic", "sum"):
+        out = fused_moe(x, w13, w2, weights, ids, shared=shared, config=cfg, reduce=reduce)
+        ref = fused_moe_ref(x, w13, w2, weights, ids, shared=shared, reduce=reduce)
+        assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), reduce
+
+
 def test_grouped_gemms_compile_for_hopper(tmp_path):
     """Both grouped GEMMs (bf16 and fp8), the alignment, the summing pass and the one-launch
     router + alignment compile for sm_90 with the bundled ptxas, no GPU needed."""
@@ -414,7 +428,7 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
            "ws_ptr": "*bf16", "ws_scale_ptr": "*fp32", "h_ptr": "*bf16", "h_scale_ptr": "*fp32",
            "out_ptr": "*fp32", "weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "num_post_ptr": "*i32", "alpha": "fp32", "limit": "fp32",
-           "zero_ptr": "*fp32"}
+           "zero_ptr": "*fp32", "part_ptr": "*fp32"}
     # fp8: GEMM1 reads e4m3 x and writes bf16 h; GEMM2 reads h re-quantised to e4m3
     fp8 = {**ptr, "x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp8e4nv"}
     decode = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": True,
@@ -433,6 +447,8 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
                 names = set(fm.__dict__[name].arg_names)
                 consts = {**tiles, "USE_FP8": use_fp8, "PACK": 0, "GDIV": True}
                 consts.update({k: v for k, v in reduce.items() if k in names})
+                if "SPLIT" in names:      # split K only without FP8 activations
+                    consts["SPLIT"] = 4 if tiles is decode and not use_fp8 else 1
                 if use_fp8 and tiles["TMA"]:
                     consts["BLOCK_K"] = 128
                 jobs.append(["m3serve.kernels.fused_moe", name,
@@ -443,6 +459,9 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
                  {"HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32, "SCATTER": True}, 4])
     summ = {"y_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32", "extra_ptr": "*bf16",
             "out_ptr": "*fp32"}
+    jobs.append(["m3serve.kernels.fused_moe", "_split_swiglu_kernel",
+                 {"part_ptr": "*fp32", "h_ptr": "*bf16", "num_post_ptr": "*i32", "alpha": "fp32",
+                  "limit": "fp32"}, {"SPLIT": 4, "BLOCK_R": 16, "BLOCK_C": 128}, 4])
     jobs.append(["m3serve.kernels.fused_moe", "_moe_sum_kernel", summ,
                  {"BLOCK_H": 2048, "HAS_SHARED": True, "HAS_EXTRA": True}, 4])
     route = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "bias_ptr": "*fp32",
@@ -452,7 +471,7 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
                  {"BLOCK_T": 1, "BLOCK_E": 16, "BLOCK_K": 128, "E": 128, "SPLITS": 24, "TOP_K": 4,
                   "HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32}, 4])
     lines = compile_for_hopper(jobs, tmp_path)
-    assert len(lines) == 11
+    assert len(lines) == 12
     # the prefill tiles run on wgmma (the 16-row decode tiles are below its 64 rows)
     assert all(line.endswith("True") for line in lines[4:8])
 

@@ -62,10 +62,12 @@ def test_packed_matmul_rejects_bad_operands():
 H, I, E, I_S = 64, 64, 8, 32
 
 
+@pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_fused_moe_packed_equals_dequantised(fmt):
+def test_fused_moe_packed_equals_dequantised(fmt, split):
     """Routed experts (top-2 of 8) + a narrower shared expert, both reduce modes, against the
-    fused MoE's reference on the dequantised weights."""
+    fused MoE's reference on the dequantised weights; split=3: the gate_up GEMM's K (two
+    steps) in three ranges, one of them empty, summed with SwiGLU by the down GEMM."""
     g = torch.Generator().manual_seed(5)
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3
     s13, s2 = torch.randn(2 * I_S, H, generator=g) * 0.3, torch.randn(H, I_S, generator=g) * 0.3
@@ -76,10 +78,12 @@ def test_fused_moe_packed_equals_dequantised(fmt):
     kind, divides = a[3], a[4]
     ref = fused_moe_ref(x, a[5], b[5], weights, ids, shared=(c[5], d[5]))
     shared = (c[0], d[0], c[1], d[1]) + ((c[2], d[2]) if kind == "nvfp4" else ())
+    from m3serve.kernels.fused_moe import _config
+    config = (_config(16, 32, 32, 1, 4, 1, split_k=split), _config(16, 32, 32, 1, 4, 1))
     for reduce in ("atomic", "sum"):
         out = fused_moe(x, a[0], b[0], weights, ids, w13_scale=a[1], w2_scale=b[1],
                         w13_global=a[2], w2_global=b[2], packed=kind, global_divides=divides,
-                        shared=shared, reduce=reduce)
+                        shared=shared, reduce=reduce, config=config)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5, reduce
     # a wrong block-scale shape names the tensor
     with pytest.raises(ValueError, match="w2 block scales"):
@@ -98,7 +102,7 @@ def test_packed_kernels_compile_for_hopper(tmp_path):
            "h_ptr": "*bf16", "h_scale_ptr": "*fp32", "out_ptr": "*fp32", "weights_ptr": "*fp32",
            "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "num_post_ptr": "*i32",
            "alpha": "fp32", "limit": "fp32", "zero_ptr": "*fp32", "g_ptr": "*fp32",
-           "gs_ptr": "*fp32"}
+           "gs_ptr": "*fp32", "part_ptr": "*fp32"}
     jobs = []
     for fmt, code, scale in ((1, "*fp8e4nv", "*u8"), (2, "*u8", "*u8"), (3, "*u8", "*fp8e4nv")):
         for bm, bn, bk, warps in ((16, 32, 256, 4), (64, 128, 64, 8)):
@@ -109,7 +113,7 @@ def test_packed_kernels_compile_for_hopper(tmp_path):
             tiles = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "EVEN_K": False,
                      "USE_FP8": False, "UPCAST": False, "TMA": False, "PACK": fmt, "GDIV": True}
             sig = {**moe, "w_ptr": code, "ws_ptr": code, "w_scale_ptr": scale, "ws_scale_ptr": scale}
-            for name, extra in (("_gemm1_swiglu_kernel", {"ZERO": True}),
+            for name, extra in (("_gemm1_swiglu_kernel", {"ZERO": True, "SPLIT": 4 if bm == 16 else 1}),
                                 ("_gemm2_kernel", {"ATOMIC": True})):
                 names = set(fm.__dict__[name].arg_names)
                 jobs.append(["m3serve.kernels.fused_moe", name,
