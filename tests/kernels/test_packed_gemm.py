@@ -91,6 +91,32 @@ def test_fused_moe_packed_real_shapes(experts, fmt, inter):
             assert _rel(out, ref) < TOL, (tokens, reduce, _rel(out, ref))
 
 
+@pytest.mark.parametrize("fmt", [None] + FORMATS)
+def test_fused_moe_split_k(experts, fmt):
+    """The gate_up GEMM with its K split in 2 / 4 / 8 ranges (decode rows, one TP 8 rank's
+    width), bf16 or packed experts, against the reference."""
+    from m3serve.kernels.fused_moe import fused_moe, get_config, moe_route
+    from m3serve.kernels.ref.fused_moe import fused_moe_ref
+    p13, p2, s13, s2, d13, d2, kind, divides = _stacks(experts, fmt or "mxfp8", 384)
+    if fmt is None:          # bf16 experts: the dequantised stacks themselves
+        p13, p2 = [d13.to(torch.bfloat16), None, None], [d2.to(torch.bfloat16), None, None]
+        shared, kind = (s13[5].to(torch.bfloat16), s2[5].to(torch.bfloat16)), None
+    else:
+        shared = (s13[0], s2[0], s13[1], s2[1]) + ((s13[2], s2[2]) if kind == "nvfp4" else ())
+    for tokens in (1, 4, 16):
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        w, ids = moe_route(x, experts["gate"], experts["bias"], K, 2.0)
+        ref = fused_moe_ref(x, d13, d2, w, ids, shared=(s13[5], s2[5]))
+        g1 = get_config(1, 384, H, torch.bfloat16, True)
+        d1 = get_config(1, H, 384, torch.bfloat16, packed=kind is not None)
+        for split in (2, 4, 8):
+            out = fused_moe(x, p13[0], p2[0], w, ids, w13_scale=p13[1], w2_scale=p2[1],
+                            w13_global=p13[2], w2_global=p2[2], packed=kind,
+                            global_divides=divides, shared=shared,
+                            config=({**g1, "SPLIT_K": split}, d1))
+            assert _rel(out, ref) < TOL, (tokens, split, _rel(out, ref))
+
+
 def test_fused_moe_packed_graph_replay(experts):
     """Captured once, replayed with new tokens: the replay sees them (no host reads)."""
     from m3serve.kernels.fused_moe import fused_moe, moe_route
