@@ -449,9 +449,47 @@ NARROW_DOWN = {False: _config(16, 128, 128, 1, 4, 3), True: _config(16, 64, 128,
 PACKED_NARROW_DOWN = _config(16, 128, 64, 1, 4, 3)
 
 
+# Split K of the packed experts' decode gate_up GEMM (SPLIT_K 0 in a config: by step size).
+# Dequantising in registers makes those tiles instruction bound, and one TP rank's narrow
+# experts give few programs (5 experts x 12 column tiles at one token), so the K ranges run as
+# separate programs until a step has about this many (FP4 codes with fp32 scales, NVFP4's, cost
+# the most instructions and want more). Measured on an H200 (scripts/decode_kernels_bench.py
+# rank_packed, one TP 8 rank's experts, 4 of 128 + shared, gate_up + down µs at 1 / 4 / 16
+# tokens): MXFP4 47.2 / 83.0 / 145.7 unsplit -> 26.7 (split 4) / 65.2 (8) / 142.4 (1); NVFP4
+# 66.3 / 108.2 / 256.9 -> 33.2 (8) / 83.3 (8) / 229.8 (4); MXFP8 41.3 / 72.4 / 172.1 -> 29.2
+# (8) / 62.9 (4) / 148.0 (2). bf16 experts gain nothing from it (32.5 -> 32.4 at split 2).
+SPLIT_PROGRAMS = {2: 2048, 3: 4096, 1: 2048}
+MAX_SPLIT = 8
+
+
+def decode_split(num_tokens: int, top_k: int, num_experts: int, inter: int, block_n: int,
+                 shared: bool, pack: int) -> int:
+    """The gate_up GEMM's split K for a step of num_tokens (packed experts, format code `pack`):
+    doubled while the expected programs (experts hit, times column tiles, times the split) stay
+    within SPLIT_PROGRAMS; a function of the step size only, so each CUDA-graph size has one."""
+    programs = (min(num_tokens * top_k, num_experts) + int(shared)) * triton.cdiv(inter, block_n)
+    split = 1
+    while split < MAX_SPLIT and programs * split * 2 <= SPLIT_PROGRAMS[pack]:
+        split *= 2
+    return split
+
+
 def tile_regimes(dtype: torch.dtype) -> tuple[int, int, int]:
     """The (small, medium, large) row bounds of `get_config` for weights of `dtype`."""
     return TILE_REGIMES.get(dtype, TILE_REGIMES[torch.bfloat16])
+
+
+def split_token_counts(num_experts: int, top_k: int, inter: int, shared: bool, pack: int,
+                       max_tokens: int) -> list[int]:
+    """The smallest step size of each split K `decode_split` picks for packed experts of width
+    `inter` (what a warm-up runs so no split variant compiles while serving)."""
+    block_n = get_config(1, inter, 1 << 20, torch.bfloat16, True, packed=True)["BLOCK_N"]
+    first = {}
+    for t in range(1, max_tokens + 1):
+        first.setdefault(decode_split(t, top_k, num_experts, inter, block_n, shared, pack), t)
+        if t * top_k >= num_experts:          # every expert hit: the split stops changing
+            break
+    return sorted(first.values())
 
 
 def regime_token_counts(num_experts: int, top_k: int, max_tokens: int,
@@ -477,7 +515,7 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
     because both GEMMs share one alignment. Decode (few rows per expert) is weight-bandwidth
     bound: a 16-row tile, long K steps and deep pipelining; prefill is compute bound: 64/128-row
     tiles in L2-friendly groups. packed: the weights are packed codes, dequantised to tiles of
-    `dtype` (bf16) in registers.
+    `dtype` (bf16) in registers (their narrow decode gate_up tiles split K by step size).
     """
     if _INTERPRET:
         return _config(16, 32, 32, 1, 4, 1)
@@ -485,6 +523,7 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
     small, medium, large = tile_regimes(dtype)
     if M <= small and gate_up and N <= NARROW_WIDTH:   # one TP rank's experts: narrow tiles
         regime, cfg = "small", dict(NARROW_GATE_UP[fp8])
+        cfg["SPLIT_K"] = 0 if packed else 1           # packed: `decode_split` by step size
     elif M <= small and not gate_up and K <= NARROW_WIDTH:
         regime, cfg = "small", dict(PACKED_NARROW_DOWN if packed else NARROW_DOWN[fp8])
     elif M <= small:   # bf16: 3 stages beat 4 (143 vs 151 µs for 5 experts at 1 token, H200)
@@ -1096,6 +1135,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     num_n1 = triton.cdiv(inter_max, cfg1["BLOCK_N"])
     grid1 = num_blocks * num_n1
     split = cfg1.get("SPLIT_K", 1) if not (fp8 or tma) else 1
+    if split == 0:
+        split = decode_split(num_tokens, top_k, num_experts, inter_max, cfg1["BLOCK_N"],
+                             shared is not None, pack) if pack else 1
     # split K: [SPLIT, B*BM, 2 I_max] fp32 gate / up partial sums, then h from their sum
     parts = (torch.empty(split, num_padded, 2 * inter_max, dtype=torch.float32, device=x.device)
              if split > 1 else route_w)

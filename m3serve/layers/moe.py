@@ -192,10 +192,17 @@ class MoE(nn.Module):
     def tile_token_counts(self, max_tokens: int) -> list[int]:
         """Step sizes up to max_tokens that reach every tile variant of the fused kernels (the
         start-up warm-up's forwards)."""
-        from m3serve.kernels.fused_moe import regime_token_counts
+        from m3serve.kernels.fused_moe import PACK_CODES, regime_token_counts, split_token_counts
         gathered = self.dp.size if self.dp.active else 1   # DP replicas' tokens meet here
-        return regime_token_counts(self.experts.num_local, self.cfg.num_experts_per_tok * gathered,
-                                   max_tokens, self.tile_dtype)
+        top_k, ex = self.cfg.num_experts_per_tok * gathered, self.experts
+        counts = regime_token_counts(ex.num_local, top_k, max_tokens, self.tile_dtype)
+        fmt = packed_format(ex, "w13")
+        if fmt is not None:                   # packed experts: each split K of decode steps
+            shared = self._shared_in_kernel()
+            inter = max(ex.inter_local, self.cfg.shared_intermediate_size // self.tp.size if shared else 0)
+            counts += split_token_counts(ex.num_local, top_k, inter, shared, PACK_CODES[fmt.kind],
+                                         max_tokens)
+        return sorted(set(counts))
 
     @property
     def tile_dtype(self) -> torch.dtype:

@@ -420,6 +420,17 @@ def test_split_k_gate_up_matches_ref(split, dtype):
         assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3), reduce
 
 
+def test_split_token_counts_reach_every_decode_split():
+    """Packed experts' decode gate_up splits K by step size; the warm-up's step sizes
+    (`split_token_counts`) reach every split any step size up to the limit would use."""
+    block_n = fm.get_config(1, 384, 6144, torch.bfloat16, True, packed=True)["BLOCK_N"]
+    for pack in (1, 2, 3):
+        counts = fm.split_token_counts(128, 4, 384, True, pack, 512)
+        every = {fm.decode_split(t, 4, 128, 384, block_n, True, pack) for t in range(1, 513)}
+        assert {fm.decode_split(t, 4, 128, 384, block_n, True, pack) for t in counts} == every
+        assert len(every) > 1 and max(counts) <= 512
+
+
 def test_grouped_gemms_compile_for_hopper(tmp_path):
     """Both grouped GEMMs (bf16 and fp8), the alignment, the summing pass and the one-launch
     router + alignment compile for sm_90 with the bundled ptxas, no GPU needed."""
