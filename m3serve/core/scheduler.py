@@ -181,6 +181,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         # The caller has already taken the request out of running/waiting.
         request.status = status
+        self.kv_manager.free_draft(request)      # a held request keeps its target KV, never its draft's
         if free:
             self.kv_manager.free(request)
         if self.grammars is not None and request.sampling_params.structured_outputs is not None:
@@ -397,7 +398,8 @@ class Scheduler:
                     req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit, mm_inputs=request.mm_inputs))
+                    num_computed_tokens=num_hit, mm_inputs=request.mm_inputs,
+                    draft_blocks=self.kv_manager.take_draft_update(request.request_id)))
                 self._num_tokens_sent[request.request_id] = request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -583,6 +585,8 @@ class Scheduler:
         cached.new_token_ids.append(request.all_token_ids[num_sent:])
         cached.new_block_ids.append(new_block_ids)
         cached.num_computed_tokens.append(request.num_computed_tokens)
+        if self.kv_manager.draft is not None:
+            cached.draft_blocks.append(self.kv_manager.take_draft_update(request.request_id))
         # a token in flight reaches the worker from the device, not from here
         self._num_tokens_sent[request.request_id] = request.num_tokens + request.num_output_placeholders
 
@@ -756,6 +760,11 @@ class Scheduler:
             if getattr(r, "num_external_tokens", 0) or getattr(r, "num_restored_tokens", 0)}
         if not holders <= may_hold:
             problems.append(f"requests that may not hold blocks do: {sorted(holders - may_hold)}")
+        if self.kv_manager.draft is not None:
+            draft_holders = set(self.kv_manager.draft.request_ids)
+            if not draft_holders <= set(running_ids):
+                problems.append(f"requests that do not run hold draft blocks: "
+                                f"{sorted(draft_holders - set(running_ids))}")
         if problems:
             raise RuntimeError("scheduler integrity check failed:\n  " + "\n  ".join(problems))
         self.kv_manager.check_integrity()
