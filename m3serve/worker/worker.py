@@ -76,7 +76,7 @@ class Worker:
             draft_specs = self.proposer.cache_specs(self.kv_dtype.itemsize, self.index_dtype.itemsize)
             self.draft_window = self.proposer.drafter.sliding_window
             if self.draft_window:
-                from m3serve.core.kv_cache.draft_window import window_pool_blocks
+                from m3serve.core.kv_cache.specs import window_pool_blocks
                 self.num_draft_blocks = window_pool_blocks(
                     self.draft_window, spec.num_speculative_tokens, self.block_size,
                     config.scheduler.max_num_seqs, self.max_model_len)

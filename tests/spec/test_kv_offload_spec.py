@@ -9,7 +9,7 @@ read (garbage in the null block, where holes point, changes no draft)."""
 import pytest
 import torch
 
-from m3serve.core.kv_cache.draft_window import window_pool_blocks
+from m3serve.core.kv_cache.specs import window_pool_blocks
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
 

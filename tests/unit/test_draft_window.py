@@ -10,7 +10,7 @@ hole read, or a stale prefix hit therefore fails. The draft pool must never hold
 window's blocks per request, and be whole after finish, preemption and abort.
 """
 from m3serve.config import SchedulerConfig
-from m3serve.core.kv_cache.draft_window import window_pool_blocks
+from m3serve.core.kv_cache.specs import window_pool_blocks
 from m3serve.core.kv_cache.manager import KVCacheManager
 from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler

@@ -8,7 +8,7 @@ last verified position is at least c' - 1 - k). So a request holds the logical b
 back to the pool as the request advances, and context tokens below `lo` are written to the null
 block (the draft never reads them). `lo` never moves back past a released block: every later
 query starts after the last verified position. At most `window_blocks_per_request` blocks per
-request, so a pool of `window_pool_blocks` never runs dry while max_num_seqs requests run.
+request, so a pool of `specs.window_pool_blocks` never runs dry while max_num_seqs requests run.
 
 Full draft blocks are prefix-cached under the same content hashes as the target's blocks: a
 prefix hit also finds the draft blocks of the hit's last window while they are still cached.
@@ -22,22 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from m3serve.core.kv_cache.block_pool import BlockPool, KVBlock
+from m3serve.core.kv_cache.specs import window_blocks_per_request
 from m3serve.core.request import Request
 from m3serve.core.scheduler_output import DraftBlocks
-
-
-def window_blocks_per_request(window: int, num_lookahead: int, block_size: int) -> int:
-    """Most blocks a request holds: the tokens [lo, c' + k) are W + 2k - 1, at any offset."""
-    num_tokens = window + 2 * num_lookahead - 1
-    return (num_tokens + block_size - 2) // block_size + 1
-
-
-def window_pool_blocks(window: int, num_lookahead: int, block_size: int, max_num_seqs: int,
-                       max_model_len: int) -> int:
-    """Blocks of the draft's pool (block 0, the null block, included): every running request's
-    window, never more than a whole context's blocks each."""
-    context = -(-(max_model_len + num_lookahead) // block_size)
-    return max_num_seqs * min(window_blocks_per_request(window, num_lookahead, block_size), context) + 1
 
 
 @dataclass
