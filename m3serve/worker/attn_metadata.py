@@ -6,8 +6,9 @@ offsets, sequence lengths, block tables; positions and slot mapping computed on 
 with fixed offsets, so the device views have stable addresses: eager steps and CUDA-graph
 replays read the same tensors, and a step's inputs travel in ONE host-to-device copy of the
 prefix that holds them. A window draft (DSpark) adds [draft_valid_from (R) | draft_block_table
-(R x W)] after them, in a second copy of the rows staged. Rows past the step's requests are padding rows: a one-token request on
-the null page (block 0), which the graphs use to fill a captured batch size.
+(R x W)] after them, in a second copy (through the draft tables of the rows staged). Rows past
+the step's requests are padding rows: a one-token request on the null page (block 0), which the
+graphs use to fill a captured batch size.
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ class StepBuffers:
         end = self._bt + rows * self.max_blocks
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self.has_draft_tables:
-            # contiguous only because the second region spans all max_reqs valid-from entries
+            # every row's valid-from, then the draft tables of `rows` rows
             start, stop = self._dvf, self._dbt + rows * self.max_blocks
             self.dev[start:stop].copy_(self.host[start:stop], non_blocking=True)
         if self._copied is not None:

@@ -3,11 +3,11 @@ updated from each `SchedulerOutput` diff.
 
 A row holds the request's token ids (prompt + accepted outputs, then this step's drafts past
 the end), how many of them have KV in the cache, its block-table row, and its sampling state
-(params, generator); with a window draft (DSpark), also the draft's own block-table row (logical
-blocks it holds, 0 elsewhere) and the first position whose draft KV is valid. Rows are dense (0 .. num_rows - 1): removing a request moves the last row
-into its place. A step's batch is the scheduled requests in the scheduler's order, as row
-indices (`ScheduledBatch`); everything per token is computed with numpy over those rows, never
-in a Python loop over tokens.
+(params, generator); with a window draft (DSpark), also the draft's own block-table row (the
+logical blocks it holds, 0 elsewhere) and the first position whose draft KV is valid. Rows are
+dense (0 .. num_rows - 1): removing a request moves the last row into its place. A step's batch
+is the scheduled requests in the scheduler's order, as row indices (`ScheduledBatch`);
+everything per token is computed with numpy over those rows, never in a Python loop over tokens.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3serve.core.scheduler_output import SchedulerOutput
+from m3serve.core.scheduler_output import DraftBlocks, SchedulerOutput
 from m3serve.sampling_params import SamplingParams
 from m3serve.worker.sampler import make_generator
 
@@ -97,7 +97,7 @@ class InputBatch:
     # ---------------------------------------------------------------- rows
 
     def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            block_ids: list[int], num_computed_tokens: int, draft_blocks=None) -> None:
+            block_ids: list[int], num_computed_tokens: int, draft_blocks: DraftBlocks | None = None) -> None:
         if req_id in self.index:
             raise RuntimeError(f"request {req_id!r} is already in the input batch")
         if self.num_rows == self.capacity:
@@ -158,7 +158,7 @@ class InputBatch:
         self.draft_block_table[row, self.draft_first[row]:self.draft_end[row]] = 0
         self.draft_first[row] = self.draft_end[row] = self.draft_valid_from[row] = 0
 
-    def _set_draft(self, row: int, update) -> None:
+    def _set_draft(self, row: int, update: DraftBlocks | None) -> None:
         """Apply a `DraftBlocks` diff: entries below its first block are released (0), its new
         blocks follow the last one held."""
         if update is None:
