@@ -335,6 +335,8 @@ class Scheduler:
             num_spec = request.num_computed_tokens + num_new - request.num_tokens
             if num_spec > 0:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            if not speculate:
+                self._draft_not_written(request, request.num_computed_tokens + num_new)
             self._add_cached(cached, request, new_block_ids, resumed=False)
             num_scheduled[request.request_id] = num_new
             modes[request.request_id] = mode
@@ -388,6 +390,8 @@ class Scheduler:
             self.waiting.popleft()
             request.lookup_counted = False           # a later admission (after preemption) counts again
             request.num_computed_tokens = num_hit
+            if not speculate:
+                self._draft_not_written(request, num_hit + num_new)
             if request.status == RequestStatus.PREEMPTED:
                 self._add_cached(cached, request, self.kv_manager.get_block_ids(request.request_id),
                                  resumed=True)
@@ -441,6 +445,11 @@ class Scheduler:
             for req_id in sampled:
                 self.requests[req_id].num_output_placeholders += 1
         return output
+
+    def _draft_not_written(self, request: Request, end_pos: int) -> None:
+        """A plain step runs no draft: a window draft must not read what it computes."""
+        if self.kv_manager.draft is not None:
+            self.kv_manager.draft.not_written(request.request_id, end_pos)
 
     @staticmethod
     def _is_prefill(request: Request) -> bool:

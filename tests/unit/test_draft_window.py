@@ -6,7 +6,7 @@ token's draft "KV" (its whole prefix) at the slot its draft table names (entry 0
 block, a sink), and after the step runs the draft's query block: it writes k keys past the last
 verified position and reads every context key of the window from the valid position on, which
 must hold exactly the verified prefix. A block released too early, reused while still read, a
-hole read, or a stale prefix hit therefore fails. The draft pool must never hold more than a
+hole read (KV a plain step never wrote included), or a stale prefix hit therefore fails. The draft pool must never hold more than a
 window's blocks per request, and be whole after finish, preemption and abort.
 """
 from m3serve.config import SchedulerConfig
@@ -78,6 +78,10 @@ class ShadowDraft:
             drafts = so.scheduled_spec_decode_tokens.get(rid, [])
             seq = state["tokens"] + drafts
             start = state["computed"]
+            state["computed"] = start + n
+            if not so.speculate:                                # a plain step: no draft pass
+                sampled.append([next_token(seq[:start + n])])
+                continue
             for pos in range(start, start + n):                 # the first pass: context rows
                 block, off = self._slot(state, pos)
                 if block:
@@ -99,9 +103,8 @@ class ShadowDraft:
                 guess.append((next_token(truth + guess) + (j == 2 and self.num_steps % 3 == 0)) % VOCAB)
             sampled.append(emitted)
             proposals.append(guess)
-            state["computed"] = start + n
         return ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled,
-                                 spec_token_ids=proposals)
+                                 spec_token_ids=proposals if so.speculate else None)
 
     def _query(self, state, verified, p):
         """The query block at p + 1 .. p + k: its own keys, then every window key read."""
@@ -117,12 +120,13 @@ class ShadowDraft:
                 self.num_reads += 1
 
 
-def make(num_blocks=64, max_seqs=4, max_batched=32):
+def make(num_blocks=64, max_seqs=4, max_batched=32, disable_by_batch_size=None):
     draft_blocks = window_pool_blocks(W, K, BS, max_seqs, 256)
     kv = KVCacheManager(num_blocks, BS, draft_window=W, num_draft_blocks=draft_blocks, num_lookahead_tokens=K)
     cfg = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_seqs,
                           long_prefill_token_threshold=0)
-    return Scheduler(cfg, kv, max_model_len=256, num_speculative_tokens=K)
+    return Scheduler(cfg, kv, max_model_len=256, num_speculative_tokens=K,
+                     disable_spec_by_batch_size=disable_by_batch_size)
 
 
 def req(rid, prompt, max_tokens):
@@ -202,4 +206,17 @@ def test_a_prefix_hit_finds_the_window_of_its_last_blocks():
     assert sched.kv_manager.prefix_cache_hits > 0
     assert sched.kv_manager.draft.num_hit_blocks > 0           # read back by the shadow queries
     assert out["b"] == reference(shared + [1, 2, 3], 20)
+    assert_whole(sched)
+
+
+def test_tokens_of_plain_steps_are_holes_the_draft_never_reads():
+    """disable_by_batch_size: while two requests run, steps decode without the draft (no draft
+    KV written); the one left speculates again and must not read what those steps computed."""
+    sched, runner = make(disable_by_batch_size=2), ShadowDraft()
+    prompts = {"long": [(5 * i + 1) % VOCAB for i in range(20)], "short": [(3 * i) % VOCAB for i in range(7)]}
+    sched.add_request(req("long", prompts["long"], 60))
+    sched.add_request(req("short", prompts["short"], 10))
+    out = run(sched, runner)
+    assert sched.num_plain_steps > 5 and sched.spec_stats.num_drafts > 5 and runner.num_reads > 0
+    assert out == {rid: reference(p, 60 if rid == "long" else 10) for rid, p in prompts.items()}
     assert_whole(sched)

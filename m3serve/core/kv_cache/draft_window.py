@@ -15,7 +15,8 @@ prefix hit also finds the draft blocks of the hit's last window while they are s
 Draft KV that no step wrote for this request and no hit found (a partial hit, KV restored from
 the CPU tier or pulled from a prefill worker, which carry no draft KV) is a hole: every position
 below the request's `valid_from` is one, and its queries never read below it (drafts lose
-quality, the output stays lossless since every draft is verified).
+quality, the output stays lossless since every draft is verified). So are the tokens of steps
+that run without the draft (`disable_by_batch_size`): `valid_from` moves past them.
 """
 from __future__ import annotations
 
@@ -110,6 +111,13 @@ class DraftWindowManager:
             return _DraftRow(first=first, valid_from=first * bs, blocks=run, cached_end=num_hit_blocks)
         first = max(lo, num_computed) // bs
         return _DraftRow(first=first, valid_from=num_computed, cached_end=-(-num_computed // bs))
+
+    def not_written(self, request_id: str, end_pos: int) -> None:
+        """The step computes up to `end_pos` without the draft (a plain step,
+        `disable_by_batch_size`): what it computes is a hole for the draft."""
+        row = self._rows.get(request_id)
+        if row is not None:
+            row.valid_from = max(row.valid_from, end_pos)
 
     def cache_blocks(self, request: Request, num_computed: int) -> None:
         """Register the request's full draft blocks within its first `num_computed` tokens
