@@ -73,7 +73,7 @@ class DraftWindowManager:
         bs = self.block_size
         end_pos = num_computed + num_new                       # c'
         lo = max(0, end_pos - self.num_lookahead - self.window + 1)
-        last = (end_pos + self.num_lookahead - 1) // bs        # the query block's last position
+        last = (end_pos + self.num_lookahead - 1) // bs        # block of the query block's last position
         row = self._rows.get(request.request_id)
         if row is None:
             row = self._new_row(request, num_computed, num_hit_blocks, lo)
