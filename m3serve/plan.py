@@ -1,7 +1,9 @@
 """Deployment arithmetic without loading weights (and without torch): whether a parallel layout
 fits the model's shapes (`check_layout`, run before any process starts), and `m3serve plan`:
 weight bytes per GPU, KV-cache bytes per token per GPU (replicated KV heads counted), and how
-many tokens and concurrent requests fit.
+many tokens and concurrent requests fit. A sliding-window draft (DSpark) costs no KV bytes per
+context token: its own pool holds a window per running request (`--max-num-seqs` of them),
+taken from the budget before the target's blocks.
 
 The counts follow the engine's own sharding (layers/linear.py, layers/moe.py,
 model/minimax_m3.py): q heads, o, gate/up/down split over TP; KV and index-query heads split,
@@ -129,8 +131,9 @@ def _weight_format(module: str, format_of, quantization) -> str | None:
 @dataclass
 class Plan:
     weight_bytes: dict[str, int]     # per GPU, by part
-    kv_bytes_per_token: dict[str, int]   # per GPU: "main", "index"
+    kv_bytes_per_token: dict[str, int]   # per GPU: "main", "index" (and a block-sharing draft's)
     kv_heads_per_rank: int
+    draft_window: dict | None = None     # a window draft's pool: bytes_per_token, sliding_window, k
 
     @property
     def total_weight_bytes(self) -> int:
@@ -150,7 +153,8 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
          kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto", dtype_bytes: int = 2,
          draft: dict | None = None, format_of=None) -> Plan:
     """Bytes of one rank (every rank holds the same amount). `draft` (see `draft_kv`) adds the
-    speculative draft's cache group(s) to the KV bytes per token. `format_of(canonical module)`:
+    speculative draft's cache group(s) to the KV bytes per token (EAGLE3, MTP) or describes its
+    window pool (DSpark, `Plan.draft_window`; `capacity` sizes it). `format_of(canonical module)`:
     the stored checkpoint's format of a linear ("mxfp8" | "mxfp4" | "nvfp4" | None = dtype);
     online `quantization` overrides it where it applies."""
     check_layout(cfg, parallel)
@@ -199,16 +203,19 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
     idx_b = 1 if index_cache_dtype != "auto" else dtype_bytes
     kv = {"main": cfg.num_hidden_layers * 2 * kv_local * D * kv_b,
           "index": len(cfg.sparse_layer_ids) * Di * idx_b}
+    window = None
     if draft is not None:
         if draft["method"] == "eagle3":               # never fp8, like DSpark's below
             heads = _kv_heads_per_rank(draft["num_key_value_heads"], draft["tensor_parallel_size"])
             kv["draft"] = 2 * heads * draft["head_dim"] * dtype_bytes
         elif draft["method"] == "dspark":            # never fp8: the draft's K/V keep the model dtype
             heads = _kv_heads_per_rank(draft["num_key_value_heads"], draft["tensor_parallel_size"])
-            kv["draft"] = draft["layers"] * 2 * heads * draft["head_dim"] * dtype_bytes
+            window = {"bytes_per_token": draft["layers"] * 2 * heads * draft["head_dim"] * dtype_bytes,
+                      "sliding_window": draft["sliding_window"],
+                      "num_speculative_tokens": draft["num_speculative_tokens"]}
         else:
             kv["draft"] = draft["modules"] * (2 * kv_local * D * kv_b + Di * idx_b)
-    return Plan(parts, kv, kv_local)
+    return Plan(parts, kv, kv_local, window)
 
 
 def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig, model: str | None = None) -> dict:
@@ -225,6 +232,8 @@ def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig, model: str
         _, text = read_dspark_config(dspark_config_path(spec.model, model))
         heads = text.get("num_attention_heads", 1)
         return {"method": "dspark", "layers": text.get("num_hidden_layers", 1),
+                "sliding_window": text.get("sliding_window", 4096),
+                "num_speculative_tokens": spec.num_speculative_tokens or text.get("dspark_block_size", 1),
                 "num_key_value_heads": text.get("num_key_value_heads", heads),
                 "head_dim": text.get("head_dim") or text.get("hidden_size", heads) // heads,
                 "tensor_parallel_size": spec.draft_tensor_parallel_size or parallel.tensor_parallel_size}
@@ -238,16 +247,32 @@ def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig, model: str
     return {"method": "mtp", "modules": spec.num_speculative_tokens}
 
 
+def draft_window_bytes(p: Plan, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+    """A window draft's pool on each GPU (`core/kv_cache/draft_window.py`): a window of blocks
+    per running request, whatever the context length (0 without one)."""
+    from m3serve.core.kv_cache.specs import window_pool_blocks
+    w = p.draft_window
+    if w is None:
+        return 0
+    blocks = window_pool_blocks(w["sliding_window"], w["num_speculative_tokens"], block_size, max_num_seqs,
+                                max_model_len)
+    return blocks * block_size * w["bytes_per_token"]
+
+
 def capacity(p: Plan, cfg: M3Config, gpu_memory_bytes: int, gpu_memory_utilization: float,
-             max_model_len: int, block_size: int) -> dict:
+             max_model_len: int, block_size: int, max_num_seqs: int = 256) -> dict:
     """How many KV tokens fit on each GPU (every rank of a replica holds the same tokens), and
-    how many requests of max_model_len tokens that is per DP replica."""
-    budget = int(gpu_memory_bytes * gpu_memory_utilization) - p.total_weight_bytes - ACTIVATION_HEADROOM
+    how many requests of max_model_len tokens that is per DP replica; a window draft's pool
+    for `max_num_seqs` running requests comes first."""
+    draft_bytes = draft_window_bytes(p, block_size, max_num_seqs, max_model_len)
+    budget = (int(gpu_memory_bytes * gpu_memory_utilization) - p.total_weight_bytes - ACTIVATION_HEADROOM
+              - draft_bytes)
     per_block = p.total_kv_bytes_per_token * block_size
     blocks = max(0, budget // per_block - 1) if budget > 0 else 0       # block 0 is the null block
     tokens = blocks * block_size
     blocks_per_request = -(-max_model_len // block_size)
     return {"kv_budget_bytes": max(0, budget), "kv_blocks": blocks, "kv_tokens": tokens,
+            "draft_window_bytes": draft_bytes,
             "max_model_len": max_model_len,
             "concurrent_requests": blocks // blocks_per_request if blocks_per_request else 0,
             "fits": budget > 0 and blocks >= blocks_per_request}
@@ -269,6 +294,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-gib", type=float, default=H200_MEMORY_GIB,
                         help=f"memory of one GPU (default: an H200's, {H200_MEMORY_GIB:.1f} GiB)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="running requests, each with a window of a DSpark draft's KV (default 256)")
     parser.add_argument("--speculative-config", default=None,
                         help="count the draft's KV cache too (the --speculative-config JSON)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -318,7 +345,8 @@ def format_table(cfg: M3Config, parallel: ParallelConfig, args, stored, draft) -
         p = plan(cfg, parallel, quantization, args.kv_cache_dtype, args.index_cache_dtype, draft=draft,
                  format_of=format_of)
         fit = capacity(p, cfg, int(args.gpu_memory_gib * GIB), args.gpu_memory_utilization,
-                       args.max_model_len or cfg.max_position_embeddings, cfg.index_block_size)
+                       args.max_model_len or cfg.max_position_embeddings, cfg.index_block_size,
+                       getattr(args, "max_num_seqs", 256))
         out.append({"weights": label, "weights_per_gpu_bytes": p.total_weight_bytes,
                     "kv_tokens": fit["kv_tokens"], "fits": fit["fits"]})
     return out
@@ -338,7 +366,7 @@ def main(args) -> dict:
              format_of=format_of)
     max_len = args.max_model_len or cfg.max_position_embeddings
     fit = capacity(p, cfg, int(args.gpu_memory_gib * GIB), args.gpu_memory_utilization, max_len,
-                   cfg.index_block_size)
+                   cfg.index_block_size, getattr(args, "max_num_seqs", 256))
     result = {"model": args.model, "tensor_parallel_size": parallel.tensor_parallel_size,
               "data_parallel_size": parallel.data_parallel_size,
               "enable_expert_parallel": parallel.enable_expert_parallel, "gpus": parallel.world_size,
@@ -350,6 +378,7 @@ def main(args) -> dict:
               "kv_bytes_per_token_per_gpu_by_cache": p.kv_bytes_per_token,
               "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
               "config_source": source, "quantization_note": quant_note,
+              "max_num_seqs": getattr(args, "max_num_seqs", 256),
               "by_weight_format": format_table(cfg, parallel, args, format_of, draft), **fit}
     if args.json:
         print(json.dumps(result))
@@ -377,6 +406,9 @@ def _render(r: dict, cfg: M3Config) -> str:
     lines.append(f"  KV cache per token per GPU: {r['kv_bytes_per_token_per_gpu']:,} B "
                  f"(main {kv['main']:,} + index {kv['index']:,} in {r['index_cache_layers']} of "
                  f"{cfg.num_hidden_layers} layers{draft}){replicated}")
+    if r["draft_window_bytes"]:
+        lines.append(f"  draft KV (DSpark): its own window pool, {r['draft_window_bytes'] / GIB:.3f} GiB per GPU "
+                     f"for {r['max_num_seqs']} running requests, nothing per context token")
     lines.append("  by weight format (weights per GPU, KV tokens per replica):")
     for row in r["by_weight_format"]:
         fits = "" if row["fits"] else "  (does not fit one request)"

@@ -45,7 +45,10 @@ class EngineCore:
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.kv_manager = KVCacheManager(executor.num_blocks, executor.block_size,
                                          enable_caching=config.cache.enable_prefix_caching,
-                                         num_cpu_blocks=getattr(executor, "num_cpu_blocks", 0))
+                                         num_cpu_blocks=getattr(executor, "num_cpu_blocks", 0),
+                                         draft_window=getattr(executor, "draft_window", 0),
+                                         num_draft_blocks=getattr(executor, "num_draft_blocks", 0),
+                                         num_lookahead_tokens=config.speculative.num_speculative_tokens)
         # bytes of one block over every cache group and rank (the CPU tier's unit of transfer)
         self.cpu_block_bytes = getattr(executor, "cpu_block_bytes", 0)
         connector = None

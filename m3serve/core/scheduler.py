@@ -181,6 +181,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         # The caller has already taken the request out of running/waiting.
         request.status = status
+        self.kv_manager.free_draft(request)      # a held request keeps its target KV, never its draft's
         if free:
             self.kv_manager.free(request)
         if self.grammars is not None and request.sampling_params.structured_outputs is not None:
@@ -334,6 +335,8 @@ class Scheduler:
             num_spec = request.num_computed_tokens + num_new - request.num_tokens
             if num_spec > 0:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            if not speculate:
+                self._draft_not_written(request, request.num_computed_tokens + num_new)
             self._add_cached(cached, request, new_block_ids, resumed=False)
             num_scheduled[request.request_id] = num_new
             modes[request.request_id] = mode
@@ -387,6 +390,8 @@ class Scheduler:
             self.waiting.popleft()
             request.lookup_counted = False           # a later admission (after preemption) counts again
             request.num_computed_tokens = num_hit
+            if not speculate:
+                self._draft_not_written(request, num_hit + num_new)
             if request.status == RequestStatus.PREEMPTED:
                 self._add_cached(cached, request, self.kv_manager.get_block_ids(request.request_id),
                                  resumed=True)
@@ -397,7 +402,8 @@ class Scheduler:
                     req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit, mm_inputs=request.mm_inputs))
+                    num_computed_tokens=num_hit, mm_inputs=request.mm_inputs,
+                    draft_blocks=self.kv_manager.take_draft_update(request.request_id)))
                 self._num_tokens_sent[request.request_id] = request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -439,6 +445,11 @@ class Scheduler:
             for req_id in sampled:
                 self.requests[req_id].num_output_placeholders += 1
         return output
+
+    def _draft_not_written(self, request: Request, end_pos: int) -> None:
+        """A plain step runs no draft: a window draft must not read what it computes."""
+        if self.kv_manager.draft is not None:
+            self.kv_manager.draft.not_written(request.request_id, end_pos)
 
     @staticmethod
     def _is_prefill(request: Request) -> bool:
@@ -583,6 +594,8 @@ class Scheduler:
         cached.new_token_ids.append(request.all_token_ids[num_sent:])
         cached.new_block_ids.append(new_block_ids)
         cached.num_computed_tokens.append(request.num_computed_tokens)
+        if self.kv_manager.draft is not None:
+            cached.draft_blocks.append(self.kv_manager.take_draft_update(request.request_id))
         # a token in flight reaches the worker from the device, not from here
         self._num_tokens_sent[request.request_id] = request.num_tokens + request.num_output_placeholders
 
@@ -756,6 +769,11 @@ class Scheduler:
             if getattr(r, "num_external_tokens", 0) or getattr(r, "num_restored_tokens", 0)}
         if not holders <= may_hold:
             problems.append(f"requests that may not hold blocks do: {sorted(holders - may_hold)}")
+        if self.kv_manager.draft is not None:
+            draft_holders = set(self.kv_manager.draft.request_ids)
+            if not draft_holders <= set(running_ids):
+                problems.append(f"requests that do not run hold draft blocks: "
+                                f"{sorted(draft_holders - set(running_ids))}")
         if problems:
             raise RuntimeError("scheduler integrity check failed:\n  " + "\n  ".join(problems))
         self.kv_manager.check_integrity()

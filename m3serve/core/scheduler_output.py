@@ -18,6 +18,21 @@ from m3serve.sampling_params import SamplingParams
 
 
 @dataclass
+class DraftBlocks:
+    """A window draft's block-table diff for one request (DSpark keeps its KV in a pool of its
+    own, `core/kv_cache/draft_window.py`; its table is indexed by logical block like the
+    target's, entries not held are 0, the null block)."""
+
+    first_block: int
+    """Logical blocks below this one are no longer held: their entries become 0."""
+    new_block_ids: list[int]
+    """Draft blocks appended after the last one held (at `first_block` when none is held)."""
+    valid_from: int
+    """Positions below this hold no draft KV of the request's prefix (holes); its draft
+    queries never read below it."""
+
+
+@dataclass
 class NewRequestData:
     """A request the worker has never seen (first admission)."""
 
@@ -37,6 +52,8 @@ class NewRequestData:
     """protocol.MultiModalInput per image / video of the prompt; the worker encodes each one
     the first time a step computes one of its placeholder positions, and keeps the features
     until the request finishes."""
+    draft_blocks: DraftBlocks | None = None
+    """With a window draft: the request's draft blocks (None: it holds none)."""
 
 
 @dataclass
@@ -58,10 +75,13 @@ class CachedRequestData:
     num_computed_tokens: list[int]
     """Tokens with KV in the cache before this step; this step computes
     [num_computed_tokens, + num_scheduled_tokens) of the token list (+ draft tokens)."""
+    draft_blocks: list[DraftBlocks | None] = field(default_factory=list)
+    """With a window draft: each request's draft-table diff (applied after a resumed request's
+    table is cleared); empty without one."""
 
     @classmethod
     def make_empty(cls) -> "CachedRequestData":
-        return cls([], [], [], [], [])
+        return cls([], [], [], [], [], [])
 
     @property
     def num_reqs(self) -> int:

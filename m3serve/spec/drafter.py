@@ -23,6 +23,12 @@ class Drafter(abc.ABC):
     """Target layers whose entering residual streams the draft reads (concatenated, [T, n x H]);
     () = the target's final hidden states [T, H]."""
 
+    sliding_window: int = 0
+    """0: the draft's caches are pages of the engine's block ids (kept, prefix-cached, offloaded
+    and freed with the target's). > 0: its queries read only the last `sliding_window` keys, and
+    its caches are a pool of their own holding each running request's window
+    (`core/kv_cache/draft_window.py`); `first` and `steps` then get the draft's block tables."""
+
     def __init__(self, draft: torch.nn.Module, target, device: torch.device):
         self.draft, self.target, self.device = draft, target, device
 
@@ -32,16 +38,18 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def cache_specs(self, kv_bytes: int, index_bytes: int) -> list[CacheGroupSpec]:
-        """The draft's cache groups (counted when the KV pool is sized; same block ids)."""
+        """The draft's cache groups (counted when the KV pool is sized: per block of the
+        engine's, or with `sliding_window` per block of the draft's own pool)."""
 
     @abc.abstractmethod
     def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
-        """The draft's caches as (group, view with the block id first), for the CPU tier."""
+        """The draft's caches on the engine's block ids as (group, view with the block id
+        first), for the CPU tier ([] with `sliding_window`: its own pool stays on the GPU)."""
 
     @abc.abstractmethod
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                         index_dtype: torch.dtype) -> None:
-        """Allocate the caches `cache_specs` describes."""
+        """Allocate the caches `cache_specs` describes, `num_blocks` pages each."""
 
     def attention_kernels(self) -> list[tuple]:
         """(query heads, a K/V cache, sparse path, per-token left edge, k_scale, v_scale) of each
@@ -56,9 +64,11 @@ class Drafter(abc.ABC):
 
     def steps(self, token: torch.Tensor, state, positions: torch.Tensor, block_tables: torch.Tensor,
               cpu_positions: list[int] | None, k: int,
-              decode_meta: Callable[..., AttentionMetadata]) -> torch.Tensor:
+              decode_meta: Callable[..., AttentionMetadata],
+              valid_from: torch.Tensor | None = None) -> torch.Tensor:
         """From `first`'s result at each request's last verified position `positions` [R] ->
         drafts [R, k]: k - 1 one-token `propose` steps, each at the next position.
+        `valid_from` [R] (a window draft): no query reads a key below it (holes in its KV).
         `decode_meta(positions, block_tables, cpu_positions)` builds a one-token step's metadata;
         `cpu_positions` (host copies of the positions) bound the reference ops, None under CUDA
         graphs."""

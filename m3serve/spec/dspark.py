@@ -21,9 +21,12 @@ Per step of the target (T tokens, R requests; `DSparkDrafter.first`, then `steps
 The confidence head (`confidence_head.proj`) is read and checked, not used: verification is
 static (every request verifies all k drafts).
 
-Caches: one paged group ("dspark", a cache per draft layer) on the engine's block ids, so the
-draft's context KV is prefix-cached, offloaded and freed with the target's. The sliding window
-bounds what a query reads (the window's blocks), not what is kept.
+Caches: one paged group ("dspark", a cache per draft layer) in a pool of its own, with block
+tables of its own indexed by logical block like the target's: each running request holds only
+the blocks of its next queries' window (`core/kv_cache/draft_window.py`); context rows older
+than that go to the null block. Full blocks are prefix-cached under the target's block hashes;
+what a request's draft KV lacks (a partial hit, a CPU-tier restore, a pulled prompt) lies
+below its `valid_from`, which its queries never read.
 
 Checkpoint (`dspark/`): config.json (architectures DSparkMiniMaxDraftModel, a `text_config`
 whose keys may repeat at the top level and must then agree), weights named
@@ -317,14 +320,15 @@ class DSparkDraft(nn.Module):
 
 
 class DSparkDrafter(Drafter):
-    """DSpark as a draft kind: one cache group ("dspark": every draft layer's K/V), the target's
-    taps in, all k drafts from one block pass (`steps` returns them)."""
+    """DSpark as a draft kind: one cache group ("dspark": every draft layer's K/V) in its own
+    window pool, the target's taps in, all k drafts from one block pass (`steps` returns them)."""
 
     def __init__(self, draft: DSparkDraft, target, device: torch.device, k: int):
         super().__init__(draft, target, device)
         self.taps, self.k = draft.cfg.taps, k
         self.block_size = target.cfg.index_block_size
         cfg = draft.cfg
+        self.sliding_window = cfg.sliding_window
         self.noise = cfg.noise_token_id
         # the window's logical blocks for a query block ending at position e: blocks of
         # [e - k + 1 - (W - 1), e], at most this many
@@ -337,7 +341,7 @@ class DSparkDrafter(Drafter):
                                2 * d.num_kv_heads * d.cfg.head_dim * kv_bytes)]
 
     def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
-        return [("dspark", c[p]) for c in self.draft.kv_caches for p in (0, 1)]
+        return []          # its own pool: the CPU tier and KV transfer carry none of it
 
     def attention_kernels(self):
         return [(self.draft.num_heads, self.draft.kv_caches[0], True, True, None, None)]   # window + edge
@@ -355,10 +359,12 @@ class DSparkDrafter(Drafter):
         self.draft.write_context(hidden, positions, meta.slot_mapping)
         return next_ids[last_index], None
 
-    def steps(self, anchor, state, last_pos, block_tables, cpu_positions, k, decode_meta) -> torch.Tensor:
+    def steps(self, anchor, state, last_pos, block_tables, cpu_positions, k, decode_meta,
+              valid_from=None) -> torch.Tensor:
         """The query block of every request -> drafts [R, k]. anchor [R] int64, last_pos [R]
-        (the last verified position), block_tables [R, W]; `cpu_positions` (the last positions
-        on the host) bound the reference op; None (CUDA graphs) runs to the table's end."""
+        (the last verified position), block_tables [R, W] (the draft's own), valid_from [R] (no
+        key below it is read: holes); `cpu_positions` (the last positions on the host) bound
+        the reference op; None (CUDA graphs) runs to the table's end."""
         d, bs, R = self.draft, self.block_size, anchor.shape[0]
         dev = anchor.device
         offs = torch.arange(1, k + 1, device=dev)
@@ -368,6 +374,8 @@ class DSparkDrafter(Drafter):
         ends = (last_pos + k + 1).to(torch.int32)                              # block end + 1 per request
         seq_lens = ends.repeat_interleave(k)
         key_lo = (pos - (d.cfg.sliding_window - 1)).clamp_min(0)
+        if valid_from is not None:
+            key_lo = torch.maximum(key_lo, valid_from.long().repeat_interleave(k))
         window = None
         if use_triton("attention", anchor):
             first = key_lo // bs                                               # [R*k]

@@ -6,13 +6,16 @@ After a step the proposer runs the draft over every token the target just proces
 EAGLE3 and MTP see token t+1 at position t, so they need the step's verified tokens, and then
 take k - 1 one-token steps per request, each at the next position, feeding the previous step's
 draft hidden state; DSpark projects the step's target hidden states into its cache, then drafts
-all k tokens in one block pass. Draft tokens are the draft's argmax. The draft's caches use the
-engine's block ids (block b is page b of every group), so they are allocated, prefix-cached and
-freed with the target's; KV a draft writes past the verified tokens is rewritten by a later
+all k tokens in one block pass. Draft tokens are the draft's argmax. EAGLE3's and MTP's caches
+use the engine's block ids (block b is page b of every group), so they are allocated,
+prefix-cached and freed with the target's; DSpark's sliding-window caches are a pool of their
+own with block tables of their own (`core/kv_cache/draft_window.py`), which the proposer hands
+it in place of the target's. KV a draft writes past the verified tokens is rewritten by a later
 first pass.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,8 @@ class StepForDraft:
     last_token: torch.Tensor       # [R] int64: the token after it (emitted, or the next prompt token)
     last_position_cpu: list[int]   # [R] positions of last_index, for host-side bounds
     block_tables: torch.Tensor     # [R, W] int32
+    draft_block_tables: torch.Tensor | None = None   # [R, W] int32: a window draft's own tables
+    draft_valid_from: torch.Tensor | None = None     # [R] int32: ... and where its valid KV starts
 
 
 class Proposer:
@@ -78,6 +83,7 @@ class Proposer:
         return self.drafter.cache_planes()
 
     def allocate_caches(self, num_blocks: int, block_size: int, kv_dtype, index_dtype) -> None:
+        """`num_blocks`: the engine's, or a window draft's own pool's."""
         self.drafter.allocate_caches(num_blocks, block_size, kv_dtype, index_dtype)
 
     # ------------------------------------------------------------ proposing
@@ -88,22 +94,33 @@ class Proposer:
         such as partial prefill chunks, get tokens that the caller discards)."""
         next_ids = torch.roll(step.input_ids.long(), -1)
         next_ids[step.last_index] = step.last_token
-        token, prev = self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index)
-        return self.draft_steps(token, prev, step.positions[step.last_index], step.block_tables,
-                                step.last_position_cpu)
+        token, prev = self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index,
+                                      step.draft_block_tables)
+        tables = step.block_tables if step.draft_block_tables is None else step.draft_block_tables
+        return self.draft_steps(token, prev, step.positions[step.last_index], tables,
+                                step.last_position_cpu, step.draft_valid_from)
 
     def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                   hidden: torch.Tensor, last_index: torch.Tensor):
+                   hidden: torch.Tensor, last_index: torch.Tensor,
+                   draft_block_tables: torch.Tensor | None = None):
         """The draft over every token of the step (writing its KV) -> (first draft token or
-        anchor [R], the draft kind's state for `draft_steps`)."""
+        anchor [R], the draft kind's state for `draft_steps`). With a window draft's own
+        `draft_block_tables` [R, W], the draft sees them and their slots in place of the target's."""
+        if draft_block_tables is not None:
+            _, slots = positions_and_slots(meta.query_start_loc, meta.seq_lens, draft_block_tables,
+                                           positions.shape[0], self.block_size, False)
+            meta = dataclasses.replace(meta, block_tables=draft_block_tables, slot_mapping=slots)
         return self.drafter.first(next_ids, hidden, positions, meta, last_index)
 
     def draft_steps(self, token: torch.Tensor, prev, positions: torch.Tensor,
-                    block_tables: torch.Tensor, cpu_positions: list[int] | None = None) -> torch.Tensor:
+                    block_tables: torch.Tensor, cpu_positions: list[int] | None = None,
+                    valid_from: torch.Tensor | None = None) -> torch.Tensor:
         """From `first_pass`'s result at each request's last verified position -> drafts [R, k].
-        `cpu_positions` (positions on the host) bound the reference ops; without them (CUDA
-        graphs) the kernels run to the context limit."""
-        return self.drafter.steps(token, prev, positions, block_tables, cpu_positions, self.k, self._decode_meta)
+        `block_tables`: the draft's own with a window draft, which reads no key below
+        `valid_from` [R]. `cpu_positions` (positions on the host) bound the reference ops;
+        without them (CUDA graphs) the kernels run to the context limit."""
+        return self.drafter.steps(token, prev, positions, block_tables, cpu_positions, self.k, self._decode_meta,
+                                  valid_from=valid_from)
 
     def _decode_meta(self, positions: torch.Tensor, block_tables: torch.Tensor,
                      cpu_positions: list[int] | None) -> AttentionMetadata:

@@ -5,8 +5,10 @@ offsets, sequence lengths, block tables; positions and slot mapping computed on 
   [seq_lens (R) | query_start_loc (R + 1) | token_ids (T) | block_table (R x W)]   int32
 with fixed offsets, so the device views have stable addresses: eager steps and CUDA-graph
 replays read the same tensors, and a step's inputs travel in ONE host-to-device copy of the
-prefix that holds them. Rows past the step's requests are padding rows: a one-token request on
-the null page (block 0), which the graphs use to fill a captured batch size.
+prefix that holds them. A window draft (DSpark) adds [draft_valid_from (R) | draft_block_table
+(R x W)] after them, in a second copy (through the draft tables of the rows staged). Rows past
+the step's requests are padding rows: a one-token request on the null page (block 0), which the
+graphs use to fill a captured batch size.
 """
 from __future__ import annotations
 
@@ -42,14 +44,17 @@ def positions_and_slots(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
 
 class StepBuffers:
     def __init__(self, max_reqs: int, max_tokens: int, max_blocks: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, draft_tables: bool = False):
         self.max_reqs, self.max_tokens, self.max_blocks = max_reqs, max_tokens, max_blocks
         self.block_size, self.device = block_size, device
         R, T, W = max_reqs, max_tokens, max_blocks
         self._seq, self._qsl, self._tok = 0, R, 2 * R + 1
         self._feed = 2 * R + 1 + T               # async scheduling: [R] token slots, [R] sources
         self._bt = self._feed + 2 * R
-        size = self._bt + R * W
+        self._dvf = self._bt + R * W             # window draft: [R] valid-from, [R x W] tables
+        self._dbt = self._dvf + R
+        self.has_draft_tables = draft_tables
+        size = self._dbt + R * W if draft_tables else self._dvf
         cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
         self.np = self.host.numpy()
@@ -59,7 +64,9 @@ class StepBuffers:
         self.token_ids = self.dev[self._tok:self._feed]
         self.feed_slots = self.dev[self._feed:self._feed + R]
         self.feed_sources = self.dev[self._feed + R:self._bt]
-        self.block_tables = self.dev[self._bt:].view(R, W)
+        self.block_tables = self.dev[self._bt:self._dvf].view(R, W)
+        self.draft_valid_from = self.dev[self._dvf:self._dbt] if draft_tables else None
+        self.draft_block_tables = self.dev[self._dbt:].view(R, W) if draft_tables else None
         # the host copy of the previous step may still be in flight when the next one is staged
         self._copied = torch.cuda.Event() if cuda else None
 
@@ -101,6 +108,13 @@ class StepBuffers:
             qsl[n + 1:] = t + q * np.arange(1, rows_total - n + 1, dtype=np.int32)
             tok[t:] = 0
             table[n:, 0] = 0
+        if self.has_draft_tables:
+            valid, dtable = self._draft_views(rows_total)
+            if n:
+                np.take(input_batch.draft_valid_from, batch.rows, out=valid[:n])
+                np.take(input_batch.draft_block_table, batch.rows, axis=0, out=dtable[:n])
+            valid[n:] = 0
+            dtable[n:] = 0
         self._upload(rows_total)
         return rows_total
 
@@ -126,14 +140,27 @@ class StepBuffers:
         h[self._qsl:self._qsl + R + 1] = qsl
         h[self._tok:self._tok + T] = 0
         h[self._bt:self._bt + R * self.max_blocks] = 0
+        if self.has_draft_tables:
+            valid, dtable = self._draft_views(R)
+            valid[:] = 0
+            dtable[:] = 0
         self._upload(R)
         return qsl, seq_lens
+
+    def _draft_views(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host views of the window draft's valid-from [rows] and block tables [rows, W]."""
+        h, W = self.np, self.max_blocks
+        return h[self._dvf:self._dvf + rows], h[self._dbt:self._dbt + rows * W].reshape(rows, W)
 
     def _upload(self, rows: int) -> None:
         """Start the copy of the staged host buffer (through the block tables of `rows` rows) to
         the device; the next staging waits for it."""
         end = self._bt + rows * self.max_blocks
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        if self.has_draft_tables:
+            # every row's valid-from, then the draft tables of `rows` rows
+            start, stop = self._dvf, self._dbt + rows * self.max_blocks
+            self.dev[start:stop].copy_(self.host[start:stop], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 

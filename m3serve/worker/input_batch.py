@@ -3,10 +3,11 @@ updated from each `SchedulerOutput` diff.
 
 A row holds the request's token ids (prompt + accepted outputs, then this step's drafts past
 the end), how many of them have KV in the cache, its block-table row, and its sampling state
-(params, generator). Rows are dense (0 .. num_rows - 1): removing a request moves the last row
-into its place. A step's batch is the scheduled requests in the scheduler's order, as row
-indices (`ScheduledBatch`); everything per token is computed with numpy over those rows, never
-in a Python loop over tokens.
+(params, generator); with a window draft (DSpark), also the draft's own block-table row (the
+logical blocks it holds, 0 elsewhere) and the first position whose draft KV is valid. Rows are
+dense (0 .. num_rows - 1): removing a request moves the last row into its place. A step's batch
+is the scheduled requests in the scheduler's order, as row indices (`ScheduledBatch`);
+everything per token is computed with numpy over those rows, never in a Python loop over tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3serve.core.scheduler_output import SchedulerOutput
+from m3serve.core.scheduler_output import DraftBlocks, SchedulerOutput
 from m3serve.sampling_params import SamplingParams
 from m3serve.worker.sampler import make_generator
 
@@ -45,12 +46,14 @@ class InputBatch:
     """Rows of every request this worker knows (running, or preempted and waiting to resume)."""
 
     def __init__(self, max_model_len: int, block_size: int, device: torch.device,
-                 capacity: int = 64, make_generators: bool = True, extra_positions: int = 0):
+                 capacity: int = 64, make_generators: bool = True, extra_positions: int = 0,
+                 draft_tables: bool = False):
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
         # a draft writes KV up to extra_positions past the context (its lookahead)
         self.max_blocks = -(-(max_model_len + extra_positions) // block_size)
         self.extra_positions = extra_positions
         self.make_generators = make_generators   # only the rank that samples needs them
+        self.draft_tables = draft_tables         # a window draft's own block tables
         self.req_ids: list[str] = []
         self.index: dict[str, int] = {}
         self.params: list[SamplingParams] = []
@@ -71,6 +74,11 @@ class InputBatch:
             "block_table": np.zeros((capacity, self.max_blocks), dtype=np.int32),
             "num_blocks": np.zeros(capacity, dtype=np.int32),
         }
+        if self.draft_tables:        # held draft blocks: logical [draft_first, draft_end)
+            fresh.update({"draft_block_table": np.zeros((capacity, self.max_blocks), dtype=np.int32),
+                          "draft_first": np.zeros(capacity, dtype=np.int32),
+                          "draft_end": np.zeros(capacity, dtype=np.int32),
+                          "draft_valid_from": np.zeros(capacity, dtype=np.int32)})
         if old is not None:
             n = self.num_rows
             for name, arr in fresh.items():
@@ -89,7 +97,7 @@ class InputBatch:
     # ---------------------------------------------------------------- rows
 
     def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            block_ids: list[int], num_computed_tokens: int) -> None:
+            block_ids: list[int], num_computed_tokens: int, draft_blocks: DraftBlocks | None = None) -> None:
         if req_id in self.index:
             raise RuntimeError(f"request {req_id!r} is already in the input batch")
         if self.num_rows == self.capacity:
@@ -108,6 +116,9 @@ class InputBatch:
         self.num_computed[row] = num_computed_tokens
         self.num_blocks[row] = 0
         self._set_blocks(row, block_ids, replace=True)
+        if self.draft_tables:
+            self._clear_draft(row)
+            self._set_draft(row, draft_blocks)
         self.params.append(params)
         gen = None
         if self.make_generators and params.seed is not None and not params.is_greedy:
@@ -127,12 +138,43 @@ class InputBatch:
                 arr = getattr(self, name)
                 arr[row] = arr[last]
             self.block_table[row, :self.num_blocks[last]] = self.block_table[last, :self.num_blocks[last]]
+            if self.draft_tables:
+                self._clear_draft(row)
+                lo, hi = self.draft_first[last], self.draft_end[last]
+                self.draft_block_table[row, lo:hi] = self.draft_block_table[last, lo:hi]
+                for name in ("draft_first", "draft_end", "draft_valid_from"):
+                    getattr(self, name)[row] = getattr(self, name)[last]
             self.req_ids[row], self.params[row], self.generators[row] = (
                 moved, self.params[last], self.generators[last])
             self.index[moved] = row
+        if self.draft_tables:
+            self._clear_draft(last)
         self.req_ids.pop()
         self.params.pop()
         self.generators.pop()
+
+    def _clear_draft(self, row: int) -> None:
+        """The row holds no draft block (every entry 0, the null block)."""
+        self.draft_block_table[row, self.draft_first[row]:self.draft_end[row]] = 0
+        self.draft_first[row] = self.draft_end[row] = self.draft_valid_from[row] = 0
+
+    def _set_draft(self, row: int, update: DraftBlocks | None) -> None:
+        """Apply a `DraftBlocks` diff: entries below its first block are released (0), its new
+        blocks follow the last one held."""
+        if update is None:
+            return
+        first, end = int(self.draft_first[row]), int(self.draft_end[row])
+        if update.first_block > first:
+            self.draft_block_table[row, first:min(update.first_block, end)] = 0
+            first = update.first_block
+            end = max(end, first)
+        n = len(update.new_block_ids)
+        if end + n > self.max_blocks:
+            raise RuntimeError(f"request {self.req_ids[row]!r}: draft blocks up to {end + n} exceed the "
+                               f"{self.max_blocks} a max_model_len context needs")
+        self.draft_block_table[row, end:end + n] = update.new_block_ids
+        self.draft_first[row], self.draft_end[row] = first, end + n
+        self.draft_valid_from[row] = update.valid_from
 
     def _set_blocks(self, row: int, block_ids: list[int] | None, replace: bool) -> None:
         start = 0 if replace else int(self.num_blocks[row])
@@ -157,9 +199,11 @@ class InputBatch:
             row = self.index.get(req_id)
             if row is not None:
                 self.num_blocks[row] = 0       # keeps its tokens for the resume
+                if self.draft_tables:
+                    self._clear_draft(row)
         for new in so.scheduled_new_reqs:
             self.add(new.req_id, new.prompt_token_ids, new.sampling_params, new.block_ids,
-                     new.num_computed_tokens)
+                     new.num_computed_tokens, new.draft_blocks)
         c = so.scheduled_cached_reqs
         placeholders = []
         for i, req_id in enumerate(c.req_ids):
@@ -175,6 +219,10 @@ class InputBatch:
                 self.token_ids[row, n:n + len(new_tokens)] = new_tokens
                 self.num_tokens[row] = n + len(new_tokens)
             self._set_blocks(row, c.new_block_ids[i], replace=c.resumed_from_preemption[i])
+            if self.draft_tables and c.draft_blocks:
+                if c.resumed_from_preemption[i]:
+                    self._clear_draft(row)
+                self._set_draft(row, c.draft_blocks[i])
             self.num_computed[row] = c.num_computed_tokens[i]
         return placeholders
 

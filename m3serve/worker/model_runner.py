@@ -50,7 +50,7 @@ class ModelRunner:
                  max_model_len: int, max_num_reqs: int, max_num_tokens: int,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
                  seed: int = 0, is_driver: bool = True, sample_everywhere: bool = False,
-                 extra_positions: int = 0):
+                 extra_positions: int = 0, draft_tables: bool = False):
         self.model, self.cfg = model, model.cfg
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         self.max_model_len = max_model_len
@@ -59,8 +59,10 @@ class ModelRunner:
         # every rank samples when speculating (the proposer starts from the emitted tokens)
         samples = is_driver or sample_everywhere
         self.batch = InputBatch(max_model_len, block_size, device, capacity=max_num_reqs,
-                                make_generators=samples, extra_positions=extra_positions)
-        self.buffers = StepBuffers(max_num_reqs, max_num_tokens, self.batch.max_blocks, block_size, device)
+                                make_generators=samples, extra_positions=extra_positions,
+                                draft_tables=draft_tables)
+        self.buffers = StepBuffers(max_num_reqs, max_num_tokens, self.batch.max_blocks, block_size, device,
+                                   draft_tables=draft_tables)
         self.step_sampler = StepSampler(model, self.batch, device, max_num_reqs, is_driver, samples, seed)
         self.kv_cache_dtype = kv_cache_dtype or model.dtype
         self.index_cache_dtype = index_cache_dtype or model.dtype
@@ -310,7 +312,13 @@ class ModelRunner:
             last_index=torch.from_numpy(last_index).to(dev),
             last_token=torch.tensor(last_token, dtype=torch.int64, device=dev),
             last_position_cpu=(start_pos + last_index - batch.query_start_loc[:-1]).tolist(),
-            block_tables=self.buffers.block_tables[:R])
+            block_tables=self.buffers.block_tables[:R],
+            draft_block_tables=self._rows_of(self.buffers.draft_block_tables, R),
+            draft_valid_from=self._rows_of(self.buffers.draft_valid_from, R))
+
+    @staticmethod
+    def _rows_of(view, n: int):
+        return view[:n] if view is not None else None
 
     def _spec_graph_size(self, so: SchedulerOutput, batch: ScheduledBatch, dp: DPStep | None) -> int | None:
         """A graph step: no DP exchange, and every request verifies exactly k drafts."""

@@ -55,9 +55,13 @@ class SpecDecodeGraphs:
         last = self.last_index[:b]
         next_ids = torch.roll(ids.long(), -1)
         next_ids[last] = self.last_token[:b]
-        token, prev = self.proposer.first_pass(next_ids, positions, meta, hidden_in, last)
-        return self.proposer.draft_steps(token, prev, positions[last], self.buffers.block_tables[:b],
-                                         last_positions_cpu)
+        buffers = self.buffers
+        own = buffers.draft_block_tables[:b] if buffers.draft_block_tables is not None else None
+        token, prev = self.proposer.first_pass(next_ids, positions, meta, hidden_in, last, own)
+        return self.proposer.draft_steps(token, prev, positions[last],
+                                         own if own is not None else buffers.block_tables[:b],
+                                         last_positions_cpu,
+                                         buffers.draft_valid_from[:b] if own is not None else None)
 
     @torch.inference_mode()
     def capture(self, input_batch) -> None:

@@ -66,12 +66,24 @@ class Worker:
                                              self.kv_dtype.itemsize, self.index_dtype.itemsize)
         self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
         self.proposer = None
+        # a window draft (DSpark) keeps its KV in a pool of its own, sized by the configuration
+        self.draft_window = self.num_draft_blocks = self.draft_pool_bytes = 0
         spec = config.speculative
         if spec.enabled:
             from m3serve.spec.proposer import Proposer
             self.proposer = Proposer(spec, self.model, cfg, model_dir, parallel, self.device,
                                      config.model.load_format, config.model.seed, self.max_model_len)
-            self.cache_specs += self.proposer.cache_specs(self.kv_dtype.itemsize, self.index_dtype.itemsize)
+            draft_specs = self.proposer.cache_specs(self.kv_dtype.itemsize, self.index_dtype.itemsize)
+            self.draft_window = self.proposer.drafter.sliding_window
+            if self.draft_window:
+                from m3serve.core.kv_cache.specs import window_pool_blocks
+                self.num_draft_blocks = window_pool_blocks(
+                    self.draft_window, spec.num_speculative_tokens, self.block_size,
+                    config.scheduler.max_num_seqs, self.max_model_len)
+                self.draft_pool_bytes = self.num_draft_blocks * sum(
+                    s.bytes_per_block(self.block_size) for s in draft_specs)
+            else:
+                self.cache_specs += draft_specs
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
         self.kv_connector = None      # disagg.connector.WorkerConnector with --kv-transfer-config
@@ -80,8 +92,10 @@ class Worker:
         self.num_cpu_blocks = 0
 
     def available_blocks(self) -> int:
-        """KV blocks (both cache groups) that fit in this rank's budget."""
-        return num_blocks_for_memory(self.cache_specs, self.block_size, self._kv_cache_bytes())
+        """KV blocks (every cache group on the engine's block ids) that fit in this rank's
+        budget, after a window draft's own pool."""
+        return num_blocks_for_memory(self.cache_specs, self.block_size,
+                                     max(0, self._kv_cache_bytes() - self.draft_pool_bytes))
 
     def available_cpu_blocks(self) -> int:
         """Blocks (every cache group) of this rank's share of the CPU tier (0 = no tier)."""
@@ -100,8 +114,10 @@ class Worker:
         """Allocate `num_blocks` blocks of both cache groups (and `num_cpu_blocks` in the CPU
         tier, by default this rank's share) and capture the decode graphs."""
         if num_blocks < 2:
+            draft = (f" beside the draft's window pool ({self.draft_pool_bytes} bytes)"
+                     if self.draft_pool_bytes else "")
             raise ValueError(f"the KV cache budget ({self._kv_cache_bytes()} bytes) holds fewer than "
-                             f"2 blocks; raise --kv-cache-memory or --gpu-memory-utilization")
+                             f"2 blocks{draft}; raise --kv-cache-memory or --gpu-memory-utilization")
         config = self.config
         sizes = []
         if self.device.type == "cuda" and not config.compilation.enforce_eager:
@@ -116,7 +132,7 @@ class Worker:
             max(config.scheduler.max_num_batched_tokens, max_reqs * (k + 1)), kv_cache_dtype=self.kv_dtype,
             index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
             sample_everywhere=self.proposer is not None,
-            extra_positions=config.speculative.num_speculative_tokens)
+            extra_positions=config.speculative.num_speculative_tokens, draft_tables=self.draft_window > 0)
         self.runner.vision = self.vision
         if self.is_driver or self.proposer is not None:      # the ranks that sample
             from m3serve.worker.structured import GrammarBook
@@ -125,7 +141,8 @@ class Worker:
         if self.proposer is not None:
             from m3serve.spec.rejection import RejectionSampler
             spec = config.speculative
-            self.proposer.allocate_caches(num_blocks, self.block_size, self.kv_dtype, self.index_dtype)
+            self.proposer.allocate_caches(self.num_draft_blocks or num_blocks, self.block_size, self.kv_dtype,
+                                          self.index_dtype)
             self.runner.proposer = self.proposer
             self.runner.step_sampler.rejection = RejectionSampler(
                 spec.rejection_sample_method, spec.synthetic_acceptance_length, spec.num_speculative_tokens,
@@ -158,10 +175,15 @@ class Worker:
                         "pinned " if self.offload.cuda else "", time.perf_counter() - start)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
                     self.block_size, (num_blocks - 1) * self.block_size, self.device)
+        if self.draft_window:
+            logger.info("draft KV: its own pool of %d blocks (%.3f GiB), a %d-token window for each of "
+                        "%d running requests", self.num_draft_blocks, self.draft_pool_bytes / (1 << 30),
+                        self.draft_window, config.scheduler.max_num_seqs)
 
     def _cache_planes(self) -> list[tuple[str, torch.Tensor]]:
         """Every cache tensor indexed by block id, as (group, view with the block id first):
-        each layer's K and V, each sparse layer's index keys, and the draft's caches."""
+        each layer's K and V, each sparse layer's index keys, and the draft's caches on these
+        block ids (a window draft's own pool is not among them: the CPU tier carries none of it)."""
         runner = self.runner
         planes = []
         for kv in runner.kv_caches:
@@ -242,7 +264,7 @@ class Worker:
             "num_local_experts": ex.num_local if ex else 0, "first_expert": ex.first if ex else 0,
             "expert_inter_local": ex.inter_local if ex else 0,
             "vocab_rows": self.model.lm_head.rows, "num_blocks": self.num_blocks,
-            "num_cpu_blocks": self.num_cpu_blocks,
+            "num_cpu_blocks": self.num_cpu_blocks, "num_draft_blocks": self.num_draft_blocks,
             "num_batch_rows": self.runner.batch.num_rows if self.runner else 0,
             "index_cache_layers": ([i for i, c in enumerate(self.runner.index_caches) if c is not None]
                                    if self.runner else []),

@@ -155,9 +155,10 @@ def test_tiny_speculative_graphs_gpu(tiny_dir, tmp_path):
 
 def test_tiny_dspark_gpu(tiny_dir, tmp_path):
     """DSpark on the GPU (window attention through the window's blocks and the per-token left
-    edge, MXFP8 projections through the packed kernels, verify + draft CUDA graphs): greedy
-    tokens equal the CPU reference without speculation, and the eager GPU engine proposes the
-    CPU engine's drafts (fp32 both)."""
+    edge, MXFP8 projections through the packed kernels, verify + draft CUDA graphs, the draft's
+    own window pool and tables): greedy tokens equal the CPU reference without speculation, the
+    window pool is whole afterwards, and the eager GPU engine proposes the CPU engine's drafts
+    (fp32 both), also after a prefix hit that finds the draft's window blocks."""
     import shutil
 
     from m3serve.llm import LLM
@@ -178,6 +179,8 @@ def test_tiny_dspark_gpu(tiny_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in gpu.generate(ps, params, use_tqdm=False)] == want
     runner = gpu.engine.worker.runner
     assert runner.spec_graphs is not None and runner.num_graph_steps > 10
+    draft = gpu.engine.core.kv_manager.draft
+    assert draft.num_free_blocks == draft.pool.num_usable_blocks
     del gpu
 
     def first_drafts(device):
@@ -186,7 +189,10 @@ def test_tiny_dspark_gpu(tiny_dir, tmp_path):
         proposer, seen = llm.engine.worker.runner.proposer, []
         real = proposer.propose
         proposer.propose = lambda step: seen.append(real(step).tolist()) or torch.tensor(seen[-1])
-        llm.generate([ps[3]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        few = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        llm.generate([ps[3]], few, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": ps[3]["prompt_token_ids"] + [5, 6, 7]}], few, use_tqdm=False)
+        assert llm.engine.core.kv_manager.draft.num_hit_blocks > 0
         return seen
     assert first_drafts("cuda") == first_drafts("cpu")
 

@@ -2,7 +2,8 @@
 (taps of the dense reference target, the context projection, the non-causal windowed query
 block, the target head and the sequential Markov head, from the checkpoint's dequantised
 tensors); the default number of drafts is the draft's block size; malformed dspark/ folders are
-refused naming the key or the tensor. (Lossless serving with chunked prefill, preemption,
+refused naming the key or the tensor; the draft's window pool holds only each request's window.
+(Lossless serving with chunked prefill, preemption,
 prefix hits, stop strings, max_tokens and n = 2 is `test_spec_engine.py`'s `dspark` case.)"""
 import json
 import math
@@ -218,3 +219,38 @@ def test_lossless_on_the_all_msa_target(tiny_m31_dir, tmp_path):
         stats = llm.engine.core.scheduler.spec_stats
         assert stats.num_drafts > 0 and (not oracle or stats.mean_acceptance_length > 2.0)
         assert llm.engine.core.kv_manager.prefix_cache_hits > 0
+
+
+def test_the_draft_keeps_only_each_requests_window(drafts, tiny_dir):
+    """Through the engine: long generations under preemption hold at most a window of draft
+    blocks each (a 32-token window, k = 3: 37 tokens span at most 4 blocks of 16), release the
+    blocks the window has left, stay lossless, and leave the draft pool whole."""
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    flags = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                 kv_cache_memory=20 * 16 * 2944 + 17 * 16 * 1024)       # 20 target blocks: preemption
+    prompts = [[(13 * j + i) % 1900 + 20 for j in range(n)] for i, n in enumerate((150, 70, 20))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(drafts["dspark"]), speculative_config=spec, **flags)
+    core = llm.engine.core
+    draft = core.kv_manager.draft
+    assert core.kv_manager.num_blocks == 20 and draft.pool.num_blocks == 4 * 4 + 1
+    held, lowest = [], {}
+    update = core.scheduler.update_from_output
+
+    def record(so, out):
+        result = update(so, out)
+        for rid in draft.request_ids:
+            blocks = draft.get_block_ids(rid)
+            held.append(len(blocks))
+            lowest[rid] = max(lowest.get(rid, 0), min(blocks))
+        core.scheduler.check_integrity()
+        return result
+    core.scheduler.update_from_output = record
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False)]
+    plain = LLM(str(tiny_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+    assert got == want and core.scheduler.num_preemptions > 0
+    assert max(held) <= 4 and max(lowest.values()) >= 8      # block 8+ of 11: the head released
+    assert draft.request_ids == [] and draft.num_free_blocks == draft.pool.num_usable_blocks

@@ -83,6 +83,8 @@ def _check_clean(llm):
     assert not core.scheduler.has_unfinished_requests()
     core.scheduler.check_integrity()
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_usable_blocks
+    draft = core.kv_manager.draft                 # DSpark's window pool
+    assert draft is None or draft.num_free_blocks == draft.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle3-gqa", "mtp", "bundled", "dspark"])

@@ -160,13 +160,23 @@ def test_draft_kv_counted(real, tmp_path):
                draft=draft_kv('{"method": "mtp", "num_speculative_tokens": 3}', real, ParallelConfig()))
     assert mtp.kv_bytes_per_token["draft"] == 3 * (2 * 1 * 128 * 2 + 128 * 2)
     # DSpark (the released 5 layers, 4 KV heads of 128, bf16 whatever the KV dtype): 10,240 B
-    # per token at TP 1; at TP 8 the 4 KV heads are replicated to one a rank: 2,560 B
+    # per token at TP 1; at TP 8 the 4 KV heads are replicated to one a rank: 2,560 B. None of
+    # it per context token: its own pool holds a window per running request -- the 4096-token
+    # window, k = 7 (the draft's block size), 4096 + 2 x 7 - 1 = 4109 tokens span at most 34
+    # blocks of 128; 64 requests: 64 x 34 + 1 (null) blocks, whatever max_model_len
     make_draft(target, "dspark", target, weights=False)
+    mem = 4096 * GIB                                   # room for the TP 1 weights as well
     for tp, want in ((1, 10240), (8, 2560)):
         parallel = ParallelConfig(tensor_parallel_size=tp)
         p = plan(real, parallel, kv_cache_dtype="fp8",
                  draft=draft_kv('{"method": "dspark"}', real, parallel, str(target)))
-        assert p.kv_bytes_per_token["draft"] == want, tp
+        assert "draft" not in p.kv_bytes_per_token and p.draft_window["bytes_per_token"] == want, tp
+        bare = plan(real, parallel, kv_cache_dtype="fp8")
+        for max_len in (8192, 1 << 20):
+            fit = capacity(p, real, mem, 0.9, max_len, 128, max_num_seqs=64)
+            base = capacity(bare, real, mem, 0.9, max_len, 128, max_num_seqs=64)
+            assert fit["draft_window_bytes"] == (64 * 34 + 1) * 128 * want
+            assert base["kv_budget_bytes"] - fit["kv_budget_bytes"] == fit["draft_window_bytes"]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4-modelopt", "nvfp4-ct", "mxfp4-quark"])

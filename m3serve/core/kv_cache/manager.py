@@ -4,11 +4,14 @@ Both cache groups (main K/V and the key-only index cache) share page size and bl
 one list of block ids per request covers them all. KV that arrives from elsewhere (a prefix hit
 or a remote prefill) enters through the same `num_new_computed_tokens` argument. With a CPU tier
 (`num_cpu_blocks`), freed prefix-cached blocks are copied out and lost prefixes loaded back
-(`offload.py`).
+(`offload.py`). A sliding-window draft (DSpark) keeps its KV in a pool of its own, holding
+only each running request's window (`draft_window.py`): `allocate_slots`, `cache_blocks` and
+`free` keep it in step, `take_draft_update` is its table diff for the step.
 """
 from __future__ import annotations
 
 from m3serve.core.kv_cache.block_pool import BlockPool, KVBlock
+from m3serve.core.kv_cache.draft_window import DraftWindowManager
 from m3serve.core.kv_cache.hashing import request_block_hashes
 from m3serve.core.kv_cache.offload import KVOffloadManager
 from m3serve.core.request import Request
@@ -24,12 +27,17 @@ class KVCacheManager:
     Block 0 is the pool's null block (never allocated), so `num_blocks - 1` blocks are usable.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0,
+                 draft_window: int = 0, num_draft_blocks: int = 0, num_lookahead_tokens: int = 0):
+        """`draft_window` > 0: a window draft's own pool of `num_draft_blocks` blocks, for
+        requests that draft `num_lookahead_tokens` tokens per step."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.draft = (DraftWindowManager(num_draft_blocks, block_size, draft_window, num_lookahead_tokens,
+                                         enable_caching) if draft_window else None)
         self.offload = KVOffloadManager(self.block_pool, num_cpu_blocks) if enable_caching and num_cpu_blocks else None
         self._req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already registered in the prefix cache.
@@ -136,7 +144,9 @@ class KVCacheManager:
         num_lookahead_tokens: extra slots reserved beyond this step (e.g. for draft tokens).
 
         Returns the ids of the blocks appended to the request's list (prefix hits first), or None
-        if the free pool cannot cover them; on None nothing was allocated or referenced.
+        if the free pool cannot cover them; on None nothing was allocated or referenced. With a
+        window draft, a step that computes tokens (`num_new_tokens` > 0) also moves the
+        request's draft window (`draft_window.py`; its pool never runs dry).
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
@@ -162,13 +172,29 @@ class KVCacheManager:
             self._req_to_blocks[request.request_id] = blocks
             self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
         blocks.extend(new_blocks)
+        if self.draft is not None and num_new_tokens > 0:
+            self.draft.allocate(request, request.num_computed_tokens + num_new_computed_tokens, num_new_tokens,
+                                len(new_computed_blocks))
         return [b.block_id for b in new_blocks]
+
+    def take_draft_update(self, request_id: str):
+        """The window draft's table diff of the request for this step (None: no window draft,
+        or the request holds no draft blocks)."""
+        return self.draft.take_update(request_id) if self.draft is not None else None
+
+    def free_draft(self, request: Request) -> None:
+        """Release the request's draft window alone (a finished request whose target KV is
+        held for a decode worker). Idempotent."""
+        if self.draft is not None:
+            self.draft.free(request.request_id)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that became full within its first `num_computed_tokens`."""
         if not self.enable_caching or request.request_id not in self._req_to_blocks:
             return
         self._update_block_hashes(request)
+        if self.draft is not None:
+            self.draft.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
         blocks = self._req_to_blocks[request.request_id]
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         num_full = min(num_full, len(blocks))
@@ -179,7 +205,9 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Release all of the request's blocks; full ones stay in the prefix cache. Idempotent."""
+        """Release all of the request's blocks (its draft window too); full ones stay in the
+        prefix cache. Idempotent."""
+        self.free_draft(request)
         blocks = self._req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
@@ -202,8 +230,12 @@ class KVCacheManager:
         """Forget every cached block, in both tiers; only when nothing is held or in flight."""
         if self.offload is not None and self.offload.has_work:
             return False
+        if self.draft is not None and self.draft.pool.num_free_blocks != self.draft.pool.num_usable_blocks:
+            return False
         if not self.block_pool.reset_prefix_cache():
             return False
+        if self.draft is not None:
+            self.draft.pool.reset_prefix_cache()
         return self.offload.tier.reset() if self.offload is not None else True
 
     def check_integrity(self) -> None:
@@ -230,6 +262,11 @@ class KVCacheManager:
                 if not set(block_ids) <= held:
                     problems.append(f"a load writes into blocks {sorted(set(block_ids) - held)} that "
                                     f"request {request_id!r} does not hold")
+        if self.draft is not None:
+            problems += self.draft.check_integrity()
+            orphans = set(self.draft.request_ids) - set(self._req_to_blocks)
+            if orphans:
+                problems.append(f"requests hold draft blocks but no target blocks: {sorted(orphans)}")
         if problems:
             raise RuntimeError("KV cache manager integrity check failed:\n  " + "\n  ".join(problems))
         self.block_pool.check_integrity(expected)
