@@ -1073,7 +1073,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if isinstance(config, tuple):
         cfg1, cfg2 = map(dict, config)
     else:
-        cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, tile_dtype, True)
+        cfg1 = dict(config) if config else get_config(m_avg, inter_max, hidden, tile_dtype, True,
+                                                      packed=bool(pack))
         cfg2 = dict(config) if config else get_config(m_avg, hidden, inter_max, tile_dtype,
                                                       packed=bool(pack))
     if pack:   # whole scale blocks per K step, FP4 half-steps of at least 16 for tl.dot

@@ -106,8 +106,12 @@ def _attend_tile(q, k_base, v_base, rows, load_ok, visible, qk_scale, m_i, l_i, 
     return _softmax_step(q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, m_i, l_i, acc, True)
 
 
-# sizes that change from step to step are not specialised on (no recompiles mid-serving)
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+# sizes that change from step to step are not specialised on (no recompiles mid-serving), nor
+# the index operands' addresses: a step's requests may start at any row of the staged buffers,
+# so their 16-byte alignment changes from step to step (one scalar load per program each)
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "topk", "stride_it", "stride_ig",
+                               "query_start_loc", "seq_lens", "block_tables", "block_ids_ptr",
+                               "key_lo_ptr"])
 def _token_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     query_start_loc, seq_lens, block_tables, block_ids_ptr, k_scale_ptr, v_scale_ptr, key_lo_ptr,
