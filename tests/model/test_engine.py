@@ -1,5 +1,6 @@
 """The engine end to end on the tiny model: greedy outputs equal transformers' under batching,
-chunked prefill and preemption; a request alone or batched bit for bit; prefix caching; sampling; stop strings; logprobs; abort.
+chunked prefill and preemption; a request alone or batched bit for bit; prefix caching;
+sampling; stop strings; logprobs; abort.
 Every test ends with the KV integrity check (all blocks back in the pool)."""
 import pytest
 import torch
