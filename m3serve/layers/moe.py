@@ -18,7 +18,7 @@ from torch import nn
 
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.layers import probes
-from m3serve.layers.activation import swiglu_oai
+from m3serve.layers.activation import sigmoid_batch_invariant, swiglu_oai
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import (MergedColumnParallelLinear, RowParallelLinear, attach_loader,
                                    check_shape, linear, make_param, replicated_loader)
@@ -28,11 +28,9 @@ from m3serve.layers.packed import dequantized, dequantized_scratch, is_row_scale
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, H] -> (weights [T, K] fp32 incl. the routed scaling factor, expert ids [T, K]).
-    On CPU the sigmoid runs in fp64 and rounds once: torch's fp32 sigmoid differs by an ulp
-    between its vector loop and its scalar tail, so a row's weights would depend on the rows
-    beside it (the CPU path is batch-invariant, like `linear`)."""
-    logits = linear(x.float(), gate_weight.float())                          # [T, E]
-    scores = torch.sigmoid(logits.double()).float() if x.device.type == "cpu" else torch.sigmoid(logits)
+    On CPU the sigmoid runs in fp64 and rounds once (`sigmoid_batch_invariant`), so a row's
+    weights do not depend on the rows beside it (the CPU path is batch-invariant, like `linear`)."""
+    scores = sigmoid_batch_invariant(linear(x.float(), gate_weight.float()))  # [T, E]
     ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices          # [T, K]
     w = scores.gather(1, ids)
     return w / w.sum(-1, keepdim=True) * scale, ids

@@ -42,11 +42,12 @@ def chat_body(seed: int, max_tokens: int = 12, **kw) -> dict:
 # greedy text across computations uses prompts whose every greedy step leads its runner-up by a
 # margin (in logits, = logprobs) that rounding cannot cross, and checks it on the reference, so
 # a tie can neither fail the test by chance nor let a real difference pass as one. TP layouts
-# round differently. Batching nearly never does on CPU (projections and attention round once
-# from fp64), but not never: the MoE router's fp32 sigmoid gives a row's score one ulp apart in
-# torch's vector loop and in its scalar tail, so a token's routing weights depend on where its
-# row falls in the step. So the compared computations are also batched alike where a test can
-# arrange it: each alone on an idle server (wait_steps_idle).
+# round differently. Batching does not on CPU: projections and attention round once from fp64,
+# and so do the router's and SwiGLU's sigmoids (torch's fp32 sigmoid gives an element one ulp
+# apart in its vector loop and in its scalar tail; before they were fp64, an ulp in a routing
+# weight moved a later logprob by up to 0.05, tests/model/test_engine.py checks the whole
+# path bit for bit). The compared computations are still batched alike where a test can
+# arrange it, each alone on an idle server (wait_steps_idle), so a mismatch points at the path.
 BF16_MARGIN = 0.25       # 4 bf16 ulps at the tiny model's logits (|logit| ~ 8..16)
 F32_MARGIN = 0.01        # float32 servers: TP 1 and TP 2 logprobs differ by < 3e-6 here
 _TOP = 5

@@ -1,5 +1,6 @@
 """The engine end to end on the tiny model: greedy outputs equal transformers' under batching,
-chunked prefill and preemption; prefix caching; sampling; stop strings; logprobs; abort.
+chunked prefill and preemption; a request alone or batched bit for bit; prefix caching;
+sampling; stop strings; logprobs; abort.
 Every test ends with the KV integrity check (all blocks back in the pool)."""
 import pytest
 import torch
@@ -97,6 +98,30 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny_dir):
     different = llm.generate([p], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16,
                                                  ignore_eos=True), use_tqdm=False)
     assert different[0].outputs[0].token_ids != alone
+    assert_all_blocks_free(llm)
+
+
+def test_a_request_computes_the_same_alone_and_batched(tiny_dir):
+    """In float32 every last bit of the model reaches the logprobs: a prompt computed alone and
+    beside other requests (prefilled in one step with them, then decoded in batches of three)
+    gets the same logprobs bit for bit, whatever the thread count splits. (A CPU op whose
+    result for a row depends on the rows beside it, like torch's fp32 sigmoid in the router
+    and in SwiGLU, fails this; in bf16 such an ulp can flip a greedy token of the tiny model,
+    so P/D, router and TP tests could see two servers disagree.)"""
+    llm = LLM(model=str(tiny_dir), dtype="float32", enable_prefix_caching=False)
+    p = {"prompt_token_ids": prompts((367,), seed=11)[0]}
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    others = [{"prompt_token_ids": q} for q in prompts((369, 30), seed=12)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)       # tensors over torch's grain are split at thread-dependent places
+        alone = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        batched = llm.generate([others[0], p, others[1]], params, use_tqdm=False)[1].outputs[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert batched.token_ids == alone.token_ids
+    for step, (a, b) in enumerate(zip(alone.logprobs, batched.logprobs)):
+        assert {k: v.logprob for k, v in a.items()} == {k: v.logprob for k, v in b.items()}, step
     assert_all_blocks_free(llm)
 
 
