@@ -5,6 +5,7 @@ model runner.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -213,6 +214,10 @@ class Worker:
             return cache.kv_cache_memory
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
+        # what loading freed (e.g. the bf16 shards an online quantisation read: 7 GB per layer's
+        # experts at TP 2) stays reserved by torch's caching allocator and would read as used
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # keep headroom for activations of a full token budget (logits dominate)
         headroom = 2 << 30
