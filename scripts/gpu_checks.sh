@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
 #   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | itl L QUANT CONC PROMPTS | profile L B ISL | pd L | vllm
-#   | startup L | kvacc L | specrank N [MODES]
+#   | startup L | kvacc L | specrank N [MODES]   (serve / itl: RANK=N for one TP N rank at full depth)
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
@@ -72,9 +72,19 @@ fi
 # (dummy weights) and the 8K/1K sweep through `m3serve bench sweep`.
 # itl L QUANT CONC PROMPTS: the same server, one 8K/1K point through `m3serve bench serve` with
 # every request's gaps saved, and the distribution of the gaps (where the tail comes from).
+# RANK=N: one TP N rank at full depth instead (60 layers, `make-realshape --tp-rank N`; L then
+# only names the results), with its DSpark and EAGLE3 drafts cut to the rank for SPEC_JSON
+# (/tmp/rankN/dspark, /tmp/eg_rankN).
 if [ "${1:-}" = serve ] || [ "${1:-}" = itl ]; then
   L=${2:-8}; Q=${3:-none}; CONC=${4:-1,4,16,64}; PPC=${5:-2}
-  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  if [ -n "${RANK:-}" ]; then
+    python -m m3serve bench make-realshape /tmp/rank$RANK --layers 60 --dense-layers 3 --tp-rank $RANK > /dev/null
+    python -m m3serve make-tiny /tmp/rank$RANK --draft dspark --target /tmp/rank$RANK --no-weights > /dev/null
+    python -m m3serve make-tiny /tmp/eg_rank$RANK --draft eagle3-gqa --target /tmp/rank$RANK --no-weights > /dev/null
+    rm -rf /tmp/rs$L; ln -s /tmp/rank$RANK /tmp/rs$L
+  else
+    python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  fi
   qflag=""; [ "$Q" != none ] && qflag="--quantization $Q"
   sflag=(); [ -n "${SPEC_JSON:-}" ] && sflag=(--speculative-config "$SPEC_JSON")
   echo "\$ python -m m3serve serve /tmp/rs$L --load-format dummy --port 8011 --max-model-len 9472 --max-num-seqs 64 --max-num-batched-tokens 16384 $qflag ${EXTRA:-} ${SPEC_JSON:+--speculative-config '$SPEC_JSON'}" > "$OUT/server_L${L}_$Q${TAG:-}.txt"
