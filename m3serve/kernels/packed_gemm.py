@@ -41,76 +41,55 @@ def _fp4_value(c):
     return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
+def _fp4_ptx(place: tuple[int, int], finish: str, regs: str) -> str:
+    """One PTX block over four code bytes in $4: bytes 0-1 and 2-3 spread to the 16-bit halves
+    of t0 / t1, then for the low (even) and high (odd) nibbles of each pair the three magnitude
+    bits shifted left by place[0] and the sign bit to bit 15 (shift place[1]), then `finish`
+    with {out} = $0 / $1 (even pairs), $2 / $3 (odd pairs), {s} = the pair's scale operand when
+    scales come two to a register (16-bit: $5 / $6), {a}, {b} = its two when one to a register
+    (32-bit: $5, $6 / $7, $8)."""
+    lines = ["{", regs, "mov.b32 z, 0;", "prmt.b32 t0, $4, z, 0x4140;", "prmt.b32 t1, $4, z, 0x4342;"]
+    for out, (t, odd) in enumerate((("t0", 0), ("t1", 0), ("t0", 1), ("t1", 1))):
+        mag, sign = (0x00700070, 0x00800080) if odd else (0x00070007, 0x00080008)
+        lines.append(f"and.b32 m, {t}, {mag:#010x}; shl.b32 m, m, {place[0] - 4 * odd}; "
+                     f"and.b32 g, {t}, {sign:#010x}; shl.b32 g, g, {place[1] - 4 * odd}; or.b32 m, m, g;")
+        hi = int(t == "t1")
+        lines.append(finish.format(out=out, s=5 + hi, a=5 + 2 * hi, b=6 + 2 * hi))
+    return "\n".join(lines + ["}"])
+
+
+# MXFP4: each nibble placed in a bf16 (the code's value x 2^-126: magnitude bits at 6..8, codes 0
+# and 1 land on bf16 subnormals, kept exactly), times 2^126, then times the pair's bf16 scales:
+# two packed products that round nothing (`mul.rn.bf16x2`, sm_90)
+_MXFP4_BF16_PTX = tl.constexpr(_fp4_ptx(
+    (6, 12), "mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 ${out}, m, ${s};",
+    ".reg .b32 t0, t1, m, g, k, z; mov.b32 k, 0x7E807E80;"))
+# FP4 with fp32 scales: each nibble placed in an fp16 (the value x 2^-14, exact, subnormals
+# included), widened to fp32, times its scale, the pair rounded once to bf16
+_FP4_SCALED_BF16_PTX = tl.constexpr(_fp4_ptx(
+    (9, 12), "mov.b32 {{l, h}}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h; mov.b32 x, ${a}; "
+             "mov.b32 y, ${b}; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y; cvt.rn.bf16x2.f32 ${out}, b, a;",
+    ".reg .b32 t0, t1, m, g, z; .reg .b16 l, h; .reg .f32 a, b, x, y;"))
+
+
 @triton.jit
 def _mxfp4_bf16(c, s):
     """MXFP4 code bytes c (the even element in the low nibble) and bf16 block scales s =
-    2^(e - 127), same shape -> the (even, odd) weights in bf16, exactly the reference's values,
-    four bytes per PTX block. Each nibble's magnitude bits become a bf16's two low exponent
-    bits and top mantissa bit and its bit 3 the sign: the code's value x 2^-126 (codes 0 and 1
-    land on bf16 subnormals, kept exactly); times 2^126, then times the scale, two products
-    that round nothing (packed bf16 pairs: `mul.rn.bf16x2`, sm_90). GPU only (inline PTX)."""
+    2^(e - 127), same shape -> the (even, odd) weights in bf16, exactly the reference's values
+    (`_MXFP4_BF16_PTX`, four bytes per block). GPU only (inline PTX)."""
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, m, g, k, z;
-        mov.b32 z, 0;
-        mov.b32 k, 0x7E807E80;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        and.b32 m, t0, 0x00070007; shl.b32 m, m, 6;
-        and.b32 g, t0, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
-        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $0, m, $5;
-        and.b32 m, t1, 0x00070007; shl.b32 m, m, 6;
-        and.b32 g, t1, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
-        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $1, m, $6;
-        and.b32 m, t0, 0x00700070; shl.b32 m, m, 2;
-        and.b32 g, t0, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
-        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $2, m, $5;
-        and.b32 m, t1, 0x00700070; shl.b32 m, m, 2;
-        and.b32 g, t1, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
-        mul.rn.bf16x2 m, m, k; mul.rn.bf16x2 $3, m, $6;
-        }""",
-        constraints="=r,=r,=r,=r,r,r,r", args=[c, s], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
+        asm=_MXFP4_BF16_PTX, constraints="=r,=r,=r,=r,r,r,r", args=[c, s],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
 def _fp4_scaled_bf16(c, s):
     """FP4 code bytes c and fp32 scales s (the block scale x 2^14), same shape -> the (even,
-    odd) weights rounded once to bf16 from the fp32 product, as the reference rounds them: each
-    nibble becomes an fp16 (its magnitude bits in the low exponent bits and top mantissa bit:
-    the value x 2^-14, exact, subnormals included), widened to fp32, times s, rounded to bf16.
-    Four bytes per PTX block. GPU only (inline PTX)."""
+    odd) weights rounded once to bf16 from the fp32 product, as the reference rounds them
+    (`_FP4_SCALED_BF16_PTX`, four bytes per block). GPU only (inline PTX)."""
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, m, g, z;
-        .reg .b16 l, h;
-        .reg .f32 a, b, x, y;
-        mov.b32 z, 0;
-        prmt.b32 t0, $4, z, 0x4140;
-        prmt.b32 t1, $4, z, 0x4342;
-        and.b32 m, t0, 0x00070007; shl.b32 m, m, 9;
-        and.b32 g, t0, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
-        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
-        mov.b32 x, $5; mov.b32 y, $6; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
-        cvt.rn.bf16x2.f32 $0, b, a;
-        and.b32 m, t1, 0x00070007; shl.b32 m, m, 9;
-        and.b32 g, t1, 0x00080008; shl.b32 g, g, 12; or.b32 m, m, g;
-        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
-        mov.b32 x, $7; mov.b32 y, $8; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
-        cvt.rn.bf16x2.f32 $1, b, a;
-        and.b32 m, t0, 0x00700070; shl.b32 m, m, 5;
-        and.b32 g, t0, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
-        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
-        mov.b32 x, $5; mov.b32 y, $6; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
-        cvt.rn.bf16x2.f32 $2, b, a;
-        and.b32 m, t1, 0x00700070; shl.b32 m, m, 5;
-        and.b32 g, t1, 0x00800080; shl.b32 g, g, 8; or.b32 m, m, g;
-        mov.b32 {l, h}, m; cvt.f32.f16 a, l; cvt.f32.f16 b, h;
-        mov.b32 x, $7; mov.b32 y, $8; mul.rn.f32 a, a, x; mul.rn.f32 b, b, y;
-        cvt.rn.bf16x2.f32 $3, b, a;
-        }""",
-        constraints="=r,=r,=r,=r,r,r,r,r,r", args=[c, s], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
+        asm=_FP4_SCALED_BF16_PTX, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[c, s],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
