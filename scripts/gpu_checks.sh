@@ -127,7 +127,8 @@ fi
 # specrank N [MODES]: speculation at one TP N rank's shapes at full depth (dummy weights,
 # synthetic acceptance): off, EAGLE3-GQA cut to the rank (k 3, 2.78), DSpark cut to the rank
 # (k 7, 2.3 and 3.0), DSpark replicated (the released widths on every rank, 2.3), and (not by
-# default) dspark23d4 (disable_by_batch_size 4) and dspark23k3 (k 3); MODES picks a subset
+# default) dspark23d4 (disable_by_batch_size 4), dspark23k3 (k 3) and mtp (the target's MTP
+# modules, k 3, 2.78); MODES picks a subset
 # (default: the first five); POINTS / OSL / SIZES as for rank
 if [ "${1:-}" = specrank ]; then
   N=${2:-8}; dir=/tmp/rank$N
@@ -137,6 +138,10 @@ if [ "${1:-}" = specrank ]; then
   python -c "import json, sys; from pathlib import Path; from m3serve.spec.tiny_drafts import dspark_config_dict
 p = Path('/tmp/dsrep$N'); p.mkdir(exist_ok=True); (p / 'config.json').write_text(json.dumps(dspark_config_dict(Path('$dir'), replicated=True)))"
   syn='"rejection_sample_method": "synthetic", "synthetic_acceptance_length"'
+  # mtp: the release's config names 7 MTP modules (its BF16 files ship none); dummy weights
+  # for the ones k = 3 uses, each one MSA + MoE layer cut to the rank like the target's
+  case " ${3:-} " in *" mtp "*) python -c "import json; p = '$dir/config.json'; c = json.load(open(p))
+c.setdefault('text_config', c)['num_mtp_modules'] = 7; json.dump(c, open(p, 'w'), indent=1)" ;; esac
   for mode in ${3:-off eagle3 dspark23 dspark30 dsparkrep}; do
     case $mode in
       off) spec=() ;;
@@ -146,6 +151,7 @@ p = Path('/tmp/dsrep$N'); p.mkdir(exist_ok=True); (p / 'config.json').write_text
       dsparkrep) spec=(--speculative-config '{"method": "dspark", "model": "/tmp/dsrep'$N'", '"$syn"': 2.3}') ;;
       dspark23d4) spec=(--speculative-config '{"method": "dspark", "disable_by_batch_size": 4, '"$syn"': 2.3}') ;;
       dspark23k3) spec=(--speculative-config '{"method": "dspark", "num_speculative_tokens": 3, '"$syn"': 2.3}') ;;
+      mtp) spec=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 3, '"$syn"': 2.78}') ;;
     esac
     step specrank_tp${N}_$mode${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
       --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-128} --max-model-len 9472 --max-num-seqs 64 \
