@@ -66,7 +66,16 @@ class EngineCore:
                                    async_scheduling=async_on,
                                    defer_sampling=async_on and config.parallel.world_size == 1,
                                    grammars=self.grammars,
-                                   disable_spec_by_batch_size=config.speculative.disable_by_batch_size)
+                                   disable_spec_by_batch_size=config.speculative.disable_by_batch_size,
+                                   # on a GPU, whether a batch speculates follows measured step times
+                                   # (not across DP replicas: their steps wait for each other)
+                                   measure_speculation=(getattr(executor, "device_type", "cpu") == "cuda"
+                                                        and config.parallel.data_parallel_size == 1))
+        if config.speculative.enabled:
+            logger.info("speculative decoding: which batches speculate: %s", {
+                "fixed": f"below {config.speculative.disable_by_batch_size} running requests",
+                "measured": "where timed steps with drafts beat those without (core/spec_gate.py)",
+                "always": "every one"}[self.scheduler.spec_gate.rule])
         self.num_steps = 0
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0

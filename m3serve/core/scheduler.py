@@ -18,6 +18,7 @@ from m3serve.core.request import Request, RequestStatus
 from m3serve.core.sampling_mode import SamplingMode, sampling_mode
 from m3serve.core.scheduler_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                            NewRequestData, SchedulerOutput)
+from m3serve.core.spec_gate import SpeculationGate
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
                  async_scheduling: bool = False, defer_sampling: bool = False, grammars=None,
-                 disable_spec_by_batch_size: int | None = None):
+                 disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -73,11 +74,10 @@ class Scheduler:
         # the draft writes its KV while proposing.
         self.num_lookahead_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats(num_speculative_tokens)
-        # speculative_config.disable_by_batch_size: steps with this many running requests or
-        # more decode without drafts (drafts cost more than they save there)
-        self.disable_spec_by_batch_size = disable_spec_by_batch_size
+        # which steps speculate (core/spec_gate.py): speculative_config.disable_by_batch_size,
+        # else by the measured speed of steps with and without drafts (`measure_speculation`)
+        self.spec_gate = SpeculationGate(disable_spec_by_batch_size, measure_speculation)
         self.num_plain_steps = 0        # steps a draft model ran without drafts
-        self._speculating = True
         # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
         # is being pulled from a prefill worker, and finished ones held for a decode worker.
         self.connector = kv_connector
@@ -436,6 +436,8 @@ class Scheduler:
             kv_offload=self.kv_manager.take_offload_work(),
         )
         self.finished_req_ids = set()
+        if self.num_lookahead_tokens:
+            self.spec_gate.scheduled(output)
         # Advance now: the KV of these tokens is being written by this step.
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
@@ -611,6 +613,7 @@ class Scheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
         sampled_ids = set(scheduler_output.sampled_req_ids)
+        num_emitted = 0
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -651,6 +654,7 @@ class Scheduler:
                     if status is not None:
                         request.status = status
                         break
+            num_emitted += len(new_token_ids)
             self.kv_manager.cache_blocks(request, request.num_computed_tokens)
             if caught_up and model_runner_output.spec_token_ids is not None and not request.is_finished:
                 request.spec_token_ids = self._usable_drafts(
@@ -683,19 +687,23 @@ class Scheduler:
                     self._finish(request, request.status, free=False)
                 else:
                     self._finish(request, request.status)
+        if self.num_lookahead_tokens:
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            scheduled = scheduler_output.num_scheduled_tokens
+            self.spec_gate.observe(scheduler_output, len(scheduled), num_emitted,
+                                   all(n == 1 + len(spec.get(r, ())) for r, n in scheduled.items()))
         return outputs
 
     def _speculate_this_step(self) -> bool:
-        """False when a draft model runs but this step's batch is at or above
-        `disable_by_batch_size` (logged when it turns off and on again)."""
-        limit = self.disable_spec_by_batch_size
-        if not self.num_lookahead_tokens or limit is None:
+        """With a draft model: whether this step verifies drafts (`spec_gate`'s rule). Under the
+        measured rule a step that may compute prompt tokens speculates whatever its bucket
+        chose, so that the draft pass writes the prompt's draft KV."""
+        if not self.num_lookahead_tokens:
             return True
-        on = len(self.running) < limit
-        if on != self._speculating:
-            logger.info("speculative decoding %s: %d requests running (disable_by_batch_size %d)",
-                        "back on" if on else "off", len(self.running), limit)
-            self._speculating = on
+        on = self.spec_gate.speculate(len(self.running))
+        if not on and self.spec_gate.measured:
+            on = (any(self._is_prefill(r) for r in self.running)
+                  or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs))
         self.num_plain_steps += not on
         return on
 

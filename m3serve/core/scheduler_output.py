@@ -146,7 +146,7 @@ class SchedulerOutput:
     request: decided here once per step; the worker samples by it and never re-derives it."""
     speculate: bool = True
     """With a draft model: whether this step verifies drafts and proposes the next ones (False:
-    a plain decode step; `speculative_config.disable_by_batch_size`)."""
+    a plain decode step: `core/spec_gate.py`, by disable_by_batch_size or measured speed)."""
     deferred: bool = False
     """Async scheduling: the step's sampled tokens stay on the device (the next step's inputs
     take them from there) and its output comes with the next call (`ModelRunnerOutput.previous`).

@@ -11,6 +11,10 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 pytestmark = pytest.mark.gpu
 
+# The drafting tests speculate at every batch size (their drafts are what they check): without
+# disable_by_batch_size a GPU engine turns drafts off where they measure slower (core/spec_gate.py)
+ALWAYS = 1000
+
 
 def test_tiny_greedy_gpu_equals_cpu_reference(tiny_dir):
     from m3serve.layers import dispatch
@@ -146,7 +150,8 @@ def test_tiny_speculative_graphs_gpu(tiny_dir, tmp_path):
     want = [o.outputs[0].token_ids for o in cpu.generate(ps, params, use_tqdm=False)]
     gpu = LLM(model=str(tiny_dir), dtype="float32", device="cuda", kv_cache_memory=1 << 28,
               cudagraph_capture_sizes="1,2,4,8",
-              speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+              speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": ALWAYS})
     assert [o.outputs[0].token_ids for o in gpu.generate(ps, params, use_tqdm=False)] == want
     runner = gpu.engine.worker.runner
     assert runner.spec_graphs is not None and runner.num_graph_steps > 10
@@ -169,7 +174,7 @@ def test_tiny_dspark_gpu(tiny_dir, tmp_path):
     target = tmp_path / "target"
     shutil.copytree(tiny_dir, target)
     make_draft(target, "dspark", tiny_dir)
-    spec = {"method": "dspark", "num_speculative_tokens": 5}
+    spec = {"method": "dspark", "num_speculative_tokens": 5, "disable_by_batch_size": ALWAYS}
     ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150, 9, 120))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True)
@@ -197,6 +202,29 @@ def test_tiny_dspark_gpu(tiny_dir, tmp_path):
     assert first_drafts("cuda") == first_drafts("cpu")
 
 
+def test_tiny_measured_gate_gpu(tiny_dir, tmp_path):
+    """The GPU default for which batches speculate (timed steps with and without drafts, plain
+    decode graphs at every size): greedy tokens equal the CPU reference, whichever kind each
+    step ran, over a batch that shrinks through every bucket."""
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+    from m3serve.spec.tiny_drafts import make_draft
+    from test_engine import prompts
+
+    draft = make_draft(tmp_path / "eagle3", "eagle3", tiny_dir)
+    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150, 9, 120))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 40, 60, 80, 100, 120)]
+    cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in cpu.generate(ps, params, use_tqdm=False)]
+    gpu = LLM(model=str(tiny_dir), dtype="float32", device="cuda", kv_cache_memory=1 << 28,
+              cudagraph_capture_sizes="1,2,4,8",
+              speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in gpu.generate(ps, params, use_tqdm=False)] == want
+    sched = gpu.engine.core.scheduler
+    assert sched.spec_gate.rule == "measured" and sched.spec_stats.num_drafts > 0
+    assert gpu.engine.worker.runner.graphs is not None      # the plain decode graphs
+
+
 def test_tiny_speculative_graphs_structured_gpu(tiny_dir, tmp_path):
     """Structured outputs with EAGLE3 speculation on the GPU: the verify CUDA graph's logits
     get the grammar masks (filled on the host before the replay, applied on the device); greedy
@@ -222,7 +250,8 @@ def test_tiny_speculative_graphs_structured_gpu(tiny_dir, tmp_path):
     flags = dict(model=str(tiny_dir), dtype="float32", device="cuda", kv_cache_memory=1 << 28,
                  cudagraph_capture_sizes="1,2,4,8")
     want = [o.outputs[0].token_ids for o in LLM(**flags).generate(ps, params, use_tqdm=False)]
-    gpu = LLM(**flags, speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    gpu = LLM(**flags, speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": ALWAYS})
     outs = gpu.generate(ps, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     for i, o in enumerate(outs):

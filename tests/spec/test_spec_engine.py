@@ -201,6 +201,38 @@ def test_disable_by_batch_size_decodes_big_batches_without_drafts(tiny_dir, draf
     _check_clean(llm)
 
 
+def test_measured_gate_turns_losing_drafts_off(tiny_dir, drafts, caplog):
+    """The GPU default (core/spec_gate.py) driven by a fake clock under which a step with drafts
+    costs 3x a plain one: the tiny random drafts (almost all rejected) lose, the engine turns
+    them off for the batch and says so, greedy outputs still equal speculation off, and the
+    books balance (DSpark: switching leaves holes in its window cache)."""
+    from m3serve.core.spec_gate import SpeculationGate
+    kind = "dspark"
+    prompts = [p[:8] for p in _prompts()[1:5]]        # admitted together: 4 running throughout
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_dir), **_flags())
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=_spec(kind, drafts),
+              **_flags(kind))
+    core, now = llm.engine.core, [0.0]
+    sched, execute = core.scheduler, core.executor.execute_model
+    assert sched.spec_gate.rule == "always"              # a CPU engine
+    sched.spec_gate = SpeculationGate(measured=True, clock=lambda: now[0])
+
+    def timed(step):
+        now[0] += 3.0 if step.scheduled_spec_decode_tokens else 1.0
+        return execute(step)
+    core.executor.execute_model = timed
+    with caplog.at_level("INFO", logger="m3serve.core.spec_gate"):
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+    assert got == want
+    assert "speculative decoding off for 3-4 running requests" in caplog.text
+    assert sched.num_plain_steps > 15 and sched.spec_stats.num_drafts > 3
+    _check_clean(llm)
+
+
 def test_logprobs_and_prompt_logprobs_with_speculation(tiny_dir, drafts):
     """A request asking for logprobs (or prompt logprobs) verifies no drafts, and gets the same
     logprobs and prompt logprobs as without speculation, beside requests that speculate."""

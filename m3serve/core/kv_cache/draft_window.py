@@ -16,7 +16,8 @@ Draft KV that no step wrote for this request and no hit found (a partial hit, KV
 the CPU tier or pulled from a prefill worker, which carry no draft KV) is a hole: every position
 below the request's `valid_from` is one, and its queries never read below it (drafts lose
 quality, the output stays lossless since every draft is verified). So are the tokens of steps
-that run without the draft (`disable_by_batch_size`): `valid_from` moves past them.
+that run without the draft (`core/spec_gate.py`: disable_by_batch_size, or where drafts measure
+slower): `valid_from` moves past them.
 """
 from __future__ import annotations
 

@@ -1,0 +1,149 @@
+"""Whether a step speculates, by the number of running requests.
+
+Drafts pay when the tokens they add per verify step outweigh what the verify and draft passes
+cost over a plain decode step; both sides move with the batch size (a verify step reads the
+experts of every draft row), the model, the hardware and the workload's acceptance. Three
+rules, one per engine:
+
+- fixed (`speculative_config.disable_by_batch_size` N): steps with N or more running requests
+  decode without drafts;
+- measured (the default on a GPU with one DP replica): per bucket of running requests (rounded
+  up to a power of two), the engine times its decode-only steps with drafts and without, as
+  tokens emitted per request per second (median of the last `SAMPLES`), and speculates where
+  drafts give more. A bucket starts with drafts, takes `MIN_SAMPLES` timed steps of each kind,
+  then keeps the faster kind and retries the other now and then (acceptance and costs drift
+  with the traffic): plain steps for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while
+  drafts win, drafts for `DRAFT_PROBE_STEPS` every `DRAFT_PROBE_EVERY` while plain wins. A
+  bucket that cannot time both kinds within `EXPLORE_LIMIT` steps speculates for
+  `PLAIN_PROBE_EVERY` steps, then tries again. Each change of a bucket's choice is logged;
+- always (CPU engines, where wall-clock times describe nothing served, and DP replicas, whose
+  steps wait for each other): every step speculates.
+
+What a plain step costs the draft: it runs no draft pass, so the draft's KV misses its tokens
+(a window draft forgets its window). Hence drafts are timed only from the `SETTLE` -th drafted
+step in a row, the retries of drafts are longer than those of plain steps, and the scheduler
+lets steps that compute prompt tokens speculate (their draft pass writes the prompt's draft
+KV), whatever the bucket chose.
+
+A timed step is decode-only (each request computes its next token and its drafts) and of the
+same kind and bucket as the step before it; its time is from the previous step's output to its
+own (the loop's period, host work included), unless the loop paused (`MAX_GAP`).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+
+logger = logging.getLogger(__name__)
+
+MIN_SAMPLES = 4            # timed steps of each kind before a bucket chooses
+SAMPLES = 8                # the median's window, per bucket and kind
+SETTLE = 4                 # drafted steps in a row before one is timed (the draft's KV refills)
+PLAIN_PROBE_EVERY = 1000   # steps with drafts between two retries of plain steps
+PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
+DRAFT_PROBE_EVERY = 200    # plain steps between two retries of drafts
+DRAFT_PROBE_STEPS = 1 + SETTLE + 4   # a switch (no drafts yet), SETTLE untimed, 4 timed
+EXPLORE_LIMIT = 64         # steps a bucket may spend timing both kinds
+MAX_GAP = 0.05             # s between an output and the next step's schedule: longer = the loop paused
+
+
+def bucket_of(num_running: int) -> int:
+    """Running requests rounded up to a power of two."""
+    return 1 << max(0, num_running - 1).bit_length()
+
+
+class _Bucket:
+    def __init__(self):
+        self.rates = {True: deque(maxlen=SAMPLES), False: deque(maxlen=SAMPLES)}
+        self.choice: bool | None = None      # None: timing both kinds
+        self.steps = 0                       # steps since exploring or the last retry began
+        self.probe_left = 0
+        self.hold = 0                        # steps to speculate before exploring again
+
+    def ready(self) -> bool:
+        return all(len(r) >= MIN_SAMPLES for r in self.rates.values())
+
+    def median(self, drafts: bool) -> float:
+        return statistics.median(self.rates[drafts])
+
+
+class SpeculationGate:
+    """`speculate(num_running)` before each step; `scheduled(step)` once it is built;
+    `observe(...)` with its result. `fixed`: disable_by_batch_size (None: not fixed);
+    `measured`: the timed rule (else always). `clock`: seconds, monotonic."""
+
+    def __init__(self, fixed: int | None = None, measured: bool = False, clock=time.monotonic):
+        self.fixed, self.measured, self.clock = fixed, measured and fixed is None, clock
+        self.buckets: dict[int, _Bucket] = {}
+        self._on = True                          # the fixed rule's state, for its log lines
+        self._scheduled: dict[int, float] = {}   # id(step) -> when it was scheduled
+        self._last: tuple | None = None          # (timing key, output time) of the previous step
+        self._drafted_run = 0                    # drafted steps in a row, up to the last one
+
+    @property
+    def rule(self) -> str:
+        return "fixed" if self.fixed is not None else "measured" if self.measured else "always"
+
+    def speculate(self, num_running: int) -> bool:
+        if self.fixed is not None:
+            on = num_running < self.fixed
+            if on != self._on:
+                logger.info("speculative decoding %s: %d requests running (disable_by_batch_size %d)",
+                            "back on" if on else "off", num_running, self.fixed)
+                self._on = on
+            return on
+        if not self.measured or num_running == 0:
+            return True
+        b = bucket_of(num_running)
+        state = self.buckets.setdefault(b, _Bucket())
+        if state.hold:
+            state.hold -= 1
+            return True
+        state.steps += 1
+        if not state.ready():
+            if state.steps > EXPLORE_LIMIT:      # too few steady decode steps here to time
+                state.steps, state.hold = 0, PLAIN_PROBE_EVERY
+                return True
+            return len(state.rates[True]) < MIN_SAMPLES     # drafts first, then plain steps
+        if state.probe_left:
+            state.probe_left -= 1
+            return not state.choice
+        drafts, plain = state.median(True), state.median(False)
+        choice = drafts >= plain
+        if choice != state.choice:
+            span = f"{b // 2 + 1}-{b}" if b > 1 else "1"
+            logger.info("speculative decoding %s for %s running requests (measured: %.1f tokens/s per "
+                        "request with drafts, %.1f without)", "on" if choice else "off", span, drafts, plain)
+            state.choice, state.steps = choice, 0
+        if state.steps >= (PLAIN_PROBE_EVERY if choice else DRAFT_PROBE_EVERY):
+            state.steps, state.probe_left = 0, PLAIN_PROBE_STEPS if choice else DRAFT_PROBE_STEPS
+        return choice
+
+    def scheduled(self, step) -> None:
+        """`step` (a SchedulerOutput) was scheduled now."""
+        if self.measured:
+            if len(self._scheduled) > 8:         # outputs that never came (a failed step)
+                self._scheduled.clear()
+            self._scheduled[id(step)] = self.clock()
+
+    def observe(self, step, num_rows: int, num_emitted: int, decode_only: bool) -> None:
+        """`step`'s output arrived: `num_rows` requests computed, `num_emitted` tokens came out.
+        `decode_only`: every request computed its next token (and its drafts) only."""
+        if not self.measured:
+            return
+        now, started = self.clock(), self._scheduled.pop(id(step), None)
+        drafted = step.speculate and bool(step.scheduled_spec_decode_tokens)
+        self._drafted_run = self._drafted_run + 1 if drafted else 0
+        # a step that asked for drafts and had none to verify is a switch, of neither kind
+        kind = drafted if step.speculate == drafted else None
+        key = (kind, bucket_of(num_rows)) if decode_only and num_rows and kind is not None else None
+        last, self._last = self._last, (key, now)
+        if key is None or last is None or last[0] != key or started is None or started - last[1] > MAX_GAP:
+            return
+        if drafted and self._drafted_run <= SETTLE:
+            return
+        period = now - last[1]
+        if period > 0:
+            self.buckets.setdefault(key[1], _Bucket()).rates[kind].append(num_emitted / num_rows / period)

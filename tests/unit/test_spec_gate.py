@@ -1,0 +1,112 @@
+"""The speculation gate (core/spec_gate.py): the fixed rule, and the measured one driven by a
+fake clock -- a bucket times drafts (once they settle) and plain steps, keeps the kind that
+emits more tokens per request per second, logs the change, retries the other now and then,
+times only steady decode steps, and falls back to drafts where it cannot time both."""
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from m3serve.core import spec_gate as sg
+from m3serve.core.spec_gate import SpeculationGate, bucket_of
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _run(gate, clock, steps, running, spec_cost, accept, plain_cost=1.0, decode_only=True, plain_pause=0.0):
+    """`steps` steps of `running` requests. A step with drafts takes spec_cost s and emits
+    `accept` tokens per request, one without takes plain_cost and emits one; after a plain
+    step the requests have no drafts, so a step asked to speculate verifies none (a switch).
+    `plain_pause`: the loop waits that long before each plain step. Returns the decisions."""
+    kinds, had_drafts = [], getattr(gate, "_test_drafts", True)
+    for _ in range(steps):
+        on = gate.speculate(running)
+        drafted = on and had_drafts
+        if not on:
+            clock.t += plain_pause
+        step = SimpleNamespace(speculate=on, scheduled_spec_decode_tokens={"r": [1, 2, 3]} if drafted else {})
+        gate.scheduled(step)
+        clock.t += spec_cost if drafted else plain_cost
+        gate.observe(step, running, round(running * (accept if drafted else 1)), decode_only)
+        kinds.append(on)
+        had_drafts = on                  # a step that speculated proposed drafts for the next
+    gate._test_drafts = had_drafts
+    return kinds
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_fixed_rule_and_always():
+    gate = SpeculationGate(fixed=4, measured=True)
+    assert gate.rule == "fixed"
+    assert [gate.speculate(n) for n in (1, 3, 4, 9, 2)] == [True, True, False, False, True]
+    always = SpeculationGate()
+    assert always.rule == "always" and all(always.speculate(n) for n in (1, 16, 256))
+
+
+def test_drafts_that_lose_are_turned_off_and_retried(caplog):
+    clock = Clock()
+    gate = SpeculationGate(measured=True, clock=clock)
+    with caplog.at_level(logging.INFO, logger="m3serve.core.spec_gate"):
+        kinds = _run(gate, clock, 1000, running=6, spec_cost=3.0, accept=2.0)   # 0.67 vs 1.0 token/s
+    # drafts until 4 are timed (after SETTLE untimed ones), then plain until 4 are timed
+    explore = sg.SETTLE + sg.MIN_SAMPLES
+    assert kinds[:explore] == [True] * explore
+    assert kinds[explore:explore + 1 + sg.MIN_SAMPLES] == [False] * (1 + sg.MIN_SAMPLES)
+    assert "off for 5-8 running requests" in caplog.text and "0.7 tokens/s per request with drafts" in caplog.text
+    later = kinds[explore + 1 + sg.MIN_SAMPLES:]
+    retries = len(later) // (sg.DRAFT_PROBE_EVERY + sg.DRAFT_PROBE_STEPS)
+    assert retries >= 4 and later.count(True) == retries * sg.DRAFT_PROBE_STEPS
+    assert caplog.text.count("speculative decoding") == 1      # the retries do not flip it
+    assert len(gate.buckets[8].rates[True]) == sg.SAMPLES     # each retry timed drafts again
+
+
+def test_drafts_that_win_stay_on_and_a_change_of_acceptance_flips_them(caplog):
+    clock = Clock()
+    gate = SpeculationGate(measured=True, clock=clock)
+    kinds = _run(gate, clock, 1200, running=16, spec_cost=2.0, accept=2.8)      # 1.4 vs 1.0
+    assert kinds.count(False) == 1 + sg.MIN_SAMPLES + sg.PLAIN_PROBE_STEPS   # exploring, one retry
+    with caplog.at_level(logging.INFO, logger="m3serve.core.spec_gate"):
+        kinds = _run(gate, clock, 300, running=16, spec_cost=2.0, accept=1.5)   # 0.75 vs 1.0
+    assert "off for 9-16 running requests" in caplog.text
+    assert kinds[-100:].count(True) <= sg.DRAFT_PROBE_STEPS
+    # another bucket has its own books: it explores from the start
+    assert _run(gate, clock, 3, running=2, spec_cost=2.0, accept=1.5) == [True] * 3
+
+
+def test_a_bucket_that_cannot_time_plain_steps_speculates():
+    clock = Clock()
+    gate = SpeculationGate(measured=True, clock=clock)
+    kinds = _run(gate, clock, 600, running=4, spec_cost=2.0, accept=1.2, plain_pause=1.0)
+    explore = sg.SETTLE + sg.MIN_SAMPLES
+    assert kinds[:explore] == [True] * explore
+    assert kinds[explore:sg.EXPLORE_LIMIT] == [False] * (sg.EXPLORE_LIMIT - explore)
+    assert kinds[sg.EXPLORE_LIMIT:] == [True] * (600 - sg.EXPLORE_LIMIT)
+
+
+@pytest.mark.parametrize("case", ["prefill", "switch", "pause"])
+def test_only_steady_decode_steps_are_timed(case):
+    clock = Clock()
+    gate = SpeculationGate(measured=True, clock=clock)
+    if case == "prefill":           # steps with prompt chunks
+        _run(gate, clock, 20, running=4, spec_cost=3.0, accept=2.0, decode_only=False)
+        assert not gate.buckets[4].rates[True]
+        return
+    for i in range(20):
+        if case == "switch":        # drafts asked for, none to verify yet: not a drafted step
+            step = SimpleNamespace(speculate=True, scheduled_spec_decode_tokens={})
+        else:                       # the loop waited between an output and the next step
+            step = SimpleNamespace(speculate=True, scheduled_spec_decode_tokens={"r": [1]})
+            clock.t += 1.0
+        gate.scheduled(step)
+        clock.t += 2.0
+        gate.observe(step, 4, 8, True)
+    assert not gate.buckets.get(4) or not gate.buckets[4].rates[True]
