@@ -129,7 +129,9 @@ fi
 # (k 7, 2.3 and 3.0), DSpark replicated (the released widths on every rank, 2.3), and (not by
 # default) dspark23d4 (disable_by_batch_size 4), dspark23k3 (k 3) and mtp (the target's MTP
 # modules, k 3, 2.78); MODES picks a subset
-# (default: the first five); POINTS / OSL / SIZES as for rank
+# (default: the first five); POINTS / OSL / SIZES as for rank. Each mode runs the engine's
+# default rule for which batches speculate (on a GPU: by measured step speed); MODE+ (e.g.
+# eagle3+) speculates at every batch size (disable_by_batch_size 1000)
 if [ "${1:-}" = specrank ]; then
   N=${2:-8}; dir=/tmp/rank$N
   python -m m3serve bench make-realshape $dir --layers 60 --dense-layers 3 --tp-rank $N > /dev/null
@@ -142,7 +144,8 @@ p = Path('/tmp/dsrep$N'); p.mkdir(exist_ok=True); (p / 'config.json').write_text
   # for the ones k = 3 uses, each one MSA + MoE layer cut to the rank like the target's
   case " ${3:-} " in *" mtp "*) python -c "import json; p = '$dir/config.json'; c = json.load(open(p))
 c.setdefault('text_config', c)['num_mtp_modules'] = 7; json.dump(c, open(p, 'w'), indent=1)" ;; esac
-  for mode in ${3:-off eagle3 dspark23 dspark30 dsparkrep}; do
+  for name in ${3:-off eagle3 dspark23 dspark30 dsparkrep}; do
+    mode=${name%+}
     case $mode in
       off) spec=() ;;
       eagle3) spec=(--speculative-config '{"method": "eagle3", "model": "/tmp/eg_rank'$N'", "num_speculative_tokens": 3, '"$syn"': 2.78}') ;;
@@ -153,7 +156,8 @@ c.setdefault('text_config', c)['num_mtp_modules'] = 7; json.dump(c, open(p, 'w')
       dspark23k3) spec=(--speculative-config '{"method": "dspark", "num_speculative_tokens": 3, '"$syn"': 2.3}') ;;
       mtp) spec=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 3, '"$syn"': 2.78}') ;;
     esac
-    step specrank_tp${N}_$mode${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
+    [ "$name" != "$mode" ] && [ ${#spec[@]} -gt 0 ] && spec[1]="{\"disable_by_batch_size\": 1000, ${spec[1]#\{}"
+    step specrank_tp${N}_${mode}${name#$mode}${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
       --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-128} --max-model-len 9472 --max-num-seqs 64 \
       --max-num-batched-tokens 16384 --cudagraph-capture-sizes ${SIZES:-1,4,16,64} ${QUANT:+--quantization $QUANT} "${spec[@]}"
   done

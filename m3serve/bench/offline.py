@@ -53,16 +53,26 @@ def _count(ids, cfg) -> float:
     return float(ids.numel())
 
 
-def _spec_counts(llm) -> tuple[int, int, int] | None:
-    """(verify steps with drafts, draft tokens, accepted tokens) so far; None without drafts."""
+def _spec_counts(llm) -> tuple[int, int, int, int] | None:
+    """(verify steps with drafts, draft tokens, accepted tokens, steps the gate ran without
+    drafts; the last one in-process only, else 0) so far; None without drafts."""
     if not llm.engine.config.speculative.enabled:
         return None
     if llm.engine.core is not None:
-        st = llm.engine.core.scheduler.spec_stats
-        return st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens
+        sched = llm.engine.core.scheduler
+        st = sched.spec_stats
+        return st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, sched.num_plain_steps
     states = llm.engine.engine_states()
     return (sum(s.spec_num_drafts for s in states), sum(s.spec_num_draft_tokens for s in states),
-            sum(s.spec_num_accepted_tokens for s in states))
+            sum(s.spec_num_accepted_tokens for s in states), 0)
+
+
+def _gate_rule(llm) -> str | None:
+    """The in-process engine's rule for which steps speculate (None: no drafts, or not known)."""
+    core = llm.engine.core
+    if core is None or not llm.engine.config.speculative.enabled:
+        return None
+    return core.scheduler.spec_gate.rule
 
 
 def _spec_figures(llm, before) -> dict:
@@ -70,8 +80,9 @@ def _spec_figures(llm, before) -> dict:
     after = _spec_counts(llm)
     if before is None or after is None:
         return {}
-    drafts, tokens, accepted = (a - b for a, b in zip(after, before))
-    return {"spec_verify_steps": drafts, "spec_draft_tokens": tokens,
+    drafts, tokens, accepted, plain = (a - b for a, b in zip(after, before))
+    return {"spec_verify_steps": drafts, "spec_draft_tokens": tokens, "spec_plain_steps": plain,
+            "spec_gate": _gate_rule(llm),
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
 
 
@@ -166,8 +177,10 @@ def main(args) -> list[dict]:
                 return [{"prompt_token_ids": [rng.randrange(0, 2000) for _ in range(isl)]} for _ in range(bs)]
             one, many = run_params(args, 1), run_params(args, args.osl + 1)
             # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
-            # no Triton JIT specialisation is compiled inside a measured step
-            llm.generate(prompts(), run_params(args, 4), use_tqdm=False)
+            # no Triton JIT specialisation is compiled inside a measured step; under the measured
+            # speculation gate long enough for the batch's bucket to time both kinds of step, as
+            # in a server that has run a while (core/spec_gate.py)
+            llm.generate(prompts(), run_params(args, 48 if _gate_rule(llm) == "measured" else 4), use_tqdm=False)
             jit_before = variants_by_kernel()
             spec_before = _spec_counts(llm)
             batch = prompts()
