@@ -104,24 +104,30 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny_dir):
 def test_a_request_computes_the_same_alone_and_batched(tiny_dir):
     """In float32 every last bit of the model reaches the logprobs: a prompt computed alone and
     beside other requests (prefilled in one step with them, then decoded in batches of three)
-    gets the same logprobs bit for bit, whatever the thread count splits. (A CPU op whose
-    result for a row depends on the rows beside it, like torch's fp32 sigmoid in the router
-    and in SwiGLU, fails this; in bf16 such an ulp can flip a greedy token of the tiny model,
-    so P/D, router and TP tests could see two servers disagree.)"""
+    gets the same logprobs bit for bit, whatever the thread count splits: alone on 1 thread
+    (nothing split), alone on 4 (two servers or TP ranks can run different thread counts) and
+    batched on 2. (A CPU op whose result for a row depends on the rows beside it or on where
+    the threads split the tensor, like torch's fp32 sigmoid in the router and in SwiGLU, fails
+    this; in bf16 such an ulp can flip a greedy token of the tiny model, so P/D, router and TP
+    tests could see two servers disagree.)"""
     llm = LLM(model=str(tiny_dir), dtype="float32", enable_prefix_caching=False)
     p = {"prompt_token_ids": prompts((367,), seed=11)[0]}
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     others = [{"prompt_token_ids": q} for q in prompts((369, 30), seed=12)]
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)       # tensors over torch's grain are split at thread-dependent places
+    try:                               # tensors over torch's grain are split at thread-dependent places
+        torch.set_num_threads(1)
         alone = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        torch.set_num_threads(4)
+        alone4 = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        torch.set_num_threads(2)
         batched = llm.generate([others[0], p, others[1]], params, use_tqdm=False)[1].outputs[0]
     finally:
         torch.set_num_threads(threads)
-    assert batched.token_ids == alone.token_ids
-    for step, (a, b) in enumerate(zip(alone.logprobs, batched.logprobs)):
-        assert {k: v.logprob for k, v in a.items()} == {k: v.logprob for k, v in b.items()}, step
+    for other in (alone4, batched):
+        assert other.token_ids == alone.token_ids
+        for step, (a, b) in enumerate(zip(alone.logprobs, other.logprobs)):
+            assert {k: v.logprob for k, v in a.items()} == {k: v.logprob for k, v in b.items()}, step
     assert_all_blocks_free(llm)
 
 
