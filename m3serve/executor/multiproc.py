@@ -25,7 +25,7 @@ from m3serve.executor import ExecutorFailure, ReplicasStopping
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
 from m3serve.executor.rank import (agree_num_blocks, gather_kv_metadata, gather_kv_results, join_world,
                                    rank_report, reduce_offload_report, run_follower)
-from m3serve.executor.supervisor import Supervisor
+from m3serve.executor.supervisor import HEARTBEAT_PERIOD_S, Supervisor
 from m3serve.worker.model_runner import DPStep
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ class MultiprocExecutor:
         except ReplicasStopping:
             raise
         except Exception as e:
-            reason = self.supervisor.failure or f"{type(e).__name__}: {e}"
+            # a peer's death often surfaces first as a transport error in a collective
+            reason = self.supervisor.failure_within(2 * HEARTBEAT_PERIOD_S) or f"{type(e).__name__}: {e}"
             raise ExecutorFailure(f"rank {self.rank}: engine step failed: {reason}") from e
         finally:
             self._step_started = None

@@ -47,6 +47,7 @@ class Supervisor:
         self.failure: str | None = None
         self.failure_exit_code: int | None = None   # set when the failure was an exit
         self._stopped = threading.Event()
+        self._failed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="m3serve-supervisor", daemon=True)
 
     def watch(self, rank: int, proc: multiprocessing.Process, slot: int | None = None) -> None:
@@ -87,8 +88,15 @@ class Supervisor:
 
     def _fail(self, message: str) -> None:
         self.failure = message
+        self._failed.set()
         logger.error("%s", message)
         self.on_failure(message)
+
+    def failure_within(self, seconds: float) -> str | None:
+        """The failure, waiting up to `seconds` for one: a collective that failed because a
+        peer died can raise before this thread has seen the exit (then the exit names it)."""
+        self._failed.wait(seconds)
+        return self.failure
 
     def terminate_all(self) -> None:
         """Kill every watched process (SIGKILL after a short grace), without raising."""
