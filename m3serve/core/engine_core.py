@@ -15,6 +15,7 @@ from m3serve.core.kv_cache.manager import KVCacheManager
 from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from m3serve.core.spec_gate import measured_rule_applies
 from m3serve.protocol import ITERATION_TOKEN_BUCKETS, EngineState
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,8 @@ class EngineCore:
                                    defer_sampling=async_on and config.parallel.world_size == 1,
                                    grammars=self.grammars,
                                    disable_spec_by_batch_size=config.speculative.disable_by_batch_size,
-                                   # on a GPU, whether a batch speculates follows measured step times
-                                   # (not across DP replicas: their steps wait for each other)
-                                   measure_speculation=(getattr(executor, "device_type", "cpu") == "cuda"
-                                                        and config.parallel.data_parallel_size == 1))
+                                   measure_speculation=measured_rule_applies(
+                                       config, getattr(executor, "device_type", "cpu")))
         if config.speculative.enabled:
             logger.info("speculative decoding: which batches speculate: %s", {
                 "fixed": f"below {config.speculative.disable_by_batch_size} running requests",

@@ -688,24 +688,22 @@ class Scheduler:
                 else:
                     self._finish(request, request.status)
         if self.num_lookahead_tokens:
-            spec = scheduler_output.scheduled_spec_decode_tokens
-            scheduled = scheduler_output.num_scheduled_tokens
-            self.spec_gate.observe(scheduler_output, len(scheduled), num_emitted,
-                                   all(n == 1 + len(spec.get(r, ())) for r, n in scheduled.items()))
+            self.spec_gate.observe(scheduler_output, num_emitted)
         return outputs
 
     def _speculate_this_step(self) -> bool:
-        """With a draft model: whether this step verifies drafts (`spec_gate`'s rule). Under the
-        measured rule a step that may compute prompt tokens speculates whatever its bucket
-        chose, so that the draft pass writes the prompt's draft KV."""
+        """With a draft model: whether this step verifies drafts (`spec_gate`'s rule)."""
         if not self.num_lookahead_tokens:
             return True
-        on = self.spec_gate.speculate(len(self.running))
-        if not on and self.spec_gate.measured:
-            on = (any(self._is_prefill(r) for r in self.running)
-                  or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs))
+        on = self.spec_gate.speculate(len(self.running), self._prompt_due)
         self.num_plain_steps += not on
         return on
+
+    def _prompt_due(self) -> bool:
+        """Whether the next step may compute prompt tokens: a running request's next chunk, or
+        a waiting request with room to be admitted."""
+        return (any(self._is_prefill(r) for r in self.running)
+                or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs))
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts past the context are dropped. Drafts past max_tokens are kept: every request

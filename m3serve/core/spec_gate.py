@@ -49,6 +49,13 @@ EXPLORE_LIMIT = 64         # steps a bucket may spend timing both kinds
 MAX_GAP = 0.05             # s between an output and the next step's schedule: longer = the loop paused
 
 
+def measured_rule_applies(config, device_type: str) -> bool:
+    """Whether an engine of `config` on `device_type` ranks picks its speculating batches by
+    measurement (the engine core's gate, and the worker's plain graphs at every size)."""
+    return (config.speculative.enabled and config.speculative.disable_by_batch_size is None
+            and device_type == "cuda" and config.parallel.data_parallel_size == 1)
+
+
 def bucket_of(num_running: int) -> int:
     """Running requests rounded up to a power of two."""
     return 1 << max(0, num_running - 1).bit_length()
@@ -70,15 +77,16 @@ class _Bucket:
 
 
 class SpeculationGate:
-    """`speculate(num_running)` before each step; `scheduled(step)` once it is built;
-    `observe(...)` with its result. `fixed`: disable_by_batch_size (None: not fixed);
-    `measured`: the timed rule (else always). `clock`: seconds, monotonic."""
+    """`speculate(...)` before each step; `scheduled(step)` once it is built; `observe(...)`
+    with its result. `fixed`: disable_by_batch_size (None: not fixed); `measured`: the timed
+    rule (else always). `clock`: seconds, monotonic."""
 
     def __init__(self, fixed: int | None = None, measured: bool = False, clock=time.monotonic):
         self.fixed, self.measured, self.clock = fixed, measured and fixed is None, clock
         self.buckets: dict[int, _Bucket] = {}
         self._on = True                          # the fixed rule's state, for its log lines
-        self._scheduled: dict[int, float] = {}   # id(step) -> when it was scheduled
+        # (step, when it was scheduled): a step with drafts runs before the next is scheduled
+        self._scheduled: tuple | None = None
         self._last: tuple | None = None          # (timing key, output time) of the previous step
         self._drafted_run = 0                    # drafted steps in a row, up to the last one
 
@@ -86,7 +94,10 @@ class SpeculationGate:
     def rule(self) -> str:
         return "fixed" if self.fixed is not None else "measured" if self.measured else "always"
 
-    def speculate(self, num_running: int) -> bool:
+    def speculate(self, num_running: int, prompt_due=lambda: False) -> bool:
+        """Whether the next step verifies drafts. `prompt_due()`: whether it may compute prompt
+        tokens (asked only under the measured rule, which then speculates: the draft pass writes
+        the prompt's draft KV whatever the bucket chose)."""
         if self.fixed is not None:
             on = num_running < self.fixed
             if on != self._on:
@@ -96,6 +107,9 @@ class SpeculationGate:
             return on
         if not self.measured or num_running == 0:
             return True
+        return self._measured_choice(num_running) or prompt_due()
+
+    def _measured_choice(self, num_running: int) -> bool:
         b = bucket_of(num_running)
         state = self.buckets.setdefault(b, _Bucket())
         if state.hold:
@@ -124,21 +138,23 @@ class SpeculationGate:
     def scheduled(self, step) -> None:
         """`step` (a SchedulerOutput) was scheduled now."""
         if self.measured:
-            if len(self._scheduled) > 8:         # outputs that never came (a failed step)
-                self._scheduled.clear()
-            self._scheduled[id(step)] = self.clock()
+            self._scheduled = (step, self.clock())
 
-    def observe(self, step, num_rows: int, num_emitted: int, decode_only: bool) -> None:
-        """`step`'s output arrived: `num_rows` requests computed, `num_emitted` tokens came out.
-        `decode_only`: every request computed its next token (and its drafts) only."""
+    def observe(self, step, num_emitted: int) -> None:
+        """`step`'s output arrived (a SchedulerOutput): `num_emitted` tokens came out."""
         if not self.measured:
             return
-        now, started = self.clock(), self._scheduled.pop(id(step), None)
-        drafted = step.speculate and bool(step.scheduled_spec_decode_tokens)
+        now, pending, self._scheduled = self.clock(), self._scheduled, None
+        started = pending[1] if pending is not None and pending[0] is step else None
+        spec, rows = step.scheduled_spec_decode_tokens, step.num_scheduled_tokens
+        drafted = step.speculate and bool(spec)
         self._drafted_run = self._drafted_run + 1 if drafted else 0
         # a step that asked for drafts and had none to verify is a switch, of neither kind
         kind = drafted if step.speculate == drafted else None
-        key = (kind, bucket_of(num_rows)) if decode_only and num_rows and kind is not None else None
+        # timed: decode-only steps (every request computes its next token and its drafts only)
+        decode_only = kind is not None and all(n == 1 + len(spec.get(r, ())) for r, n in rows.items())
+        num_rows = len(rows)
+        key = (kind, bucket_of(num_rows)) if decode_only and num_rows else None
         last, self._last = self._last, (key, now)
         if key is None or last is None or last[0] != key or started is None or started - last[1] > MAX_GAP:
             return

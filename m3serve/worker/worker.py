@@ -153,10 +153,12 @@ class Worker:
             self.runner.spec_graphs = SpecDecodeGraphs(self.model, self.proposer, self.runner.buffers, sizes,
                                                        k, self.max_model_len)
             self.runner.spec_graphs.capture(self.runner.batch)
-            # the steps that decode without drafts: at disable_by_batch_size and above, else
-            # at any size the measured rule turns drafts off for (core/spec_gate.py)
+            # the steps that decode without drafts: at disable_by_batch_size and above, or at
+            # any size the measured rule may turn drafts off for (core/spec_gate.py)
+            from m3serve.core.spec_gate import measured_rule_applies
             limit = config.speculative.disable_by_batch_size
-            plain = [s for s in sizes if s >= limit] if limit is not None else sizes
+            plain = ([s for s in sizes if s >= limit] if limit is not None
+                     else sizes if measured_rule_applies(config, self.device.type) else [])
             if plain:
                 self.runner.capture_cuda_graphs(plain)
         elif sizes:

@@ -11,6 +11,16 @@ from m3serve.core import spec_gate as sg
 from m3serve.core.spec_gate import SpeculationGate, bucket_of
 
 
+def _step(on: bool, drafted: bool, rows: int, decode_only: bool = True) -> SimpleNamespace:
+    """A SchedulerOutput's fields the gate reads: `rows` requests, each with 3 drafts when
+    `drafted`, each computing one token (and its drafts), or 10 more with a prompt chunk."""
+    spec = {f"r{i}": [1, 2, 3] for i in range(rows)} if drafted else {}
+    extra = 0 if decode_only else 10
+    return SimpleNamespace(speculate=on, scheduled_spec_decode_tokens=spec,
+                           num_scheduled_tokens={f"r{i}": 1 + len(spec.get(f"r{i}", ())) + extra
+                                                 for i in range(rows)})
+
+
 class Clock:
     def __init__(self):
         self.t = 100.0
@@ -30,10 +40,10 @@ def _run(gate, clock, steps, running, spec_cost, accept, plain_cost=1.0, decode_
         drafted = on and had_drafts
         if not on:
             clock.t += plain_pause
-        step = SimpleNamespace(speculate=on, scheduled_spec_decode_tokens={"r": [1, 2, 3]} if drafted else {})
+        step = _step(on, drafted, running, decode_only)
         gate.scheduled(step)
         clock.t += spec_cost if drafted else plain_cost
-        gate.observe(step, running, round(running * (accept if drafted else 1)), decode_only)
+        gate.observe(step, round(running * (accept if drafted else 1)))
         kinds.append(on)
         had_drafts = on                  # a step that speculated proposed drafts for the next
     gate._test_drafts = had_drafts
@@ -102,11 +112,11 @@ def test_only_steady_decode_steps_are_timed(case):
         return
     for i in range(20):
         if case == "switch":        # drafts asked for, none to verify yet: not a drafted step
-            step = SimpleNamespace(speculate=True, scheduled_spec_decode_tokens={})
+            step = _step(True, False, 4)
         else:                       # the loop waited between an output and the next step
-            step = SimpleNamespace(speculate=True, scheduled_spec_decode_tokens={"r": [1]})
+            step = _step(True, True, 4)
             clock.t += 1.0
         gate.scheduled(step)
         clock.t += 2.0
-        gate.observe(step, 4, 8, True)
+        gate.observe(step, 8)
     assert not gate.buckets.get(4) or not gate.buckets[4].rates[True]
