@@ -120,3 +120,18 @@ def test_only_steady_decode_steps_are_timed(case):
         clock.t += 2.0
         gate.observe(step, 8)
     assert not gate.buckets.get(4) or not gate.buckets[4].rates[True]
+
+
+def test_a_step_that_may_compute_prompt_tokens_speculates_and_who_measures():
+    from m3serve.core.spec_gate import measured_rule_applies
+    clock = Clock()
+    gate = SpeculationGate(measured=True, clock=clock)
+    _run(gate, clock, 40, running=6, spec_cost=3.0, accept=2.0)          # plain chosen for 5-8
+    assert gate.speculate(6, lambda: False) is False and gate.speculate(6, lambda: True) is True
+
+    def config(dp=1, limit=None, method="eagle3"):
+        return SimpleNamespace(speculative=SimpleNamespace(enabled=method is not None, disable_by_batch_size=limit),
+                               parallel=SimpleNamespace(data_parallel_size=dp))
+    assert measured_rule_applies(config(), "cuda")
+    assert not any([measured_rule_applies(config(), "cpu"), measured_rule_applies(config(dp=2), "cuda"),
+                    measured_rule_applies(config(limit=4), "cuda"), measured_rule_applies(config(method=None), "cuda")])
