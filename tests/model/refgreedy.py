@@ -52,3 +52,25 @@ def reference_greedy(ref: ReferenceM3, prompt: list[int], n: int, margin: float 
         assert top[0] - top[1] >= margin, f"near-tie in the reference at length {len(ids)}"
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+def engine_greedy_gaps(completion) -> list[float]:
+    """Per token of an engine's greedy completion (a CompletionOutput that asked for logprobs
+    >= 2): the chosen token's logprob minus the best other token's, i.e. its lead in logits."""
+    assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+    gaps = []
+    for token, pos in zip(completion.token_ids, completion.logprobs):
+        others = [v.logprob for k, v in pos.items() if k != token]
+        assert others and pos[token].logprob >= max(others), pos          # greedy took the best
+        gaps.append(pos[token].logprob - max(others))
+    return gaps
+
+
+def assert_engine_no_near_ties(outputs, margin: float) -> None:
+    """Every greedy step of the engine's `outputs` (RequestOutputs of requests with logprobs >= 2)
+    leads its runner-up by `margin`, so that comparing their tokens with another computation
+    whose logits differ in the last bits (TP layouts, another process) can never flip on a tie,
+    and a mismatch is a real difference; a prompt that has a near-tie is the test's mistake."""
+    for i, out in enumerate(outputs):
+        gaps = engine_greedy_gaps(out.outputs[0])
+        assert min(gaps) >= margin, f"request {i} has a near-tie (gaps {gaps}) below {margin}: choose other prompts"

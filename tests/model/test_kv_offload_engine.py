@@ -20,14 +20,17 @@ def ids(n, seed):
     return torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def sessions(llm, turns=3) -> list[list[int]]:
+def sessions(llm, turns=3, params=GREEDY, record=None) -> list[list[int]]:
     """Three sessions, their turns sent together: each turn is the whole conversation so far
-    plus 12 new tokens. Returns every turn's output tokens."""
+    plus 12 new tokens. Returns every turn's output tokens (and appends the RequestOutputs to
+    `record` when given)."""
     convs = [ids(n, seed) for n, seed in ((80, 1), (96, 2), (110, 3))]
     out = []
     for turn in range(turns):
-        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": c} for c in convs], GREEDY,
-                                                           use_tqdm=False)]
+        outs = llm.generate([{"prompt_token_ids": c} for c in convs], params, use_tqdm=False)
+        if record is not None:
+            record += outs
+        got = [o.outputs[0].token_ids for o in outs]
         out += got
         convs = [c + g + ids(12, 100 * turn + i) for i, (c, g) in enumerate(zip(convs, got))]
     return out
