@@ -9,8 +9,10 @@ rules, one per engine:
   decode without drafts;
 - measured (the default on a GPU with one DP replica): per bucket of running requests (rounded
   up to a power of two), the engine times its decode-only steps with drafts and without, as
-  tokens emitted per request per second (median of the last `SAMPLES`), and speculates where
-  drafts give more. A bucket starts with drafts, takes `MIN_SAMPLES` timed steps of each kind,
+  tokens emitted per request per second over the last `SAMPLES` steps of each kind (their mean
+  tokens per request over their median period: a verify step emits 1 to k + 1 tokens per
+  request as drafts are accepted, so only the mean counts them right, while the median period
+  keeps one slow step from deciding), and speculates where drafts give more. A bucket starts with drafts, takes `MIN_SAMPLES` timed steps of each kind,
   then keeps the faster kind and retries the other now and then (acceptance and costs drift
   with the traffic): plain steps for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while
   drafts win, drafts for `DRAFT_PROBE_STEPS` every `DRAFT_PROBE_EVERY` while plain wins. A
@@ -39,7 +41,7 @@ from collections import deque
 logger = logging.getLogger(__name__)
 
 MIN_SAMPLES = 4            # timed steps of each kind before a bucket chooses
-SAMPLES = 8                # the median's window, per bucket and kind
+SAMPLES = 8                # timed steps kept per bucket and kind
 SETTLE = 4                 # drafted steps in a row before one is timed (the draft's KV refills)
 PLAIN_PROBE_EVERY = 1000   # steps with drafts between two retries of plain steps
 PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
@@ -63,6 +65,7 @@ def bucket_of(num_running: int) -> int:
 
 class _Bucket:
     def __init__(self):
+        # per kind (drafts or not): (tokens emitted per request, period in s) of timed steps
         self.rates = {True: deque(maxlen=SAMPLES), False: deque(maxlen=SAMPLES)}
         self.choice: bool | None = None      # None: timing both kinds
         self.steps = 0                       # steps since exploring or the last retry began
@@ -72,8 +75,10 @@ class _Bucket:
     def ready(self) -> bool:
         return all(len(r) >= MIN_SAMPLES for r in self.rates.values())
 
-    def median(self, drafts: bool) -> float:
-        return statistics.median(self.rates[drafts])
+    def rate(self, drafts: bool) -> float:
+        """Tokens per request per second of the kind's timed steps."""
+        samples = self.rates[drafts]
+        return statistics.fmean(t for t, _ in samples) / statistics.median(p for _, p in samples)
 
 
 class SpeculationGate:
@@ -124,7 +129,7 @@ class SpeculationGate:
         if state.probe_left:
             state.probe_left -= 1
             return not state.choice
-        drafts, plain = state.median(True), state.median(False)
+        drafts, plain = state.rate(True), state.rate(False)
         choice = drafts >= plain
         if choice != state.choice:
             span = f"{b // 2 + 1}-{b}" if b > 1 else "1"
@@ -162,4 +167,4 @@ class SpeculationGate:
             return
         period = now - last[1]
         if period > 0:
-            self.buckets.setdefault(key[1], _Bucket()).rates[kind].append(num_emitted / num_rows / period)
+            self.buckets.setdefault(key[1], _Bucket()).rates[kind].append((num_emitted / num_rows, period))
