@@ -75,10 +75,15 @@ class _Bucket:
     def ready(self) -> bool:
         return all(len(r) >= MIN_SAMPLES for r in self.rates.values())
 
+    def parts(self, drafts: bool) -> tuple[float, float]:
+        """(mean tokens per request, median period in s) of the kind's timed steps."""
+        samples = self.rates[drafts]
+        return statistics.fmean(t for t, _ in samples), statistics.median(p for _, p in samples)
+
     def rate(self, drafts: bool) -> float:
         """Tokens per request per second of the kind's timed steps."""
-        samples = self.rates[drafts]
-        return statistics.fmean(t for t, _ in samples) / statistics.median(p for _, p in samples)
+        tokens, period = self.parts(drafts)
+        return tokens / period
 
 
 class SpeculationGate:
@@ -133,8 +138,10 @@ class SpeculationGate:
         choice = drafts >= plain
         if choice != state.choice:
             span = f"{b // 2 + 1}-{b}" if b > 1 else "1"
+            (dt, dp), (_, pp) = state.parts(True), state.parts(False)
             logger.info("speculative decoding %s for %s running requests (measured: %.1f tokens/s per "
-                        "request with drafts, %.1f without)", "on" if choice else "off", span, drafts, plain)
+                        "request with drafts (%.2f tokens per request every %.2f ms), %.1f without (every "
+                        "%.2f ms))", "on" if choice else "off", span, drafts, dt, dp * 1e3, plain, pp * 1e3)
             state.choice, state.steps = choice, 0
         if state.steps >= (PLAIN_PROBE_EVERY if choice else DRAFT_PROBE_EVERY):
             state.steps, state.probe_left = 0, PLAIN_PROBE_STEPS if choice else DRAFT_PROBE_STEPS

@@ -76,6 +76,7 @@ def test_drafts_that_lose_are_turned_off_and_retried(caplog):
     assert kinds[:explore] == [True] * explore
     assert kinds[explore:explore + 1 + sg.MIN_SAMPLES] == [False] * (1 + sg.MIN_SAMPLES)
     assert "off for 5-8 running requests" in caplog.text and "0.7 tokens/s per request with drafts" in caplog.text
+    assert "(2.00 tokens per request every 3000.00 ms), 1.0 without (every 1000.00 ms)" in caplog.text
     later = kinds[explore + 1 + sg.MIN_SAMPLES:]
     retries = len(later) // (sg.DRAFT_PROBE_EVERY + sg.DRAFT_PROBE_STEPS)
     assert retries >= 4 and later.count(True) == retries * sg.DRAFT_PROBE_STEPS
