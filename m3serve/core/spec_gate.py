@@ -12,12 +12,13 @@ rules, one per engine:
   tokens emitted per request per second over the last `SAMPLES` steps of each kind (their mean
   tokens per request over their median period: a verify step emits 1 to k + 1 tokens per
   request as drafts are accepted, so only the mean counts them right, while the median period
-  keeps one slow step from deciding), and speculates where drafts give more. A bucket starts with drafts, takes `MIN_SAMPLES` timed steps of each kind,
-  then keeps the faster kind and retries the other now and then (acceptance and costs drift
-  with the traffic): plain steps for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while
-  drafts win, drafts for `DRAFT_PROBE_STEPS` every `DRAFT_PROBE_EVERY` while plain wins. A
-  bucket that cannot time both kinds within `EXPLORE_LIMIT` steps speculates for
-  `PLAIN_PROBE_EVERY` steps, then tries again. Each change of a bucket's choice is logged;
+  keeps one slow step from deciding), and speculates where drafts give more. A bucket starts
+  with drafts, takes `MIN_SAMPLES` timed steps of each kind, then keeps the faster kind and
+  retries the other now and then (acceptance and costs drift with the traffic): plain steps
+  for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while drafts win, drafts for
+  `DRAFT_PROBE_STEPS` every `DRAFT_PROBE_EVERY` while plain wins. A bucket that cannot time
+  both kinds within `EXPLORE_LIMIT` steps speculates for `PLAIN_PROBE_EVERY` steps, then tries
+  again. Each change of a bucket's choice is logged;
 - always (CPU engines, where wall-clock times describe nothing served, and DP replicas, whose
   steps wait for each other): every step speculates.
 
@@ -52,7 +53,7 @@ MAX_GAP = 0.05             # s between an output and the next step's schedule: l
 
 
 def measured_rule_applies(config, device_type: str) -> bool:
-    """Whether an engine of `config` on `device_type` ranks picks its speculating batches by
+    """Whether an engine of `config` on `device_type` ranks picks the batches that speculate batches by
     measurement (the engine core's gate, and the worker's plain graphs at every size)."""
     return (config.speculative.enabled and config.speculative.disable_by_batch_size is None
             and device_type == "cuda" and config.parallel.data_parallel_size == 1)

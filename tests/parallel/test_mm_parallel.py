@@ -4,13 +4,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from refgreedy import assert_engine_no_near_ties
 
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multimodal"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from refgreedy import assert_engine_no_near_ties  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

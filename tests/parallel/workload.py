@@ -2,6 +2,8 @@
 (64-token budget) and preempted (a 14-block pool), seeded sampling beside greedy requests, and
 a prefix-cache hit; plus the per-rank checks that the flags were honoured and that every rank
 gave all its KV blocks and batch rows back."""
+from refgreedy import assert_engine_no_near_ties
+
 from m3serve.sampling_params import SamplingParams
 
 PROMPT_LENS = (5, 37, 80, 150, 9, 120)
@@ -59,11 +61,8 @@ def assert_no_near_ties(llm, margin: float = 0.01) -> None:
     logits only in their last bits (~1e-6 here), can never flip on rounding."""
     greedy = [(p, q) for wave in waves() for p, q in wave if q.temperature == 0]
     params = [SamplingParams(temperature=0, max_tokens=q.max_tokens, ignore_eos=True, logprobs=2) for _, q in greedy]
-    for out in llm.generate([{"prompt_token_ids": p} for p, _ in greedy], params, use_tqdm=False):
-        c = out.outputs[0]
-        gaps = [pos[t].logprob - max(v.logprob for k, v in pos.items() if k != t)
-                for t, pos in zip(c.token_ids, c.logprobs)]
-        assert min(gaps) >= margin, f"a greedy prompt of the workload has a near-tie: {gaps}"
+    assert_engine_no_near_ties(llm.generate([{"prompt_token_ids": p} for p, _ in greedy], params, use_tqdm=False),
+                               margin)
 
 
 def run(llm) -> list[list[int]]:
