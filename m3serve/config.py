@@ -614,8 +614,7 @@ class EngineConfig:
 
     def async_scheduling_blocker(self) -> str | None:
         """What this engine cannot combine async scheduling with, if anything."""
-        return ("--speculative-config" if self.speculative.enabled else
-                "--kv-transfer-config" if self.kv_transfer.enabled else
+        return ("--kv-transfer-config" if self.kv_transfer.enabled else
                 "--data-parallel-size > 1" if self.parallel.data_parallel_size > 1 else None)
 
     def async_scheduling_off(self) -> str | None:

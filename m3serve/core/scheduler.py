@@ -104,6 +104,8 @@ class Scheduler:
         # the next step), also steps whose requests sample (temperature, top-k/p, min-p, seeds)
         self.defer_sampling = defer_sampling
         self.num_deferred_steps = 0
+        self._last_deferred = False     # the previous step's tokens are still on the device
+        self.num_landing_steps = 0      # steps that only landed them, so that drafts could follow
         # --max-num-partial-prefills: requests computing prompt (or recompute) tokens per step
         self._prefill_cap = scheduler_config.max_num_partial_prefills or None
 
@@ -296,6 +298,12 @@ class Scheduler:
             in_flight = True
         short_of_blocks = False
         speculate = self._speculate_this_step()
+        if speculate and self.num_lookahead_tokens and self._last_deferred:
+            # A step with drafts needs its requests' newest tokens on the host (the drafts are
+            # proposed from them), but the previous plain step left them on the device: this
+            # step schedules nothing and only lands them; the next one speculates.
+            speculate, budget = False, 0
+            self.num_landing_steps += 1
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -332,7 +340,7 @@ class Scheduler:
                     i += 1
                     continue
                 break
-            num_spec = request.num_computed_tokens + num_new - request.num_tokens
+            num_spec = request.num_computed_tokens + num_new - request.num_tokens - request.num_output_placeholders
             if num_spec > 0:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             if not speculate:
@@ -417,7 +425,8 @@ class Scheduler:
 
         # prompt logprobs read the step's hidden states, which a deferred step does not keep
         deferrable = (SamplingMode.ARGMAX, SamplingMode.LOGITS) if self.defer_sampling else (SamplingMode.ARGMAX,)
-        deferred = (self.async_scheduling and bool(scheduled)
+        # (a step with drafts is never deferred: its drafts come back with its output)
+        deferred = (self.async_scheduling and bool(scheduled) and not (speculate and self.num_lookahead_tokens)
                     and all(modes[r.request_id] in deferrable and r.sampling_params.prompt_logprobs is None
                             for r in scheduled))
         sampled = [r.request_id for r in scheduled
@@ -442,6 +451,7 @@ class Scheduler:
         for request in scheduled:
             request.num_computed_tokens += num_scheduled[request.request_id]
             request.spec_token_ids = []
+        self._last_deferred = deferred
         if deferred:
             self.num_deferred_steps += 1
             for req_id in sampled:

@@ -28,6 +28,12 @@ step in a row, the retries of drafts are longer than those of plain steps, and t
 lets steps that compute prompt tokens speculate (their draft pass writes the prompt's draft
 KV), whatever the bucket chose.
 
+Plain steps are deferred like any engine's (async scheduling, where the engine has it: their
+tokens stay on the device and the next step is scheduled before they land), so they are timed as
+they run when the bucket chooses them. A step with drafts is never deferred, and drafts need the
+newest tokens on the host: when drafts follow a deferred plain step, the scheduler first takes a
+step that only lands its tokens (`Scheduler.num_landing_steps`).
+
 A timed step is decode-only (each request computes its next token and its drafts) and of the
 same kind and bucket as the step before it; its time is from the previous step's output to its
 own (the loop's period, host work included), unless the loop paused (`MAX_GAP`).
@@ -47,7 +53,8 @@ SETTLE = 4                 # drafted steps in a row before one is timed (the dra
 PLAIN_PROBE_EVERY = 1000   # steps with drafts between two retries of plain steps
 PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
 DRAFT_PROBE_EVERY = 200    # plain steps between two retries of drafts
-DRAFT_PROBE_STEPS = 1 + SETTLE + 4   # a switch (no drafts yet), SETTLE untimed, 4 timed
+DRAFT_PROBE_STEPS = 2 + SETTLE + 4   # a landing step (plain steps run ahead of their output),
+                                     # a switch (no drafts yet), SETTLE untimed, 4 timed
 EXPLORE_LIMIT = 64         # steps a bucket may spend timing both kinds
 MAX_GAP = 0.05             # s between an output and the next step's schedule: longer = the loop paused
 
@@ -96,8 +103,10 @@ class SpeculationGate:
         self.fixed, self.measured, self.clock = fixed, measured and fixed is None, clock
         self.buckets: dict[int, _Bucket] = {}
         self._on = True                          # the fixed rule's state, for its log lines
-        # (step, when it was scheduled): a step with drafts runs before the next is scheduled
-        self._scheduled: tuple | None = None
+        # (step, when it was scheduled) of the steps whose output has not come yet, in order: a
+        # plain step may be deferred (async scheduling), its output coming after the next step
+        # was scheduled
+        self._scheduled: deque = deque()
         self._last: tuple | None = None          # (timing key, output time) of the previous step
         self._drafted_run = 0                    # drafted steps in a row, up to the last one
 
@@ -151,14 +160,18 @@ class SpeculationGate:
     def scheduled(self, step) -> None:
         """`step` (a SchedulerOutput) was scheduled now."""
         if self.measured:
-            self._scheduled = (step, self.clock())
+            self._scheduled.append((step, self.clock()))
 
     def observe(self, step, num_emitted: int) -> None:
         """`step`'s output arrived (a SchedulerOutput): `num_emitted` tokens came out."""
         if not self.measured:
             return
-        now, pending, self._scheduled = self.clock(), self._scheduled, None
-        started = pending[1] if pending is not None and pending[0] is step else None
+        now, started = self.clock(), None
+        while self._scheduled:                   # outputs come in the order steps were scheduled
+            pending, when = self._scheduled.popleft()
+            if pending is step:
+                started = when
+                break
         spec, rows = step.scheduled_spec_decode_tokens, step.num_scheduled_tokens
         drafted = step.speculate and bool(spec)
         self._drafted_run = self._drafted_run + 1 if drafted else 0

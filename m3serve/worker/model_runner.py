@@ -174,6 +174,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         batch = self.batch.schedule(so)
         if self.proposer is not None and so.speculate:
+            if prev is not None:     # the scheduler lands a deferred step before drafts follow it
+                raise RuntimeError("a step with drafts follows a deferred step whose tokens have not landed")
             return self._speculative_step(so, batch, dp)
         feed = prev.feed(batch, placeholders) if prev is not None else None
         hidden, local, greedy = self._forward(batch, dp, feed)

@@ -105,17 +105,18 @@ def test_in_flight_abort_frees_everything(tiny_dir):
 
 
 def test_on_by_default_where_it_applies():
-    """vLLM's rule: on unless turned off; off beside speculation (not combined yet), and asking
-    for both is a clear error."""
+    """vLLM's rule: on unless turned off, speculative engines included (their plain steps are
+    deferred); off beside DP > 1 (not combined yet), and asking for both is a clear error."""
     from m3serve.config import EngineConfig
     from m3serve.core.engine_core import async_scheduling_applies
 
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
     assert async_scheduling_applies(EngineConfig.from_kwargs())
+    assert async_scheduling_applies(EngineConfig.from_kwargs(**spec))
     assert not async_scheduling_applies(EngineConfig.from_kwargs(async_scheduling=False))
-    assert not async_scheduling_applies(EngineConfig.from_kwargs(**spec))
-    with pytest.raises(ValueError, match="--async-scheduling cannot be combined with --speculative-config"):
-        EngineConfig.from_kwargs(async_scheduling=True, **spec)
+    assert not async_scheduling_applies(EngineConfig.from_kwargs(data_parallel_size=2))
+    with pytest.raises(ValueError, match="--async-scheduling cannot be combined with --data-parallel-size > 1"):
+        EngineConfig.from_kwargs(async_scheduling=True, data_parallel_size=2)
 
 
 def test_the_worker_samples_by_the_schedulers_mode(tiny_dir, monkeypatch):

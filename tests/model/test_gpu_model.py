@@ -202,10 +202,13 @@ def test_tiny_dspark_gpu(tiny_dir, tmp_path):
     assert first_drafts("cuda") == first_drafts("cpu")
 
 
-def test_tiny_measured_gate_gpu(tiny_dir, tmp_path):
+@pytest.mark.parametrize("rule", ["measured", "fixed"])
+def test_tiny_measured_gate_gpu(tiny_dir, tmp_path, rule):
     """The GPU default for which batches speculate (timed steps with and without drafts, plain
-    decode graphs at every size): greedy tokens equal the CPU reference, whichever kind each
-    step ran, over a batch that shrinks through every bucket."""
+    decode graphs at every size), and the fixed rule (disable_by_batch_size 3): greedy tokens
+    equal the CPU reference, whichever kind each step ran, over a batch that shrinks through
+    every bucket; plain steps are deferred (async scheduling) and, under the fixed rule, drafts
+    follow them after a step that lands their tokens."""
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
     from m3serve.spec.tiny_drafts import make_draft
@@ -216,12 +219,17 @@ def test_tiny_measured_gate_gpu(tiny_dir, tmp_path):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 40, 60, 80, 100, 120)]
     cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True)
     want = [o.outputs[0].token_ids for o in cpu.generate(ps, params, use_tqdm=False)]
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    if rule == "fixed":
+        spec["disable_by_batch_size"] = 3
     gpu = LLM(model=str(tiny_dir), dtype="float32", device="cuda", kv_cache_memory=1 << 28,
-              cudagraph_capture_sizes="1,2,4,8",
-              speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+              cudagraph_capture_sizes="1,2,4,8", speculative_config=spec)
     assert [o.outputs[0].token_ids for o in gpu.generate(ps, params, use_tqdm=False)] == want
     sched = gpu.engine.core.scheduler
-    assert sched.spec_gate.rule == "measured" and sched.spec_stats.num_drafts > 0
+    assert sched.spec_gate.rule == rule and sched.spec_stats.num_drafts > 0
+    assert sched.num_deferred_steps > 0
+    if rule == "fixed":
+        assert sched.num_landing_steps > 0
     assert gpu.engine.worker.runner.graphs is not None      # the plain decode graphs
 
 

@@ -183,8 +183,9 @@ def test_in_process_state_reports_speculation(tiny_dir, drafts):
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
 def test_disable_by_batch_size_decodes_big_batches_without_drafts(tiny_dir, drafts, kind):
     """With disable_by_batch_size 3, steps of 3+ running requests decode plainly (no drafts, no
-    draft pass) and smaller ones speculate again as requests finish; greedy outputs equal
-    speculation off, and the books balance."""
+    draft pass; deferred, as async scheduling is on) and smaller ones speculate again as
+    requests finish, each time after a step that lands the last deferred tokens; greedy outputs
+    equal speculation off, and the books balance."""
     prompts = _prompts()[:6]
     lens = [4, 6, 9, 14, 20, 28]                     # the batch shrinks as the short ones finish
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -198,6 +199,7 @@ def test_disable_by_batch_size_decodes_big_batches_without_drafts(tiny_dir, draf
     assert got == want
     sched = llm.engine.core.scheduler
     assert sched.num_plain_steps > 3 and sched.spec_stats.num_drafts > 3
+    assert sched.num_deferred_steps > 3 and sched.num_landing_steps > 0
     _check_clean(llm)
 
 
