@@ -65,7 +65,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    config.speculative.num_speculative_tokens, connector,
                                    async_scheduling=async_on,
-                                   defer_sampling=async_on and config.parallel.world_size == 1,
+                                   # sampled steps are deferred on one rank only; a speculative
+                                   # engine defers none, so that which of its steps speculate, and
+                                   # hence a seeded request's draws, are the same at every TP size
+                                   defer_sampling=(async_on and config.parallel.world_size == 1
+                                                   and not config.speculative.enabled),
                                    grammars=self.grammars,
                                    disable_spec_by_batch_size=config.speculative.disable_by_batch_size,
                                    measure_speculation=measured_rule_applies(
