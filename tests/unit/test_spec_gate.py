@@ -166,3 +166,31 @@ def test_one_slow_step_does_not_decide():
     gate.buckets[2].rates[True].append((2.0, 50.0))
     _run(gate, clock, 5, running=2, spec_cost=1.0, accept=2.0)
     assert gate.buckets[2].choice is True and gate.buckets[2].rate(True) == pytest.approx(2.0)
+
+
+def test_deferred_plain_steps_are_timed():
+    """Async scheduling: a plain step's output comes after the next step was scheduled (and
+    launched). Each step keeps its own schedule time, so such steps are still timed, at the
+    loop's period between outputs; the bucket compares them with drafts as usual."""
+    clock = Clock()
+    gate = SpeculationGate(measured=True, clock=clock)
+    pending = None                      # the deferred plain step whose output comes next
+    for _ in range(60):
+        on = gate.speculate(4)
+        step = _step(on, on and not pending, 4)       # after a deferred step: a switch, no drafts
+        if on and pending is not None:  # drafts wait for the deferred output (a landing step)
+            gate.observe(pending, 4)
+            pending = None
+        gate.scheduled(step)
+        clock.t += 3.0 if step.scheduled_spec_decode_tokens else 1.0
+        if pending is not None:         # this step's launch lands the previous one's output
+            gate.observe(pending, 4)
+            pending = None
+        if on:
+            gate.observe(step, 4 * (1.5 if step.scheduled_spec_decode_tokens else 1))
+        else:
+            pending = step
+    bucket = gate.buckets[4]
+    assert len(bucket.rates[False]) >= sg.MIN_SAMPLES                  # deferred plain steps timed
+    assert all(period == 1.0 for _, period in bucket.rates[False])
+    assert bucket.choice is False                                       # 1.5 / 3 s < 1 / 1 s
