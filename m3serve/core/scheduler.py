@@ -623,7 +623,7 @@ class Scheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
         sampled_ids = set(scheduler_output.sampled_req_ids)
-        num_emitted = 0
+        num_emitted = num_applied = 0     # tokens, and the requests that emitted them
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -665,6 +665,7 @@ class Scheduler:
                         request.status = status
                         break
             num_emitted += len(new_token_ids)
+            num_applied += bool(new_token_ids)
             self.kv_manager.cache_blocks(request, request.num_computed_tokens)
             if caught_up and model_runner_output.spec_token_ids is not None and not request.is_finished:
                 request.spec_token_ids = self._usable_drafts(
@@ -698,7 +699,7 @@ class Scheduler:
                 else:
                     self._finish(request, request.status)
         if self.num_lookahead_tokens:
-            self.spec_gate.observe(scheduler_output, num_emitted)
+            self.spec_gate.observe(scheduler_output, num_emitted, num_applied)
         return outputs
 
     def _speculate_this_step(self) -> bool:

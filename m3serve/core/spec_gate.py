@@ -162,8 +162,9 @@ class SpeculationGate:
         if self.measured:
             self._scheduled.append((step, self.clock()))
 
-    def observe(self, step, num_emitted: int) -> None:
-        """`step`'s output arrived (a SchedulerOutput): `num_emitted` tokens came out."""
+    def observe(self, step, num_emitted: int, num_requests: int | None = None) -> None:
+        """`step`'s output arrived (a SchedulerOutput): `num_emitted` tokens came out, for
+        `num_requests` of its requests (None: every one)."""
         if not self.measured:
             return
         now, started = self.clock(), None
@@ -172,6 +173,14 @@ class SpeculationGate:
             if pending is step:
                 started = when
                 break
+        deferred = getattr(step, "deferred", False)
+        if deferred:
+            # Its output came back with the next step's launch, so its period is a steady one
+            # only if that step was deferred too (one that is not returns after its own
+            # sampling; a landing step launches nothing), and a pause of the loop shows at that
+            # step's schedule.
+            following = self._scheduled[0] if self._scheduled else None
+            started = following[1] if following is not None and getattr(following[0], "deferred", False) else None
         spec, rows = step.scheduled_spec_decode_tokens, step.num_scheduled_tokens
         drafted = step.speculate and bool(spec)
         self._drafted_run = self._drafted_run + 1 if drafted else 0
@@ -180,12 +189,16 @@ class SpeculationGate:
         # timed: decode-only steps (every request computes its next token and its drafts only)
         decode_only = kind is not None and all(n == 1 + len(spec.get(r, ())) for r, n in rows.items())
         num_rows = len(rows)
-        key = (kind, bucket_of(num_rows)) if decode_only and num_rows else None
+        # a step is timed only after one of the same kind, bucket and deferral: a step that is
+        # not deferred, after one that was, returns with that one's output (no period of its own)
+        key = (kind, bucket_of(num_rows), deferred) if decode_only and num_rows else None
         last, self._last = self._last, (key, now)
         if key is None or last is None or last[0] != key or started is None or started - last[1] > MAX_GAP:
             return
         if drafted and self._drafted_run <= SETTLE:
             return
+        if num_requests is not None and num_requests != num_rows:
+            return                               # some rows emitted nothing (finished or aborted)
         period = now - last[1]
         if period > 0:
             self.buckets.setdefault(key[1], _Bucket()).rates[kind].append((num_emitted / num_rows, period))

@@ -163,6 +163,9 @@ class ModelRunner:
         tokens; the next call takes them as its inputs (placeholders the scheduler counted),
         launches its own forward, and only then waits for them, returning them as `previous`."""
         sampler = self.step_sampler
+        if so.speculate and so.num_scheduled_tokens and self.proposer is not None and sampler.deferred is not None:
+            # (checked before anything changes: the scheduler lands a deferred step first)
+            raise RuntimeError("a step with drafts follows a deferred step whose tokens have not landed")
         sampler.drop(so.finished_req_ids)
         self._track_media(so)
         prev = sampler.take_deferred()
@@ -174,8 +177,6 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         batch = self.batch.schedule(so)
         if self.proposer is not None and so.speculate:
-            if prev is not None:     # the scheduler lands a deferred step before drafts follow it
-                raise RuntimeError("a step with drafts follows a deferred step whose tokens have not landed")
             return self._speculative_step(so, batch, dp)
         feed = prev.feed(batch, placeholders) if prev is not None else None
         hidden, local, greedy = self._forward(batch, dp, feed)

@@ -168,29 +168,41 @@ def test_one_slow_step_does_not_decide():
     assert gate.buckets[2].choice is True and gate.buckets[2].rate(True) == pytest.approx(2.0)
 
 
-def test_deferred_plain_steps_are_timed():
-    """Async scheduling: a plain step's output comes after the next step was scheduled (and
-    launched). Each step keeps its own schedule time, so such steps are still timed, at the
-    loop's period between outputs; the bucket compares them with drafts as usual."""
+def test_deferred_plain_steps_are_timed(monkeypatch):
+    """Async scheduling: a plain step's output comes back after the next step was scheduled
+    and launched. Each step keeps its own schedule time, so such steps are still timed, at the
+    loop's period between outputs -- except the one whose output a landing step brings (it
+    launches nothing, so that period is short) -- and the bucket compares them with drafts."""
+    monkeypatch.setattr(sg, "SAMPLES", 10_000)                          # keep every timed step
     clock = Clock()
     gate = SpeculationGate(measured=True, clock=clock)
-    pending = None                      # the deferred plain step whose output comes next
-    for _ in range(60):
+    pending, had_drafts = None, True    # the deferred plain step whose output comes next
+    landings = 0
+    for _ in range(1000):               # past retries of drafts, each after a landing step
         on = gate.speculate(4)
-        step = _step(on, on and not pending, 4)       # after a deferred step: a switch, no drafts
-        if on and pending is not None:  # drafts wait for the deferred output (a landing step)
+        if on and pending is not None:  # drafts wait for the deferred output: a landing step
+            landing = SimpleNamespace(speculate=False, scheduled_spec_decode_tokens={},
+                                      num_scheduled_tokens={}, deferred=False)
+            gate.scheduled(landing)
+            clock.t += 0.1
             gate.observe(pending, 4)
-            pending = None
+            gate.observe(landing, 0)
+            pending, landings = None, landings + 1
+            continue
+        step = _step(on, on and had_drafts, 4)
+        step.deferred = not on
         gate.scheduled(step)
         clock.t += 3.0 if step.scheduled_spec_decode_tokens else 1.0
         if pending is not None:         # this step's launch lands the previous one's output
             gate.observe(pending, 4)
             pending = None
         if on:
-            gate.observe(step, 4 * (1.5 if step.scheduled_spec_decode_tokens else 1))
+            gate.observe(step, 6 if step.scheduled_spec_decode_tokens else 4)
         else:
             pending = step
+        had_drafts = on
     bucket = gate.buckets[4]
+    assert landings >= 3
     assert len(bucket.rates[False]) >= sg.MIN_SAMPLES                  # deferred plain steps timed
     assert all(period == 1.0 for _, period in bucket.rates[False])
     assert bucket.choice is False                                       # 1.5 / 3 s < 1 / 1 s
