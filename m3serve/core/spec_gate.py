@@ -13,10 +13,13 @@ rules, one per engine:
   tokens per request over their median period: a verify step emits 1 to k + 1 tokens per
   request as drafts are accepted, so only the mean counts them right, while the median period
   keeps one slow step from deciding), and speculates where drafts give more. A bucket starts
-  with drafts, takes `MIN_SAMPLES` timed steps of each kind, then keeps the faster kind and
+  with drafts, takes `MIN_SAMPLES` timed steps of each kind, then keeps the faster kind -- a
+  change (and the first choice of drafts over plain steps) needs the other kind faster by
+  `MARGIN`, since every change costs steps outside steady decode that no sample sees -- and
   retries the other now and then (acceptance and costs drift with the traffic): plain steps
   for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while drafts win, drafts for
-  `DRAFT_PROBE_STEPS` every `DRAFT_PROBE_EVERY` while plain wins. A bucket that cannot time
+  `DRAFT_PROBE_STEPS` every `DRAFT_PROBE_EVERY` while plain wins, twice as long after each
+  retry that lost (up to `DRAFT_PROBE_MAX_EVERY`). A bucket that cannot time
   both kinds within `EXPLORE_LIMIT` steps speculates for `PLAIN_PROBE_EVERY` steps, then tries
   again. Each change of a bucket's choice is logged;
 - always (CPU engines, where wall-clock times describe nothing served, and DP replicas, whose
@@ -55,6 +58,8 @@ PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
 DRAFT_PROBE_EVERY = 200    # plain steps between two retries of drafts
 DRAFT_PROBE_STEPS = 2 + SETTLE + 4   # a landing step (plain steps run ahead of their output),
                                      # a switch (no drafts yet), SETTLE untimed, 4 timed
+DRAFT_PROBE_MAX_EVERY = 8 * DRAFT_PROBE_EVERY   # a retry that loses doubles the wait, up to this
+MARGIN = 0.03              # a kind replaces the bucket's current one only when this much faster
 EXPLORE_LIMIT = 64         # steps a bucket may spend timing both kinds
 MAX_GAP = 0.05             # s between an output and the next step's schedule: longer = the loop paused
 
@@ -79,6 +84,8 @@ class _Bucket:
         self.steps = 0                       # steps since exploring or the last retry began
         self.probe_left = 0
         self.hold = 0                        # steps to speculate before exploring again
+        self.draft_every = DRAFT_PROBE_EVERY # plain steps between retries of drafts
+        self.retried = False                 # a retry of drafts ran since the last choice
 
     def ready(self) -> bool:
         return all(len(r) >= MIN_SAMPLES for r in self.rates.values())
@@ -145,7 +152,15 @@ class SpeculationGate:
             state.probe_left -= 1
             return not state.choice
         drafts, plain = state.rate(True), state.rate(False)
-        choice = drafts >= plain
+        # the kind running now (plain steps before the first choice) stays unless the other is
+        # faster by MARGIN: every change costs steps no timed sample sees (a landing step, a
+        # switch step without drafts, drafted steps while the draft's KV refills)
+        current = bool(state.choice)
+        faster = (drafts if not current else plain) > (plain if not current else drafts) * (1 + MARGIN)
+        choice = current != faster
+        if state.retried:                    # a retry of drafts that lost waits twice as long
+            state.retried = False
+            state.draft_every = DRAFT_PROBE_EVERY if choice else min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
         if choice != state.choice:
             span = f"{b // 2 + 1}-{b}" if b > 1 else "1"
             (dt, dp), (_, pp) = state.parts(True), state.parts(False)
@@ -153,8 +168,9 @@ class SpeculationGate:
                         "request with drafts (%.2f tokens per request every %.2f ms), %.1f without (every "
                         "%.2f ms))", "on" if choice else "off", span, drafts, dt, dp * 1e3, plain, pp * 1e3)
             state.choice, state.steps = choice, 0
-        if state.steps >= (PLAIN_PROBE_EVERY if choice else DRAFT_PROBE_EVERY):
+        if state.steps >= (PLAIN_PROBE_EVERY if choice else state.draft_every):
             state.steps, state.probe_left = 0, PLAIN_PROBE_STEPS if choice else DRAFT_PROBE_STEPS
+            state.retried = not choice
         return choice
 
     def scheduled(self, step) -> None:
