@@ -195,7 +195,13 @@ class MoE(nn.Module):
         top_k, ex = self.cfg.num_experts_per_tok * gathered, self.experts
         counts = regime_token_counts(ex.num_local, top_k, max_tokens, self.tile_dtype)
         fmt = packed_format(ex, "w13")
-        if fmt is not None:                   # packed experts: each split K of decode steps
+        if fmt is not None:
+            # a step from DEQUANT_MOE_MIN_TOKENS on may run the 16-bit kernels from a dequantised
+            # scratch, one below it the packed kernels: each regime also at its largest size
+            # below that bound (else a mixed step of 1,281-2,047 tokens at one TP 8 rank
+            # compiles the packed kernels' largest tiles while serving)
+            counts += [min(c, DEQUANT_MOE_MIN_TOKENS - 1) for c in counts]
+            # and each split K of decode steps
             shared = self._shared_in_kernel()
             inter = max(ex.inter_local, self.cfg.shared_intermediate_size // self.tp.size if shared else 0)
             counts += split_token_counts(ex.num_local, top_k, inter, shared, PACK_CODES[fmt.kind],

@@ -487,6 +487,34 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
     assert all(line.endswith("True") for line in lines[4:8])
 
 
+def test_packed_warm_up_reaches_every_packed_tile_below_the_scratch(monkeypatch):
+    """Packed experts run their own kernels below DEQUANT_MOE_MIN_TOKENS (the 16-bit ones
+    from a dequantised scratch from there on, where it fits): the MoE layer's warm-up sizes
+    reach, below that bound, every packed tile (and decode split K) a step there can pick --
+    one TP 8 rank's experts (128 of width 384, 8 per token, the shared one in the kernel)."""
+    from types import SimpleNamespace
+
+    from m3serve.layers import moe as moe_mod
+    monkeypatch.setattr(fm, "_INTERPRET", False)
+    E, top_k, inter, hidden = 128, 8, 384, 6144
+    layer = SimpleNamespace(
+        dp=SimpleNamespace(active=False, size=1), tp=SimpleNamespace(size=8),
+        cfg=SimpleNamespace(num_experts_per_tok=top_k, shared_intermediate_size=inter * 8, hidden_size=hidden),
+        experts=SimpleNamespace(num_local=E, inter_local=inter, packed={"w13": SimpleNamespace(kind="mxfp4")}),
+        tile_dtype=torch.bfloat16, _shared_in_kernel=lambda: True)
+    bound = moe_mod.DEQUANT_MOE_MIN_TOKENS
+    block_n = fm.get_config(1, inter, 1 << 20, torch.bfloat16, True, packed=True)["BLOCK_N"]
+
+    def tiles(t):
+        m = -(-t * top_k // E)
+        up = fm.get_config(m, inter, hidden, torch.bfloat16, True, packed=True)
+        split = fm.decode_split(t, top_k, E, inter, block_n, True, fm.PACK_CODES["mxfp4"]) if up["SPLIT_K"] == 0 else 1
+        down = fm.get_config(m, hidden, inter, torch.bfloat16, False, packed=True)
+        return tuple(up.values()), split, tuple(down.values())
+    counts = moe_mod.MoE.tile_token_counts(layer, 16384)
+    assert {tiles(t) for t in counts if t < bound} == {tiles(t) for t in range(1, bound)}
+
+
 def test_regime_token_counts_reach_every_tile_regime(monkeypatch):
     """The warm-up's step sizes land in every tile regime of get_config: per replica, with the
     experts of one rank (EP) and the (token, choice) pairs of all DP replicas gathered."""
