@@ -65,7 +65,7 @@ MAX_GAP = 0.05             # s between an output and the next step's schedule: l
 
 
 def measured_rule_applies(config, device_type: str) -> bool:
-    """Whether an engine of `config` on `device_type` ranks picks the batches that speculate batches by
+    """Whether an engine of `config` on `device_type` ranks picks the batches that speculate by
     measurement (the engine core's gate, and the worker's plain graphs at every size)."""
     return (config.speculative.enabled and config.speculative.disable_by_batch_size is None
             and device_type == "cuda" and config.parallel.data_parallel_size == 1)
@@ -156,8 +156,8 @@ class SpeculationGate:
         # faster by MARGIN: every change costs steps no timed sample sees (a landing step, a
         # switch step without drafts, drafted steps while the draft's KV refills)
         current = bool(state.choice)
-        faster = (drafts if not current else plain) > (plain if not current else drafts) * (1 + MARGIN)
-        choice = current != faster
+        rate = {True: drafts, False: plain}
+        choice = not current if rate[not current] > rate[current] * (1 + MARGIN) else current
         if state.retried:                    # a retry of drafts that lost waits twice as long
             state.retried = False
             state.draft_every = DRAFT_PROBE_EVERY if choice else min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
@@ -189,14 +189,14 @@ class SpeculationGate:
             if pending is step:
                 started = when
                 break
-        deferred = getattr(step, "deferred", False)
+        deferred = step.deferred
         if deferred:
             # Its output came back with the next step's launch, so its period is a steady one
             # only if that step was deferred too (one that is not returns after its own
             # sampling; a landing step launches nothing), and a pause of the loop shows at that
             # step's schedule.
             following = self._scheduled[0] if self._scheduled else None
-            started = following[1] if following is not None and getattr(following[0], "deferred", False) else None
+            started = following[1] if following is not None and following[0].deferred else None
         spec, rows = step.scheduled_spec_decode_tokens, step.num_scheduled_tokens
         drafted = step.speculate and bool(spec)
         self._drafted_run = self._drafted_run + 1 if drafted else 0

@@ -16,7 +16,7 @@ def _step(on: bool, drafted: bool, rows: int, decode_only: bool = True) -> Simpl
     `drafted`, each computing one token (and its drafts), or 10 more with a prompt chunk."""
     spec = {f"r{i}": [1, 2, 3] for i in range(rows)} if drafted else {}
     extra = 0 if decode_only else 10
-    return SimpleNamespace(speculate=on, scheduled_spec_decode_tokens=spec,
+    return SimpleNamespace(speculate=on, scheduled_spec_decode_tokens=spec, deferred=False,
                            num_scheduled_tokens={f"r{i}": 1 + len(spec.get(f"r{i}", ())) + extra
                                                  for i in range(rows)})
 
