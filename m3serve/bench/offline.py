@@ -56,17 +56,18 @@ def _count(ids, cfg) -> float:
 def _spec_counts(llm) -> tuple[int, ...] | None:
     """(verify steps with drafts, draft tokens, accepted tokens, steps the gate ran without
     drafts, of them deferred (async scheduling), steps that only landed deferred tokens before
-    drafts; the last three in-process only, else 0) so far; None without drafts."""
+    drafts, requests' verify steps of stand-in drafts; the last four in-process only, else 0)
+    so far; None without drafts."""
     if not llm.engine.config.speculative.enabled:
         return None
     if llm.engine.core is not None:
         sched = llm.engine.core.scheduler
         st = sched.spec_stats
         return (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, sched.num_plain_steps,
-                sched.num_deferred_steps, sched.num_landing_steps)
+                sched.num_deferred_steps, sched.num_landing_steps, sched.num_padded_drafts)
     states = llm.engine.engine_states()
     return (sum(s.spec_num_drafts for s in states), sum(s.spec_num_draft_tokens for s in states),
-            sum(s.spec_num_accepted_tokens for s in states), 0, 0, 0)
+            sum(s.spec_num_accepted_tokens for s in states), 0, 0, 0, 0)
 
 
 def _gate_rule(llm) -> str | None:
@@ -82,9 +83,9 @@ def _spec_figures(llm, before) -> dict:
     after = _spec_counts(llm)
     if before is None or after is None:
         return {}
-    drafts, tokens, accepted, plain, deferred, landing = (a - b for a, b in zip(after, before))
+    drafts, tokens, accepted, plain, deferred, landing, padded = (a - b for a, b in zip(after, before))
     return {"spec_verify_steps": drafts, "spec_draft_tokens": tokens, "spec_plain_steps": plain,
-            "spec_deferred_steps": deferred, "spec_landing_steps": landing,
+            "spec_deferred_steps": deferred, "spec_landing_steps": landing, "spec_padded_drafts": padded,
             "spec_gate": _gate_rule(llm),
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
 

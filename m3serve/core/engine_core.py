@@ -58,6 +58,7 @@ class EngineCore:
             connector = KVTransferScheduler(config.kv_transfer, executor.block_size, executor.num_blocks,
                                             executor.kv_rank_metadata())
         async_on = async_scheduling_applies(config)
+        device_type = getattr(executor, "device_type", "cpu")
         from m3serve.worker.structured import GrammarCompiles
         # compiled off the loop (and warmed now), so that no grammar holds up a step
         self.grammars = GrammarCompiles(executor.model_dir, cfg.vocab_size, cfg.eos_token_id,
@@ -72,8 +73,11 @@ class EngineCore:
                                                    and not config.speculative.enabled),
                                    grammars=self.grammars,
                                    disable_spec_by_batch_size=config.speculative.disable_by_batch_size,
-                                   measure_speculation=measured_rule_applies(
-                                       config, getattr(executor, "device_type", "cpu")))
+                                   measure_speculation=measured_rule_applies(config, device_type),
+                                   # stand-in drafts let a decode without drafts replay the
+                                   # verify graph (captured on a GPU, one DP replica)
+                                   pad_drafts=(device_type == "cuda" and not config.compilation.enforce_eager
+                                               and config.parallel.data_parallel_size == 1))
         if config.speculative.enabled:
             logger.info("speculative decoding: which batches speculate: %s", {
                 "fixed": f"below {config.speculative.disable_by_batch_size} running requests",

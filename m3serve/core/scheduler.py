@@ -56,7 +56,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
                  async_scheduling: bool = False, defer_sampling: bool = False, grammars=None,
-                 disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False):
+                 disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False,
+                 pad_drafts: bool = False):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -78,6 +79,11 @@ class Scheduler:
         # else by the measured speed of steps with and without drafts (`measure_speculation`)
         self.spec_gate = SpeculationGate(disable_spec_by_batch_size, measure_speculation)
         self.num_plain_steps = 0        # steps a draft model ran without drafts
+        # A decode without drafts in a step with drafts (the first after plain steps) verifies
+        # k stand-in tokens instead, so that the step replays the verify CUDA graph rather than
+        # running the target eagerly (`SchedulerOutput.padded_drafts`); for engines with graphs.
+        self.pad_drafts = pad_drafts and num_speculative_tokens > 0
+        self.num_padded_drafts = 0      # requests' steps that verified stand-ins
         # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
         # is being pulled from a prefill worker, and finished ones held for a decode worker.
         self.connector = kv_connector
@@ -284,6 +290,7 @@ class Scheduler:
         encoder_left = self._encoder_budget
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
+        padded: set[str] = set()
         modes: dict[str, SamplingMode] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
@@ -314,6 +321,9 @@ class Scheduler:
             mode = self._sampling_mode(request)
             if mode is SamplingMode.FULL or not speculate:
                 request.spec_token_ids = []     # verification applies none of what its sampler needs
+            elif self._pads(request, mode):
+                request.spec_token_ids = [request.all_token_ids[-1]] * self.num_lookahead_tokens
+                padded.add(request.request_id)
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             prefill = self._is_prefill(request)
@@ -343,6 +353,8 @@ class Scheduler:
             num_spec = request.num_computed_tokens + num_new - request.num_tokens - request.num_output_placeholders
             if num_spec > 0:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            else:
+                padded.discard(request.request_id)
             if not speculate:
                 self._draft_not_written(request, request.num_computed_tokens + num_new)
             self._add_cached(cached, request, new_block_ids, resumed=False)
@@ -436,7 +448,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_spec_decode_tokens=spec_tokens, padded_drafts=padded,
             sampling_modes=modes,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
@@ -445,6 +457,7 @@ class Scheduler:
             kv_offload=self.kv_manager.take_offload_work(),
         )
         self.finished_req_ids = set()
+        self.num_padded_drafts += len(padded)
         if self.num_lookahead_tokens:
             self.spec_gate.scheduled(output)
         # Advance now: the KV of these tokens is being written by this step.
@@ -655,7 +668,7 @@ class Scheduler:
                                        f"{len(drafts)} drafts")
                 # Rejected drafts' KV is stale; recompute from the first rejected position.
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-                if drafts:
+                if drafts and req_id not in scheduler_output.padded_drafts:
                     self.spec_stats.record(len(drafts), len(sampled) - 1)
                 for token_id in sampled:
                     request.append_output_token_ids([token_id])
@@ -709,6 +722,16 @@ class Scheduler:
         on = self.spec_gate.speculate(len(self.running), self._prompt_due)
         self.num_plain_steps += not on
         return on
+
+    def _pads(self, request: Request, mode: SamplingMode) -> bool:
+        """Whether `request` verifies stand-in drafts this step (`pad_drafts`): a decode whose
+        next token is all it computes, with no drafts, whose sampler verifies drafts without a
+        grammar (a grammar's mask would have to accept the stand-ins) and that has room for k
+        more tokens in its context."""
+        return (self.pad_drafts and not request.spec_token_ids and mode in (SamplingMode.ARGMAX, SamplingMode.LOGITS)
+                and not request.num_output_placeholders
+                and request.num_computed_tokens == request.num_tokens - 1
+                and request.num_tokens + self.num_lookahead_tokens < self.max_model_len)
 
     def _prompt_due(self) -> bool:
         """Whether the next step may compute prompt tokens: a running request's next chunk, or

@@ -57,7 +57,8 @@ PLAIN_PROBE_EVERY = 1000   # steps with drafts between two retries of plain step
 PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
 DRAFT_PROBE_EVERY = 200    # plain steps between two retries of drafts
 DRAFT_PROBE_STEPS = 2 + SETTLE + 4   # a landing step (plain steps run ahead of their output),
-                                     # a switch (no drafts yet), SETTLE untimed, 4 timed
+                                     # a switch (no drafts yet: none, or stand-ins), SETTLE
+                                     # untimed, 4 timed
 DRAFT_PROBE_MAX_EVERY = 8 * DRAFT_PROBE_EVERY   # a retry that loses doubles the wait, up to this
 MARGIN = 0.03              # a kind replaces the bucket's current one only when this much faster
 EXPLORE_LIMIT = 64         # steps a bucket may spend timing both kinds
@@ -154,7 +155,7 @@ class SpeculationGate:
         drafts, plain = state.rate(True), state.rate(False)
         # the kind running now (plain steps before the first choice) stays unless the other is
         # faster by MARGIN: every change costs steps no timed sample sees (a landing step, a
-        # switch step without drafts, drafted steps while the draft's KV refills)
+        # switch step without real drafts, drafted steps while the draft's KV refills)
         current = bool(state.choice)
         rate = {True: drafts, False: plain}
         choice = not current if rate[not current] > rate[current] * (1 + MARGIN) else current
@@ -200,8 +201,9 @@ class SpeculationGate:
         spec, rows = step.scheduled_spec_decode_tokens, step.num_scheduled_tokens
         drafted = step.speculate and bool(spec)
         self._drafted_run = self._drafted_run + 1 if drafted else 0
-        # a step that asked for drafts and had none to verify is a switch, of neither kind
-        kind = drafted if step.speculate == drafted else None
+        # a step that asked for drafts and had none to verify (or only stand-ins, for some rows:
+        # `SchedulerOutput.padded_drafts`) is a switch, of neither kind
+        kind = drafted if step.speculate == drafted and not step.padded_drafts else None
         # timed: decode-only steps (every request computes its next token and its drafts only)
         decode_only = kind is not None and all(n == 1 + len(spec.get(r, ())) for r, n in rows.items())
         num_rows = len(rows)

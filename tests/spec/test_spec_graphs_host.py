@@ -64,3 +64,67 @@ def test_graph_step_equals_eager_step(tiny_dir, drafts, params, kind):
     assert results[0] == results[1]
     if params.temperature == 0:
         assert results[0] == want
+
+
+@pytest.mark.parametrize("method", ["greedy", "seeded", "synthetic"])
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_stand_in_drafts_replay_the_verify_graph_and_are_never_kept(tiny_dir, drafts, method, kind):
+    """Decodes that switch from plain steps to drafts (disable_by_batch_size 3, the batch
+    shrinking as requests finish) have no drafts yet: with `pad_drafts` they verify k stand-in
+    tokens, so the step replays the verify graph instead of running the target eagerly. A
+    stand-in is never kept, whatever the rule (even synthetic acceptance with every draft kept),
+    never counts as a draft, and the tokens are those of the step without stand-ins: greedy
+    equals speculation off, seeded draws equal between graph and eager steps."""
+    k = 3
+    prompts = [[(5 * i + 2 * j) % 400 + 11 for j in range(10 + 7 * i)] for i in range(5)]
+    lens = [3, 5, 8, 12, 18]
+    sampled = dict(temperature=0.9, top_p=0.95, seed=5) if method == "seeded" else dict(temperature=0)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampled) for n in lens]
+    spec = ({"method": "eagle3", "model": str(drafts[kind])} if kind == "eagle3" else {"method": "dspark"})
+    spec.update(num_speculative_tokens=k, disable_by_batch_size=3)
+    if method == "synthetic":
+        spec.update(rejection_sample_method="synthetic", synthetic_acceptance_length=k + 1.0)   # keeps all
+    results = []
+    for graphs in (False, True):
+        llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), dtype="float32", max_num_seqs=8,
+                  speculative_config=spec)
+        runner, sched = llm.engine.worker.runner, llm.engine.core.scheduler
+        sched.pad_drafts = True
+        if graphs:
+            runner.spec_graphs = EagerReplaySpecGraphs(runner.model, runner.proposer, runner.buffers,
+                                                       [1, 2, 4, 8], k, runner.max_model_len)
+            runner.spec_graphs.capture(runner.batch)
+        seen = {"padded": 0, "real": 0, "padded_graph": 0}
+        update, graph_step = sched.update_from_output, runner._speculative_graph_step
+
+        def recording_update(so, out, update=update, seen=seen):
+            index = {r: i for i, r in enumerate(out.req_ids)}
+            for r, d in so.scheduled_spec_decode_tokens.items():
+                if r in index and r in so.padded_drafts:
+                    seen["padded"] += 1
+                    assert len(out.sampled_token_ids[index[r]]) == 1, "a stand-in draft was kept"
+                elif r in index and d:
+                    seen["real"] += 1
+            return update(so, out)
+
+        def recording_graph_step(so, batch, b, graph_step=graph_step, seen=seen):
+            seen["padded_graph"] += bool(so.padded_drafts)
+            return graph_step(so, batch, b)
+        sched.update_from_output, runner._speculative_graph_step = recording_update, recording_graph_step
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        assert seen["padded"] > 0 and sched.num_padded_drafts == seen["padded"]
+        assert sched.spec_stats.num_drafts == seen["real"]
+        assert (seen["padded_graph"] > 0) == graphs
+        _check_clean_pools(llm)
+    assert results[0] == results[1]
+    if method == "greedy":
+        plain = LLM(str(tiny_dir), dtype="float32")
+        want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)]
+        assert results[0] == want
+
+
+def _check_clean_pools(llm):
+    from test_spec_engine import _check_clean
+    _check_clean(llm)

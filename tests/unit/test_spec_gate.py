@@ -11,12 +11,13 @@ from m3serve.core import spec_gate as sg
 from m3serve.core.spec_gate import SpeculationGate, bucket_of
 
 
-def _step(on: bool, drafted: bool, rows: int, decode_only: bool = True) -> SimpleNamespace:
+def _step(on: bool, drafted: bool, rows: int, decode_only: bool = True, padded=()) -> SimpleNamespace:
     """A SchedulerOutput's fields the gate reads: `rows` requests, each with 3 drafts when
-    `drafted`, each computing one token (and its drafts), or 10 more with a prompt chunk."""
+    `drafted`, each computing one token (and its drafts), or 10 more with a prompt chunk;
+    `padded`: the requests whose drafts are stand-ins."""
     spec = {f"r{i}": [1, 2, 3] for i in range(rows)} if drafted else {}
     extra = 0 if decode_only else 10
-    return SimpleNamespace(speculate=on, scheduled_spec_decode_tokens=spec, deferred=False,
+    return SimpleNamespace(speculate=on, scheduled_spec_decode_tokens=spec, deferred=False, padded_drafts=set(padded),
                            num_scheduled_tokens={f"r{i}": 1 + len(spec.get(f"r{i}", ())) + extra
                                                  for i in range(rows)})
 
@@ -125,7 +126,7 @@ def test_a_bucket_that_cannot_time_plain_steps_speculates():
     assert kinds[sg.EXPLORE_LIMIT:] == [True] * (600 - sg.EXPLORE_LIMIT)
 
 
-@pytest.mark.parametrize("case", ["prefill", "switch", "pause"])
+@pytest.mark.parametrize("case", ["prefill", "switch", "stand-ins", "pause"])
 def test_only_steady_decode_steps_are_timed(case):
     clock = Clock()
     gate = SpeculationGate(measured=True, clock=clock)
@@ -136,6 +137,8 @@ def test_only_steady_decode_steps_are_timed(case):
     for i in range(20):
         if case == "switch":        # drafts asked for, none to verify yet: not a drafted step
             step = _step(True, False, 4)
+        elif case == "stand-ins":   # ... or stand-ins for some requests (the scheduler's padding)
+            step = _step(True, True, 4, padded={"r1"})
         else:                       # the loop waited between an output and the next step
             step = _step(True, True, 4)
             clock.t += 1.0
@@ -200,7 +203,7 @@ def test_deferred_plain_steps_are_timed(monkeypatch):
         on = gate.speculate(4)
         if on and pending is not None:  # drafts wait for the deferred output: a landing step
             landing = SimpleNamespace(speculate=False, scheduled_spec_decode_tokens={},
-                                      num_scheduled_tokens={}, deferred=False)
+                                      num_scheduled_tokens={}, deferred=False, padded_drafts=set())
             gate.scheduled(landing)
             clock.t += 0.1
             gate.observe(pending, 4)
