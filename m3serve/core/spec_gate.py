@@ -9,11 +9,13 @@ rules, one per engine:
   decode without drafts;
 - measured (the default on a GPU with one DP replica): per bucket of running requests (rounded
   up to a power of two), the engine times its decode-only steps with drafts and without, as
-  tokens emitted per request per second over the last `SAMPLES` steps of each kind (their mean
-  tokens per request over their median period: a verify step emits 1 to k + 1 tokens per
-  request as drafts are accepted, so only the mean counts them right, while the median period
-  keeps one slow step from deciding), and speculates where drafts give more. A bucket starts
-  with drafts, takes `MIN_SAMPLES` timed steps of each kind, then keeps the faster kind -- a
+  tokens emitted per request per second (mean tokens per request over the median period of the
+  last `SAMPLES` steps of each kind; for drafts the mean is over the last `ACCEPT_ROWS`
+  requests' verify steps: a verify step emits 1 to k + 1 tokens per request as drafts are
+  accepted, so only a mean over many counts them right, while the median period keeps one slow
+  step from deciding), and speculates where drafts give more. A bucket starts with drafts,
+  takes `MIN_SAMPLES` timed steps of each kind (and `MIN_DRAFT_ROWS` requests' verify steps),
+  then keeps the faster kind -- a
   change (and the first choice of drafts over plain steps) needs the other kind faster by
   `MARGIN`, since every change costs steps outside steady decode that no sample sees -- and
   retries the other now and then (acceptance and costs drift with the traffic): plain steps
@@ -51,7 +53,9 @@ from collections import deque
 logger = logging.getLogger(__name__)
 
 MIN_SAMPLES = 4            # timed steps of each kind before a bucket chooses
-SAMPLES = 8                # timed steps kept per bucket and kind
+MIN_DRAFT_ROWS = 16        # ... and requests' verify steps among its drafted ones
+SAMPLES = 8                # timed steps kept per bucket and kind (their periods)
+ACCEPT_ROWS = 512          # requests' verify steps over which drafts' tokens are averaged
 SETTLE = 4                 # drafted steps in a row before one is timed (the draft's KV refills)
 PLAIN_PROBE_EVERY = 1000   # steps with drafts between two retries of plain steps
 PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
@@ -81,6 +85,10 @@ class _Bucket:
     def __init__(self):
         # per kind (drafts or not): (tokens emitted per request, period in s) of timed steps
         self.rates = {True: deque(maxlen=SAMPLES), False: deque(maxlen=SAMPLES)}
+        # (tokens emitted, requests) of the timed drafted steps, the newest ACCEPT_ROWS
+        # requests' worth (the oldest step dropped while the rest hold that many), and sums
+        self.emitted: deque = deque()
+        self.emitted_tokens = self.emitted_rows = 0
         self.choice: bool | None = None      # None: timing both kinds
         self.steps = 0                       # steps since exploring or the last retry began
         self.probe_left = 0
@@ -88,13 +96,34 @@ class _Bucket:
         self.draft_every = DRAFT_PROBE_EVERY # plain steps between retries of drafts
         self.retried = False                 # a retry of drafts ran since the last choice
 
+    def add(self, drafts: bool, num_emitted: int, num_rows: int, period: float) -> None:
+        self.rates[drafts].append((num_emitted / num_rows, period))
+        if drafts:
+            self.emitted.append((num_emitted, num_rows))
+            self.emitted_tokens += num_emitted
+            self.emitted_rows += num_rows
+            while self.emitted_rows - self.emitted[0][1] >= ACCEPT_ROWS:
+                tokens, rows = self.emitted.popleft()
+                self.emitted_tokens -= tokens
+                self.emitted_rows -= rows
+
+    def drafts_ready(self) -> bool:
+        return len(self.rates[True]) >= MIN_SAMPLES and self.emitted_rows >= MIN_DRAFT_ROWS
+
     def ready(self) -> bool:
-        return all(len(r) >= MIN_SAMPLES for r in self.rates.values())
+        return self.drafts_ready() and len(self.rates[False]) >= MIN_SAMPLES
 
     def parts(self, drafts: bool) -> tuple[float, float]:
-        """(mean tokens per request, median period in s) of the kind's timed steps."""
+        """(mean tokens per request, median period in s) of the kind's timed steps: the period
+        over the last SAMPLES of them; drafts' tokens over the last ACCEPT_ROWS requests' verify
+        steps (how many drafts a step keeps varies from step to step far more than its period;
+        a short window, watched at every step, would sooner or later dip below the true mean
+        and turn winning drafts off)."""
         samples = self.rates[drafts]
-        return statistics.fmean(t for t, _ in samples), statistics.median(p for _, p in samples)
+        period = statistics.median(p for _, p in samples)
+        if drafts and self.emitted_rows:
+            return self.emitted_tokens / self.emitted_rows, period
+        return statistics.fmean(t for t, _ in samples), period
 
     def rate(self, drafts: bool) -> float:
         """Tokens per request per second of the kind's timed steps."""
@@ -148,7 +177,7 @@ class SpeculationGate:
             if state.steps > EXPLORE_LIMIT:      # too few steady decode steps here to time
                 state.steps, state.hold = 0, PLAIN_PROBE_EVERY
                 return True
-            return len(state.rates[True]) < MIN_SAMPLES     # drafts first, then plain steps
+            return not state.drafts_ready()      # drafts first, then plain steps
         if state.probe_left:
             state.probe_left -= 1
             return not state.choice
@@ -219,4 +248,4 @@ class SpeculationGate:
             return                               # some rows emitted nothing (finished or aborted)
         period = now - last[1]
         if period > 0:
-            self.buckets.setdefault(key[1], _Bucket()).rates[kind].append((num_emitted / num_rows, period))
+            self.buckets.setdefault(key[1], _Bucket()).add(kind, num_emitted, num_rows, period)
