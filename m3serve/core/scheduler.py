@@ -367,6 +367,12 @@ class Scheduler:
                 encoder_left -= self._commit_encodes(request, encodes)
             i += 1
 
+        for req_id in padded - num_scheduled.keys():     # stand-ins of requests this step could not fit
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.spec_token_ids = []
+        padded &= num_scheduled.keys()
+
         # A step that had to preempt is short of blocks; admitting now would only thrash.
         while (not preempted and not short_of_blocks and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs and prefills != self._prefill_cap):

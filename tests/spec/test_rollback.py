@@ -73,3 +73,67 @@ def test_draft_verify_reject_keeps_the_books(seed, k, p_wrong, num_blocks, budge
             assert run.tokens[rid] == tokens, rid
     if p_wrong < 0.5:
         assert sched.spec_stats.num_accepted_tokens > 0
+
+
+class PlainStepRunner(DraftingRunner):
+    """As DraftingRunner, but a step the scheduler ran without speculation proposes nothing (the
+    requests then have no drafts when drafts come back), and every draft a step verifies that
+    is not a stand-in must be one this runner proposed after the request's previous step."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.proposed: dict[str, list[int]] = {}
+
+    def execute(self, so):
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            if rid not in so.padded_drafts:
+                assert drafts == self.proposed.get(rid, [])[:len(drafts)], (rid, drafts, "not proposed")
+        out = super().execute(so)
+        self.proposed = {}
+        if not so.speculate:
+            out.spec_token_ids = None
+            return out
+        for rid, drafts in zip(out.req_ids, out.spec_token_ids):
+            self.proposed[rid] = drafts
+        return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 4), limit=st.integers(2, 4),
+       num_blocks=st.integers(12, 40), budget=st.sampled_from([7, 16, 64]))
+def test_stand_in_drafts_keep_the_books(seed, k, limit, num_blocks, budget):
+    """Speculation switches off at `limit` running requests and back on below it; requests that
+    come back to drafts without any verify k stand-ins (`pad_drafts`), through preemptions,
+    chunking, aborts and steps that cannot schedule them. A stand-in never outlives its step
+    (a later step verifies only proposed drafts), is never counted as a draft, and the books
+    and the tokens stay exact."""
+    rng = random.Random(seed)
+    block_size = 4
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6), kv,
+                      max_model_len=96, num_speculative_tokens=k, disable_spec_by_batch_size=limit,
+                      pad_drafts=True)
+    run = Run(sched, PlainStepRunner(block_size, k, 0.3, rng))
+    wanted, aborted = {}, set()
+    for i in range(8):
+        prompt = [rng.randrange(97) for _ in range(rng.randrange(1, 20))]
+        max_tokens = rng.randrange(1, 24)
+        sched.add_request(req(f"r{i}", prompt, max_tokens=max_tokens))
+        wanted[f"r{i}"] = reference(prompt, max_tokens)
+    real = 0
+    for _ in range(600):
+        if not sched.has_unfinished_requests():
+            break
+        so = run.step()
+        real += sum(1 for r, d in so.scheduled_spec_decode_tokens.items()
+                    if d and r not in so.padded_drafts)
+        assert so.padded_drafts <= set(so.num_scheduled_tokens)
+        if rng.random() < 0.03 and sched.running:
+            victim = rng.choice(sched.running).request_id
+            sched.abort_requests([victim])
+            aborted.add(victim)
+    run.close()
+    for rid, tokens in wanted.items():
+        if rid not in aborted:
+            assert run.tokens[rid] == tokens, rid
+    assert sched.spec_stats.num_drafts <= real
