@@ -42,6 +42,24 @@ class DraftingRunner(FakeRunner):
         return out
 
 
+def _drive(run, rng, wanted: dict, max_steps: int, p_abort: float, check=lambda so: None) -> None:
+    """Step until done (or max_steps), aborting a random running request with probability
+    p_abort after each step; then every request not aborted produced `wanted`'s tokens."""
+    sched, aborted = run.sched, set()
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        check(run.step())
+        if rng.random() < p_abort and sched.running:
+            victim = rng.choice(sched.running).request_id
+            sched.abort_requests([victim])
+            aborted.add(victim)
+    run.close()
+    for rid, tokens in wanted.items():
+        if rid not in aborted:
+            assert run.tokens[rid] == tokens, rid
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 4), p_wrong=st.sampled_from([0.0, 0.3, 0.8]),
        num_blocks=st.integers(12, 40), budget=st.sampled_from([7, 16, 64]))
@@ -53,24 +71,13 @@ def test_draft_verify_reject_keeps_the_books(seed, k, p_wrong, num_blocks, budge
                       max_model_len=96, num_speculative_tokens=k)
     run = Run(sched, DraftingRunner(block_size, k, p_wrong, rng))
     shared = [rng.randrange(97) for _ in range(9)]
-    wanted, aborted = {}, set()
+    wanted = {}
     for i in range(8):
         prompt = (shared if i % 3 == 0 else []) + [rng.randrange(97) for _ in range(rng.randrange(1, 20))]
         max_tokens = rng.randrange(1, 14)
         sched.add_request(req(f"r{i}", prompt, max_tokens=max_tokens))
         wanted[f"r{i}"] = reference(prompt, max_tokens)
-    for _ in range(400):
-        if not sched.has_unfinished_requests():
-            break
-        run.step()
-        if rng.random() < 0.05 and sched.running:
-            victim = rng.choice(sched.running).request_id
-            sched.abort_requests([victim])
-            aborted.add(victim)
-    run.close()
-    for rid, tokens in wanted.items():
-        if rid not in aborted:
-            assert run.tokens[rid] == tokens, rid
+    _drive(run, rng, wanted, 400, 0.05)
     if p_wrong < 0.5:
         assert sched.spec_stats.num_accepted_tokens > 0
 
@@ -114,26 +121,16 @@ def test_stand_in_drafts_keep_the_books(seed, k, limit, num_blocks, budget):
                       max_model_len=96, num_speculative_tokens=k, disable_spec_by_batch_size=limit,
                       pad_drafts=True)
     run = Run(sched, PlainStepRunner(block_size, k, 0.3, rng))
-    wanted, aborted = {}, set()
+    wanted = {}
     for i in range(8):
         prompt = [rng.randrange(97) for _ in range(rng.randrange(1, 20))]
         max_tokens = rng.randrange(1, 24)
         sched.add_request(req(f"r{i}", prompt, max_tokens=max_tokens))
         wanted[f"r{i}"] = reference(prompt, max_tokens)
-    real = 0
-    for _ in range(600):
-        if not sched.has_unfinished_requests():
-            break
-        so = run.step()
-        real += sum(1 for r, d in so.scheduled_spec_decode_tokens.items()
-                    if d and r not in so.padded_drafts)
+    real = [0]
+
+    def check(so):
+        real[0] += sum(1 for r, d in so.scheduled_spec_decode_tokens.items() if d and r not in so.padded_drafts)
         assert so.padded_drafts <= set(so.num_scheduled_tokens)
-        if rng.random() < 0.03 and sched.running:
-            victim = rng.choice(sched.running).request_id
-            sched.abort_requests([victim])
-            aborted.add(victim)
-    run.close()
-    for rid, tokens in wanted.items():
-        if rid not in aborted:
-            assert run.tokens[rid] == tokens, rid
-    assert sched.spec_stats.num_drafts <= real
+    _drive(run, rng, wanted, 600, 0.03, check)
+    assert sched.spec_stats.num_drafts <= real[0]
