@@ -76,8 +76,7 @@ class EngineCore:
                                    measure_speculation=measured_rule_applies(config, device_type),
                                    # stand-in drafts let a decode without drafts replay the
                                    # verify graph (captured on a GPU, one DP replica)
-                                   pad_drafts=(device_type == "cuda" and not config.compilation.enforce_eager
-                                               and config.parallel.data_parallel_size == 1))
+                                   pad_drafts=self._largest_verify_graph(config, device_type))
         if config.speculative.enabled:
             logger.info("speculative decoding: which batches speculate: %s", {
                 "fixed": f"below {config.speculative.disable_by_batch_size} running requests",
@@ -87,6 +86,15 @@ class EngineCore:
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
+
+    @staticmethod
+    def _largest_verify_graph(config, device_type: str) -> int:
+        """The largest batch the worker captures verify graphs for (0: none), as it sizes them."""
+        if (not config.speculative.enabled or device_type != "cuda" or config.compilation.enforce_eager
+                or config.parallel.data_parallel_size != 1):
+            return 0
+        from m3serve.worker.cuda_graphs import default_capture_sizes
+        return max(config.compilation.cudagraph_capture_sizes or default_capture_sizes(config.scheduler.max_num_seqs))
 
     def add_request(self, request: Request) -> None:
         """Queue a request (ValueError: refused). A request with structured outputs waits for

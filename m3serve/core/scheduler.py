@@ -57,7 +57,7 @@ class Scheduler:
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
                  async_scheduling: bool = False, defer_sampling: bool = False, grammars=None,
                  disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False,
-                 pad_drafts: bool = False):
+                 pad_drafts: int = 0):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -81,8 +81,9 @@ class Scheduler:
         self.num_plain_steps = 0        # steps a draft model ran without drafts
         # A decode without drafts in a step with drafts (the first after plain steps) verifies
         # k stand-in tokens instead, so that the step replays the verify CUDA graph rather than
-        # running the target eagerly (`SchedulerOutput.padded_drafts`); for engines with graphs.
-        self.pad_drafts = pad_drafts and num_speculative_tokens > 0
+        # running the target eagerly (`SchedulerOutput.padded_drafts`): in decode-only steps of
+        # at most `pad_drafts` running requests (the largest verify graph; 0: never)
+        self.pad_drafts = pad_drafts if num_speculative_tokens > 0 else 0
         self.num_padded_drafts = 0      # requests' steps that verified stand-ins
         # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
         # is being pulled from a prefill worker, and finished ones held for a decode worker.
@@ -311,6 +312,7 @@ class Scheduler:
             # step schedules nothing and only lands them; the next one speculates.
             speculate, budget = False, 0
             self.num_landing_steps += 1
+        pad = speculate and self._pad_step()
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -321,8 +323,8 @@ class Scheduler:
             mode = self._sampling_mode(request)
             if mode is SamplingMode.FULL or not speculate:
                 request.spec_token_ids = []     # verification applies none of what its sampler needs
-            elif self._pads(request, mode):
-                request.spec_token_ids = [request.all_token_ids[-1]] * self.num_lookahead_tokens
+            elif pad and self._pads(request, mode):
+                request.spec_token_ids = self._stand_ins(request)
                 padded.add(request.request_id)
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
@@ -335,6 +337,11 @@ class Scheduler:
             while True:
                 new_block_ids = self.kv_manager.allocate_slots(
                     request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
+                if new_block_ids is None and request.request_id in padded:
+                    # stand-ins never cost a preemption or a skipped decode: decode without them
+                    padded.discard(request.request_id)
+                    request.spec_token_ids, num_new = [], 1
+                    continue
                 if new_block_ids is not None or in_flight:
                     break
                 # Preempted requests always come from the tail, past index i: never one that
@@ -729,12 +736,31 @@ class Scheduler:
         self.num_plain_steps += not on
         return on
 
+    def _stand_ins(self, request: Request) -> list[int]:
+        """k tokens a request without drafts verifies so that its step fits the verify graph
+        (verified as none: any token does; its last one)."""
+        return [request.all_token_ids[-1]] * self.num_lookahead_tokens
+
+    def _pad_step(self) -> bool:
+        """Whether this step with drafts may give stand-ins (`pad_drafts`): only if it can then
+        replay the verify graph -- no prompt tokens due, at most `pad_drafts` running requests,
+        each with k drafts already (and a mode that verifies them) or one that `_pads`."""
+        if not self.pad_drafts or len(self.running) > self.pad_drafts or self._prompt_due():
+            return False
+        k = self.num_lookahead_tokens
+        for request in self.running:
+            mode = self._sampling_mode(request)
+            if not ((len(request.spec_token_ids) == k and mode is not SamplingMode.FULL)
+                    or self._pads(request, mode)):
+                return False
+        return True
+
     def _pads(self, request: Request, mode: SamplingMode) -> bool:
-        """Whether `request` verifies stand-in drafts this step (`pad_drafts`): a decode whose
+        """Whether `request` verifies stand-in drafts in a step that gives them: a decode whose
         next token is all it computes, with no drafts, whose sampler verifies drafts without a
         grammar (a grammar's mask would have to accept the stand-ins) and that has room for k
         more tokens in its context."""
-        return (self.pad_drafts and not request.spec_token_ids and mode in (SamplingMode.ARGMAX, SamplingMode.LOGITS)
+        return (not request.spec_token_ids and mode in (SamplingMode.ARGMAX, SamplingMode.LOGITS)
                 and not request.num_output_placeholders
                 and request.num_computed_tokens == request.num_tokens - 1
                 and request.num_tokens + self.num_lookahead_tokens < self.max_model_len)

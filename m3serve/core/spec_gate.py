@@ -15,13 +15,14 @@ rules, one per engine:
   accepted, so only a mean over many counts them right, while the median period keeps one slow
   step from deciding), and speculates where drafts give more. A bucket starts with drafts,
   takes `MIN_SAMPLES` timed steps of each kind (and `MIN_DRAFT_ROWS` requests' verify steps),
-  then keeps the faster kind -- a
-  change (and the first choice of drafts over plain steps) needs the other kind faster by
-  `MARGIN`, since every change costs steps outside steady decode that no sample sees -- and
-  retries the other now and then (acceptance and costs drift with the traffic): plain steps
-  for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while drafts win, drafts for
-  `DRAFT_PROBE_STEPS` every `DRAFT_PROBE_EVERY` while plain wins, twice as long after each
-  retry that lost (up to `DRAFT_PROBE_MAX_EVERY`). A bucket that cannot time
+  then keeps the faster kind -- the kind running (drafts, at first) stays unless the other is
+  faster by `MARGIN`, since every change costs steps outside steady decode that no sample
+  sees, and drafts go off only when also slower by `Z_OFF` standard errors of their rate --
+  and retries the other now and then (acceptance and costs drift with the traffic): plain
+  steps for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while drafts win; while plain
+  wins, drafts every `DRAFT_PROBE_EVERY` steps, timed anew until they have `MIN_SAMPLES` and
+  `MIN_DRAFT_ROWS` again, the wait doubling after each retry that lost (up to
+  `DRAFT_PROBE_MAX_EVERY`). A bucket that cannot time
   both kinds within `EXPLORE_LIMIT` steps speculates for `PLAIN_PROBE_EVERY` steps, then tries
   again. Each change of a bucket's choice is logged;
 - always (CPU engines, where wall-clock times describe nothing served, and DP replicas, whose
@@ -59,12 +60,13 @@ ACCEPT_ROWS = 512          # requests' verify steps over which drafts' tokens ar
 SETTLE = 4                 # drafted steps in a row before one is timed (the draft's KV refills)
 PLAIN_PROBE_EVERY = 1000   # steps with drafts between two retries of plain steps
 PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
-DRAFT_PROBE_EVERY = 200    # plain steps between two retries of drafts
-DRAFT_PROBE_STEPS = 2 + SETTLE + 4   # a landing step (plain steps run ahead of their output),
-                                     # a switch (no drafts yet: none, or stand-ins), SETTLE
-                                     # untimed, 4 timed
+DRAFT_PROBE_EVERY = 200    # plain steps between two retries of drafts (each: a landing step,
+                           # a switch, SETTLE untimed, then until MIN_SAMPLES / MIN_DRAFT_ROWS)
 DRAFT_PROBE_MAX_EVERY = 8 * DRAFT_PROBE_EVERY   # a retry that loses doubles the wait, up to this
 MARGIN = 0.03              # a kind replaces the bucket's current one only when this much faster
+Z_OFF = 1.5                # ... and drafts go off only when slower by this many standard errors
+OFF_MIN_ROWS = 64          # ... over at least this many requests' verify steps (fewer can look
+                           # steady when most keep no draft, and the error is then underrated)
 EXPLORE_LIMIT = 64         # steps a bucket may spend timing both kinds
 MAX_GAP = 0.05             # s between an output and the next step's schedule: longer = the loop paused
 
@@ -90,11 +92,11 @@ class _Bucket:
         self.emitted: deque = deque()
         self.emitted_tokens = self.emitted_rows = 0
         self.choice: bool | None = None      # None: timing both kinds
-        self.steps = 0                       # steps since exploring or the last retry began
-        self.probe_left = 0
+        self.steps = 0                       # steps since exploring, the last change or retry began
+        self.probe_left = 0                  # steps left in a retry of plain steps
+        self.retrying: tuple | None = None   # a retry of drafts: the drafted samples before it
         self.hold = 0                        # steps to speculate before exploring again
         self.draft_every = DRAFT_PROBE_EVERY # plain steps between retries of drafts
-        self.retried = False                 # a retry of drafts ran since the last choice
 
     def add(self, drafts: bool, num_emitted: int, num_rows: int, period: float) -> None:
         self.rates[drafts].append((num_emitted / num_rows, period))
@@ -106,6 +108,22 @@ class _Bucket:
                 tokens, rows = self.emitted.popleft()
                 self.emitted_tokens -= tokens
                 self.emitted_rows -= rows
+
+    def start_draft_retry(self) -> None:
+        """Time drafts anew (acceptance drifts with the traffic; samples from before the last
+        plain period would outweigh a short retry's), keeping the old samples in case the
+        retry cannot time any."""
+        self.retrying = (self.rates[True], self.emitted, self.emitted_tokens, self.emitted_rows)
+        self.rates[True], self.emitted = deque(maxlen=SAMPLES), deque()
+        self.emitted_tokens = self.emitted_rows = 0
+
+    def end_draft_retry(self) -> bool:
+        """-> whether the retry timed enough drafted steps (else the old samples are back)."""
+        old, self.retrying = self.retrying, None
+        if self.drafts_ready():
+            return True
+        self.rates[True], self.emitted, self.emitted_tokens, self.emitted_rows = old
+        return False
 
     def drafts_ready(self) -> bool:
         return len(self.rates[True]) >= MIN_SAMPLES and self.emitted_rows >= MIN_DRAFT_ROWS
@@ -129,6 +147,17 @@ class _Bucket:
         """Tokens per request per second of the kind's timed steps."""
         tokens, period = self.parts(drafts)
         return tokens / period
+
+    def drafts_rate_error(self) -> float:
+        """Standard error of `rate(True)` from the spread of its tokens: the variance of one
+        request's tokens is estimated from the steps' means (a step of n requests has a mean
+        whose variance is sigma^2 / n)."""
+        steps = len(self.emitted)
+        if steps < 2:
+            return float("inf")
+        mean = self.emitted_tokens / self.emitted_rows
+        var = sum(n * (t / n - mean) ** 2 for t, n in self.emitted) / (steps - 1)
+        return (var / self.emitted_rows) ** 0.5 / self.parts(True)[1]
 
 
 class SpeculationGate:
@@ -173,34 +202,57 @@ class SpeculationGate:
             state.hold -= 1
             return True
         state.steps += 1
-        if not state.ready():
+        if state.choice is None and not state.ready():      # exploring
             if state.steps > EXPLORE_LIMIT:      # too few steady decode steps here to time
                 state.steps, state.hold = 0, PLAIN_PROBE_EVERY
                 return True
             return not state.drafts_ready()      # drafts first, then plain steps
-        if state.probe_left:
-            state.probe_left -= 1
-            return not state.choice
-        drafts, plain = state.rate(True), state.rate(False)
-        # the kind running now (plain steps before the first choice) stays unless the other is
-        # faster by MARGIN: every change costs steps no timed sample sees (a landing step, a
-        # switch step without real drafts, drafted steps while the draft's KV refills)
-        current = bool(state.choice)
-        rate = {True: drafts, False: plain}
-        choice = not current if rate[not current] > rate[current] * (1 + MARGIN) else current
-        if state.retried:                    # a retry of drafts that lost waits twice as long
-            state.retried = False
+        if state.retrying is not None:           # a retry of drafts, until they are timed anew
+            if not state.drafts_ready() and state.steps <= EXPLORE_LIMIT:
+                return True
+            if not state.end_draft_retry():      # none timed: plain steps stay, and wait longer
+                state.steps, state.draft_every = 0, min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
+                return False
+            choice = self._decide(state, b)
+            state.steps = 0                      # a retry that lost waits twice as long
             state.draft_every = DRAFT_PROBE_EVERY if choice else min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
+            return choice
+        if state.probe_left:                     # a retry of plain steps
+            state.probe_left -= 1
+            return False
+        choice = self._decide(state, b)
+        if state.steps >= (PLAIN_PROBE_EVERY if choice else state.draft_every):
+            state.steps = 0
+            if choice:
+                state.probe_left = PLAIN_PROBE_STEPS
+            else:
+                state.start_draft_retry()
+        return choice
+
+    @staticmethod
+    def _decide(state: _Bucket, b: int) -> bool:
+        """The bucket's choice from its samples. The kind running now (drafts, before the first
+        choice: a bucket starts with them) stays unless the other is faster by MARGIN -- every
+        change costs steps no timed sample sees (a landing step, a switch step without real
+        drafts, drafted steps while the draft's KV refills) -- and drafts go off only when
+        plain steps are also faster by Z_OFF standard errors of the drafts' rate: a wrong off
+        holds until a retry, a wrong on corrects itself as drafted steps are timed."""
+        drafts, plain = state.rate(True), state.rate(False)
+        current = state.choice is not False
+        if current:
+            change = (plain > drafts * (1 + MARGIN) and state.emitted_rows >= OFF_MIN_ROWS
+                      and plain - drafts > Z_OFF * state.drafts_rate_error())
+        else:
+            change = drafts > plain * (1 + MARGIN)
+        choice = current != change
         if choice != state.choice:
+            state.choice, state.steps = choice, 0
+        if change:                               # logged (keeping the drafts it starts with is not)
             span = f"{b // 2 + 1}-{b}" if b > 1 else "1"
             (dt, dp), (_, pp) = state.parts(True), state.parts(False)
             logger.info("speculative decoding %s for %s running requests (measured: %.1f tokens/s per "
                         "request with drafts (%.2f tokens per request every %.2f ms), %.1f without (every "
                         "%.2f ms))", "on" if choice else "off", span, drafts, dt, dp * 1e3, plain, pp * 1e3)
-            state.choice, state.steps = choice, 0
-        if state.steps >= (PLAIN_PROBE_EVERY if choice else state.draft_every):
-            state.steps, state.probe_left = 0, PLAIN_PROBE_STEPS if choice else DRAFT_PROBE_STEPS
-            state.retried = not choice
         return choice
 
     def scheduled(self, step) -> None:
@@ -229,7 +281,8 @@ class SpeculationGate:
             started = following[1] if following is not None and following[0].deferred else None
         spec, rows = step.scheduled_spec_decode_tokens, step.num_scheduled_tokens
         drafted = step.speculate and bool(spec)
-        self._drafted_run = self._drafted_run + 1 if drafted else 0
+        # (a step of stand-ins refills no draft KV for its requests: it does not count)
+        self._drafted_run = self._drafted_run + 1 if drafted and not step.padded_drafts else 0
         # a step that asked for drafts and had none to verify (or only stand-ins, for some rows:
         # `SchedulerOutput.padded_drafts`) is a switch, of neither kind
         kind = drafted if step.speculate == drafted and not step.padded_drafts else None

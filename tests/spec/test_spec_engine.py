@@ -211,7 +211,7 @@ def test_measured_gate_turns_losing_drafts_off(tiny_dir, drafts, caplog):
     from m3serve.core.spec_gate import SpeculationGate
     kind = "dspark"
     prompts = [p[:8] for p in _prompts()[1:5]]        # admitted together: 4 running throughout
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     plain = LLM(str(tiny_dir), **_flags())
     want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                             use_tqdm=False)]

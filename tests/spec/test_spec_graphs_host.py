@@ -66,7 +66,7 @@ def test_graph_step_equals_eager_step(tiny_dir, drafts, params, kind):
         assert results[0] == want
 
 
-@pytest.mark.parametrize("method", ["greedy", "seeded", "synthetic"])
+@pytest.mark.parametrize("method", ["greedy", "greedy-true-stand-ins", "seeded", "synthetic"])
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
 def test_stand_in_drafts_replay_the_verify_graph_and_are_never_kept(tiny_dir, drafts, method, kind):
     """Decodes that switch from plain steps to drafts (disable_by_batch_size 3, the batch
@@ -74,10 +74,17 @@ def test_stand_in_drafts_replay_the_verify_graph_and_are_never_kept(tiny_dir, dr
     tokens, so the step replays the verify graph instead of running the target eagerly. A
     stand-in is never kept, whatever the rule (even synthetic acceptance with every draft kept),
     never counts as a draft, and the tokens are those of the step without stand-ins: greedy
-    equals speculation off, seeded draws equal between graph and eager steps."""
+    equals speculation off, seeded draws equal between graph and eager steps.
+    `greedy-true-stand-ins`: the stand-ins are the true greedy continuation, which a verify
+    that kept them would accept."""
     k = 3
     prompts = [[(5 * i + 2 * j) % 400 + 11 for j in range(10 + 7 * i)] for i in range(5)]
     lens = [3, 5, 8, 12, 18]
+    plain = LLM(str(tiny_dir), dtype="float32")
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                          use_tqdm=False)]
+    truth = {tuple(p): list(w) for p, w in zip(prompts, want)}
     sampled = dict(temperature=0.9, top_p=0.95, seed=5) if method == "seeded" else dict(temperature=0)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, **sampled) for n in lens]
     spec = ({"method": "eagle3", "model": str(drafts[kind])} if kind == "eagle3" else {"method": "dspark"})
@@ -89,7 +96,9 @@ def test_stand_in_drafts_replay_the_verify_graph_and_are_never_kept(tiny_dir, dr
         llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), dtype="float32", max_num_seqs=8,
                   speculative_config=spec)
         runner, sched = llm.engine.worker.runner, llm.engine.core.scheduler
-        sched.pad_drafts = True
+        sched.pad_drafts = 8                   # the largest verify graph below
+        if method == "greedy-true-stand-ins":
+            sched._stand_ins = lambda r: (truth[tuple(r.prompt_token_ids)][r.num_output_tokens:] + [1] * k)[:k]
         if graphs:
             runner.spec_graphs = EagerReplaySpecGraphs(runner.model, runner.proposer, runner.buffers,
                                                        [1, 2, 4, 8], k, runner.max_model_len)
@@ -118,10 +127,7 @@ def test_stand_in_drafts_replay_the_verify_graph_and_are_never_kept(tiny_dir, dr
         assert (seen["padded_graph"] > 0) == graphs
         _check_clean_pools(llm)
     assert results[0] == results[1]
-    if method == "greedy":
-        plain = LLM(str(tiny_dir), dtype="float32")
-        want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                              use_tqdm=False)]
+    if method.startswith("greedy"):
         assert results[0] == want
 
 
