@@ -745,7 +745,8 @@ class Scheduler:
         """Whether this step with drafts may give stand-ins (`pad_drafts`): only if it can then
         replay the verify graph -- no prompt tokens due, at most `pad_drafts` running requests,
         each with k drafts already (and a mode that verifies them) or one that `_pads`."""
-        if not self.pad_drafts or len(self.running) > self.pad_drafts or self._prompt_due():
+        if (not self.pad_drafts or len(self.running) > self.pad_drafts
+                or all(r.spec_token_ids for r in self.running) or self._prompt_due()):
             return False
         k = self.num_lookahead_tokens
         for request in self.running:
