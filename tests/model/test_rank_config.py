@@ -55,6 +55,10 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_path: str):
             shapes[ep] = _shapes(model)
         if rank == 0:
             torch.save(shapes, out_path)
+        # every rank past its last collective before any tears gloo down (a rank whose peer
+        # closed its connections mid-teardown aborted: "terminate called without an active
+        # exception", SIGABRT, once in CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

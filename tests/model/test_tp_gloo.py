@@ -33,6 +33,10 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, ids: list[int],
                             runner.step({0: [11]})])
         if rank == 0:
             torch.save(logits, out_path)
+        # every rank past its last collective before any tears gloo down (a rank whose peer
+        # closed its connections mid-teardown aborted: "terminate called without an active
+        # exception", SIGABRT, once in CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
