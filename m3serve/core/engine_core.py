@@ -59,6 +59,7 @@ class EngineCore:
                                             executor.kv_rank_metadata())
         async_on = async_scheduling_applies(config)
         device_type = getattr(executor, "device_type", "cpu")
+        from m3serve.worker.cuda_graphs import capture_sizes
         from m3serve.worker.structured import GrammarCompiles
         # compiled off the loop (and warmed now), so that no grammar holds up a step
         self.grammars = GrammarCompiles(executor.model_dir, cfg.vocab_size, cfg.eos_token_id,
@@ -76,7 +77,8 @@ class EngineCore:
                                    measure_speculation=measured_rule_applies(config, device_type),
                                    # stand-in drafts let a decode without drafts replay the
                                    # verify graph (captured on a GPU, one DP replica)
-                                   pad_drafts=self._largest_verify_graph(config, device_type))
+                                   pad_drafts=max(capture_sizes(config, device_type), default=0)
+                                   if config.parallel.data_parallel_size == 1 else 0)
         if config.speculative.enabled:
             logger.info("speculative decoding: which batches speculate: %s", {
                 "fixed": f"below {config.speculative.disable_by_batch_size} running requests",
@@ -86,15 +88,6 @@ class EngineCore:
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
-
-    @staticmethod
-    def _largest_verify_graph(config, device_type: str) -> int:
-        """The largest batch the worker captures verify graphs for (0: none), as it sizes them."""
-        if (not config.speculative.enabled or device_type != "cuda" or config.compilation.enforce_eager
-                or config.parallel.data_parallel_size != 1):
-            return 0
-        from m3serve.worker.cuda_graphs import default_capture_sizes
-        return max(config.compilation.cudagraph_capture_sizes or default_capture_sizes(config.scheduler.max_num_seqs))
 
     def add_request(self, request: Request) -> None:
         """Queue a request (ValueError: refused). A request with structured outputs waits for

@@ -312,7 +312,7 @@ class Scheduler:
             # step schedules nothing and only lands them; the next one speculates.
             speculate, budget = False, 0
             self.num_landing_steps += 1
-        pad = speculate and self._pad_step()
+        to_pad = self._stand_in_requests() if speculate else set()
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -323,7 +323,7 @@ class Scheduler:
             mode = self._sampling_mode(request)
             if mode is SamplingMode.FULL or not speculate:
                 request.spec_token_ids = []     # verification applies none of what its sampler needs
-            elif pad and self._pads(request, mode):
+            elif request.request_id in to_pad:
                 request.spec_token_ids = self._stand_ins(request)
                 padded.add(request.request_id)
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
@@ -373,12 +373,6 @@ class Scheduler:
             if request.mm_spans:
                 encoder_left -= self._commit_encodes(request, encodes)
             i += 1
-
-        for req_id in padded - num_scheduled.keys():     # stand-ins of requests this step could not fit
-            request = self.requests.get(req_id)
-            if request is not None:
-                request.spec_token_ids = []
-        padded &= num_scheduled.keys()
 
         # A step that had to preempt is short of blocks; admitting now would only thrash.
         while (not preempted and not short_of_blocks and self.waiting and budget > 0
@@ -741,20 +735,22 @@ class Scheduler:
         (verified as none: any token does; its last one)."""
         return [request.all_token_ids[-1]] * self.num_lookahead_tokens
 
-    def _pad_step(self) -> bool:
-        """Whether this step with drafts may give stand-ins (`pad_drafts`): only if it can then
-        replay the verify graph -- no prompt tokens due, at most `pad_drafts` running requests,
-        each with k drafts already (and a mode that verifies them) or one that `_pads`."""
+    def _stand_in_requests(self) -> set[str]:
+        """The requests that get stand-ins in this step with drafts (`pad_drafts`): none unless
+        the step can then replay the verify graph -- no prompt tokens due, at most `pad_drafts`
+        running requests, each with k drafts already (and a mode that verifies them) or one
+        that `_pads`. (A stand-in that the step cannot fit is dropped where blocks are taken.)"""
         if (not self.pad_drafts or len(self.running) > self.pad_drafts
                 or all(r.spec_token_ids for r in self.running) or self._prompt_due()):
-            return False
-        k = self.num_lookahead_tokens
+            return set()
+        k, chosen = self.num_lookahead_tokens, set()
         for request in self.running:
             mode = self._sampling_mode(request)
-            if not ((len(request.spec_token_ids) == k and mode is not SamplingMode.FULL)
-                    or self._pads(request, mode)):
-                return False
-        return True
+            if self._pads(request, mode):
+                chosen.add(request.request_id)
+            elif len(request.spec_token_ids) != k or mode is SamplingMode.FULL:
+                return set()
+        return chosen
 
     def _pads(self, request: Request, mode: SamplingMode) -> bool:
         """Whether `request` verifies stand-in drafts in a step that gives them: a decode whose

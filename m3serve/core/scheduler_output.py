@@ -148,7 +148,7 @@ class SchedulerOutput:
     """With a draft model: whether this step verifies drafts and proposes the next ones (False:
     a plain decode step: `core/spec_gate.py`, by disable_by_batch_size or measured speed)."""
     padded_drafts: set[str] = field(default_factory=set)
-    """Requests whose drafts this step only pad it (`Scheduler(pad_drafts=True)`): a decode that
+    """Requests whose drafts this step only pad it (`Scheduler(pad_drafts=...)`): a decode that
     had no drafts (its previous step decoded without them) verifies k stand-in tokens, so that
     the step fits the verify CUDA graph (every row k drafts). The worker verifies them as no
     drafts (never kept, whatever the rejection method) and the acceptance counters skip them."""

@@ -139,7 +139,7 @@ class _Bucket:
         and turn winning drafts off)."""
         samples = self.rates[drafts]
         period = statistics.median(p for _, p in samples)
-        if drafts and self.emitted_rows:
+        if drafts:
             return self.emitted_tokens / self.emitted_rows, period
         return statistics.fmean(t for t, _ in samples), period
 
@@ -210,11 +210,9 @@ class SpeculationGate:
         if state.retrying is not None:           # a retry of drafts, until they are timed anew
             if not state.drafts_ready() and state.steps <= EXPLORE_LIMIT:
                 return True
-            if not state.end_draft_retry():      # none timed: plain steps stay, and wait longer
-                state.steps, state.draft_every = 0, min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
-                return False
-            choice = self._decide(state, b)
-            state.steps = 0                      # a retry that lost waits twice as long
+            # (none timed: plain steps stay) a retry that lost waits twice as long
+            choice = self._decide(state, b) if state.end_draft_retry() else False
+            state.steps = 0
             state.draft_every = DRAFT_PROBE_EVERY if choice else min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
             return choice
         if state.probe_left:                     # a retry of plain steps

@@ -26,6 +26,14 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b <= max_num_seqs] or [1]
 
 
+def capture_sizes(config, device_type: str) -> list[int]:
+    """The batch sizes an engine of `config` captures decode (and verify) graphs for on
+    `device_type` ranks; none on a CPU or with enforce_eager."""
+    if device_type != "cuda" or config.compilation.enforce_eager:
+        return []
+    return list(config.compilation.cudagraph_capture_sizes or default_capture_sizes(config.scheduler.max_num_seqs))
+
+
 class DecodeGraphs:
     def __init__(self, model, buffers: StepBuffers, sizes: list[int], max_model_len: int,
                  dp_exchange: bool = False):

@@ -383,21 +383,23 @@ class StepSampler:
         n, q = batch.num_reqs, k + 1
         b = ids.shape[0]
         dev = local.device
-        num_drafts = torch.full((n,), k, device=dev)
-        if so.padded_drafts:                 # stand-ins are verified as no drafts
-            real = torch.tensor([r not in so.padded_drafts for r in batch.req_ids], device=dev)
-            num_drafts = num_drafts * real
+        # [n] 1 where the request's drafts are real, 0 where stand-ins (verified as none)
+        real = (torch.tensor([r not in so.padded_drafts for r in batch.req_ids], device=dev)
+                if so.padded_drafts else None)
         argmax = bool((self.modes(so, batch) == SamplingMode.ARGMAX).all())
         if argmax and self.rejection.method == "standard":
             emitted = greedy.view(b, q)
             kept = torch.cumprod((ids[:, 1:] == emitted[:, :k]).long(), dim=1).sum(dim=1)    # [b]
-            if so.padded_drafts:
-                kept[:n] = torch.minimum(kept[:n], num_drafts)
+            if real is not None:
+                kept[:n] *= real
             return emitted, kept
         sampling = self.metadata(batch.rows.tolist())
         logits = self.head.gather(local[:n * q])                                      # collective
         if masks is not None:
             self.grammars.apply(logits, masks)
+        num_drafts = torch.full((n,), k, device=dev)
+        if real is not None:
+            num_drafts *= real
         tokens, counts = self.rejection(logits, torch.arange(n, device=dev) * q, num_drafts, ids[:n, 1:],
                                         sampling)
         emitted = torch.zeros(b, q, dtype=torch.int64, device=dev)

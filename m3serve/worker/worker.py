@@ -120,11 +120,8 @@ class Worker:
             raise ValueError(f"the KV cache budget ({self._kv_cache_bytes()} bytes) holds fewer than "
                              f"2 blocks{draft}; raise --kv-cache-memory or --gpu-memory-utilization")
         config = self.config
-        sizes = []
-        if self.device.type == "cuda" and not config.compilation.enforce_eager:
-            from m3serve.worker.cuda_graphs import default_capture_sizes
-            sizes = list(config.compilation.cudagraph_capture_sizes
-                         or default_capture_sizes(config.scheduler.max_num_seqs))
+        from m3serve.worker.cuda_graphs import capture_sizes
+        sizes = capture_sizes(config, self.device.type)
         max_reqs = max([config.scheduler.max_num_seqs, *sizes])
         k = config.speculative.num_speculative_tokens
         self.num_blocks = num_blocks
