@@ -96,12 +96,12 @@ class PlainStepRunner(DraftingRunner):
             if rid not in so.padded_drafts:
                 assert drafts == self.proposed.get(rid, [])[:len(drafts)], (rid, drafts, "not proposed")
         out = super().execute(so)
-        self.proposed = {}
+        # per request, what its last scheduled step proposed (a request the next step cannot
+        # fit keeps its drafts for the step after)
+        for rid, drafts in zip(out.req_ids, out.spec_token_ids):
+            self.proposed[rid] = drafts if so.speculate else []
         if not so.speculate:
             out.spec_token_ids = None
-            return out
-        for rid, drafts in zip(out.req_ids, out.spec_token_ids):
-            self.proposed[rid] = drafts
         return out
 
 
@@ -134,3 +134,22 @@ def test_stand_in_drafts_keep_the_books(seed, k, limit, num_blocks, budget):
         assert so.padded_drafts <= set(so.num_scheduled_tokens)
     _drive(run, rng, wanted, 600, 0.03, check)
     assert sched.spec_stats.num_drafts == real[0]
+
+
+def test_stand_ins_never_cost_a_preemption():
+    """Two decodes without drafts in a step with drafts, in a pool that holds their next token
+    (and the k lookahead slots every allocation keeps) but not k stand-ins more: they decode
+    without stand-ins, and nobody is preempted."""
+    from test_scheduler import FakeRunner
+
+    k, block_size = 3, 4
+    kv = KVCacheManager(7, block_size, enable_caching=False)          # 6 usable blocks
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), kv,
+                      max_model_len=64, num_speculative_tokens=k, pad_drafts=4)
+    run = Run(sched, FakeRunner(block_size))                          # proposes no drafts
+    for rid in ("a", "b"):
+        sched.add_request(req(rid, list(range(1, 8)), max_tokens=4))  # 7 + 3 lookahead: 3 blocks each
+    run.step()                                                        # the prompts
+    so = run.step()                                                   # the first decode
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.padded_drafts
+    assert sched.num_preemptions == 0
