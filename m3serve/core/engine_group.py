@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import random
 import shutil
 import socket
 import sys
@@ -30,10 +31,48 @@ logger = logging.getLogger(__name__)
 DEFAULT_MULTI_NODE_MASTER_PORT = 29500
 
 
-def free_port() -> int:
+_PORTS_GIVEN: set[int] = set()      # ports free_port has handed out in this process
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; else IANA's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive TCP ports that can be bound on every interface now and
+    that this process has not handed out before.
+
+    They lie outside the kernel's ephemeral range when there is room: a port the kernel gave
+    (bind to port 0) can be taken by any outgoing connection's local end before its owner binds
+    it, which a busy test run or a host starting many processes does hit."""
+    low, high = _ephemeral_ports()
+    spans = [(_LOWEST_PORT, low - 1), (high + 1, 65535)]
+    spans = [(a, b - count + 1) for a, b in spans if b - count + 1 > a] or [(1024, 65535 - count)]
+    rng = random.Random()
+    for _ in range(200):
+        a, b = rng.choice(spans)
+        base = rng.randint(a, b)
+        ports = range(base, base + count)
+        if not _PORTS_GIVEN.intersection(ports) and all(_bindable(p) for p in ports):
+            _PORTS_GIVEN.update(ports)
+            return base
+    raise RuntimeError(f"found no {count} consecutive free TCP ports")
 
 
 

@@ -3,7 +3,6 @@ an in-process app whose engine is a scripted stand-in emitting the tokens of a g
 """
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,17 +12,12 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from m3serve.core.engine_group import free_port  # noqa: F401  (the servers' tests take ports here)
 from m3serve.model.files import load_tokenizer
 from m3serve.protocol import CoreOutput, EngineReady, EngineStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

@@ -4,7 +4,6 @@ the tiny model widened so every width divides by 8), and an expert-parallel view
 the rows routed to its experts."""
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from m3serve.bench.realshape import rank_text_config
+from m3serve.core.engine_group import free_port
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.model.config import parse_config
 from m3serve.model.loader import load_model
@@ -34,12 +34,6 @@ def _write(path, raw: dict) -> str:
 
 def _shapes(model) -> dict:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_path: str):
@@ -68,7 +62,7 @@ def test_rank_config_builds_the_engine_rank_shapes(tmp_path, world):
     raw = _wide_tiny()
     full_dir = _write(tmp_path / "full", raw)
     out = tmp_path / "shapes.pt"
-    mp.start_processes(_rank_main, args=(world, _free_port(), full_dir, str(out)), nprocs=world,
+    mp.start_processes(_rank_main, args=(world, free_port(), full_dir, str(out)), nprocs=world,
                        start_method="spawn")
     engine = torch.load(out)
     for ep in (False, True):

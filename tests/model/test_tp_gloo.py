@@ -2,18 +2,13 @@
 the same logits as one process — row-parallel reductions, KV / index-head splitting, the
 replicated index-key head and the expert split all take part."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from m3serve.core.engine_group import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, ids: list[int], out_path: str):
@@ -51,7 +46,7 @@ def test_tp_logits_equal_single_process(tiny_dir, tmp_path, world):
     runner = PagedRunner(model)
     want = torch.cat([runner.step({0: ids[:90]}), runner.step({0: ids[90:]}), runner.step({0: [11]})])
     out = tmp_path / "tp_logits.pt"
-    mp.start_processes(_rank_main, args=(world, _free_port(), str(tiny_dir), ids, str(out)),
+    mp.start_processes(_rank_main, args=(world, free_port(), str(tiny_dir), ids, str(out)),
                        nprocs=world, start_method="spawn")
     got = torch.load(out)
     # partial products are rounded before the all-reduce: equal up to fp32 rounding

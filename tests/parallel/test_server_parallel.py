@@ -141,7 +141,7 @@ def test_four_hosts(tiny_dir, tmp_path, reference_texts):
     """TP 2 x DP 2 over four launchers, one rank each: node 0 runs the API and replica 0's
     leader, node 1 that leader's follower, node 2 replica 1's leader (its engine reaches the API
     over TCP) and node 3 that one's follower."""
-    master, rpc = free_port(), free_port()
+    master, rpc = free_port(), free_port(3)   # rpc: the output port, then one input port per replica
     common = ["--nnodes", "4", "--master-addr", "127.0.0.1", "--master-port", str(master),
               "--data-parallel-rpc-port", str(rpc), "-tp", "2", "-dp", "2", "--enable-expert-parallel",
               *_server_flags(2, 14)]
