@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
-from pdutil import KEY, assert_clean, kv_flags  # noqa: E402
+from pdutil import assert_clean, pd_flags  # noqa: E402
 from serverutil import LiveServer  # noqa: E402
 
 pytest.importorskip("nixl", reason="P/D tests need NIXL (pip install nixl)")
@@ -18,8 +18,8 @@ pytest.importorskip("nixl", reason="P/D tests need NIXL (pip install nixl)")
 def pd(tiny_dir, tmp_path_factory):
     """{"P": producer (holds for at most 4 s), "D": consumer}."""
     servers = LiveServer.start_many(tiny_dir, {
-        "P": ("--api-key", KEY, *kv_flags("kv_producer", abort_request_timeout=4)),
-        "D": ("--api-key", KEY, *kv_flags("kv_consumer")),
+        "P": pd_flags("kv_producer", abort_request_timeout=4),
+        "D": pd_flags("kv_consumer"),
     }, tmp_path_factory.mktemp("pd-logs"))
     yield servers
     try:

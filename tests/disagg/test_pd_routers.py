@@ -4,7 +4,7 @@ decode leg on the consumer, and what the client gets equals one server's answer,
 not, for completions and chat; the KV really moves (the consumer's pull counter grows). In
 plain mode the routers' probes (cache_aware's render/tokenize, power_of_two's /get_load) are
 answered and requests go through. Prompts are fixed, and compared ones have no near-tied greedy
-step (pdutil.BF16_MARGIN)."""
+step (pdutil.F32_MARGIN; the servers run in float32)."""
 import shutil
 
 import pytest
