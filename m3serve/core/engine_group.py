@@ -32,7 +32,7 @@ DEFAULT_MULTI_NODE_MASTER_PORT = 29500
 
 
 _PORTS_GIVEN: set[int] = set()      # ports free_port has handed out in this process
-_LOWEST_PORT = 20000
+_LOWEST_PORT = 10000
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -62,12 +62,18 @@ def free_port(count: int = 1) -> int:
     (bind to port 0) can be taken by any outgoing connection's local end before its owner binds
     it, which a busy test run or a host starting many processes does hit."""
     low, high = _ephemeral_ports()
-    spans = [(_LOWEST_PORT, low - 1), (high + 1, 65535)]
-    spans = [(a, b - count + 1) for a, b in spans if b - count + 1 > a] or [(1024, 65535 - count)]
+    # the first ports of runs that fit below and above the ephemeral range
+    spans = [(a, b - count + 1) for a, b in [(_LOWEST_PORT, low - 1), (high + 1, 65535)] if b - count + 1 >= a]
+    spans = spans or [(1024, 65535 - count + 1)]
+    total = sum(b - a + 1 for a, b in spans)
     rng = random.Random()
     for _ in range(200):
-        a, b = rng.choice(spans)
-        base = rng.randint(a, b)
+        pick = rng.randrange(total)          # uniform over every first port the spans allow
+        for a, b in spans:
+            if pick <= b - a:
+                base = a + pick
+                break
+            pick -= b - a + 1
         ports = range(base, base + count)
         if not _PORTS_GIVEN.intersection(ports) and all(_bindable(p) for p in ports):
             _PORTS_GIVEN.update(ports)

@@ -27,14 +27,13 @@ def test_a_busy_port_is_skipped(monkeypatch):
 
     class Scripted:          # proposes the busy port first, then the one after it
         def __init__(self):
-            self.bases = iter([taken, taken + 1])
+            self.picks = iter([taken - 10000, taken + 1 - 10000])
 
-        def choice(self, spans):
-            return spans[0]
+        def randrange(self, total):
+            return next(self.picks)
 
-        def randint(self, a, b):
-            return next(self.bases)
-
+    monkeypatch.setattr(engine_group, "_LOWEST_PORT", 10000)
+    monkeypatch.setattr(engine_group, "_ephemeral_ports", lambda: (65000, 65100))   # taken lies below it
     monkeypatch.setattr(engine_group.random, "Random", Scripted)
     try:
         assert free_port() == taken + 1
