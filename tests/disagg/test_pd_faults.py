@@ -3,9 +3,10 @@ client), no KV block leaked on either side (checked through /metrics) and both s
 pulls that fail inside NIXL, pulls that stall past their timeout, a client that goes away while
 its KV is being pulled or decoded, a prefill worker that is gone before the decode leg, and a
 decode worker killed in the middle of a pull (the producer frees the held KV on its timeout).
-Outputs are compared only on prompts whose greedy steps have no near-tie (pdutil.F32_MARGIN; the servers run in float32),
-and only between computations batched alike: the reference and the consumer's request each run
-alone on an idle server; a mismatch reports which side computes differently (assert_same_greedy)."""
+The servers run in float32. Outputs are compared only on prompts whose greedy steps have no
+near-tie (pdutil.F32_MARGIN), and only between computations batched alike: the reference and the
+consumer's request each run alone on an idle server; a mismatch reports which side computes
+differently (assert_same_greedy)."""
 import os
 import signal
 import threading

@@ -4,7 +4,8 @@ completions and chat, streamed and not. The consumer's greedy output must equal 
 (the producer answering the whole request), token for token, on prompts long enough that the
 sparse layers' block selection reads the pulled index cache; a consumer that skips the index
 cache while pulling gets other tokens, which shows the comparison would catch it. Prompts are
-fixed, and compared ones have no near-tied greedy step (pdutil.F32_MARGIN; the servers run in float32)."""
+fixed, and compared ones have no near-tied greedy step (pdutil.F32_MARGIN; the servers run in
+float32)."""
 import concurrent.futures as cf
 
 import httpx

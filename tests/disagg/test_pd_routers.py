@@ -1,10 +1,10 @@
-"""m3serve workers behind the routers people run (pip-installed vllm-router and smg, started
-with `m3serve route`): in P/D mode the router runs the prefill leg on the producer and the
-decode leg on the consumer, and what the client gets equals one server's answer, streamed or
-not, for completions and chat; the KV really moves (the consumer's pull counter grows). In
-plain mode the routers' probes (cache_aware's render/tokenize, power_of_two's /get_load) are
-answered and requests go through. Prompts are fixed, and compared ones have no near-tied greedy
-step (pdutil.F32_MARGIN; the servers run in float32)."""
+"""m3serve workers behind the routers people run (pip-installed vllm-router and smg, started with
+`m3serve route`): in P/D mode the router runs the prefill leg on the producer and the decode leg
+on the consumer, and what the client gets equals one server's answer, streamed or not, for
+completions and chat; the KV really moves (the consumer's pull counter grows). In plain mode the
+routers' probes (cache_aware's render/tokenize, power_of_two's /get_load) are answered and
+requests go through. Prompts are fixed, and compared ones have no near-tied greedy step
+(pdutil.F32_MARGIN; the servers run in float32)."""
 import shutil
 
 import pytest
