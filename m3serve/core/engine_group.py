@@ -62,18 +62,12 @@ def free_port(count: int = 1) -> int:
     (bind to port 0) can be taken by any outgoing connection's local end before its owner binds
     it, which a busy test run or a host starting many processes does hit."""
     low, high = _ephemeral_ports()
-    # the first ports of runs that fit below and above the ephemeral range
-    spans = [(a, b - count + 1) for a, b in [(_LOWEST_PORT, low - 1), (high + 1, 65535)] if b - count + 1 >= a]
-    spans = spans or [(1024, 65535 - count + 1)]
-    total = sum(b - a + 1 for a, b in spans)
+    # every first port of a run that fits below or above the ephemeral range
+    firsts = [*range(_LOWEST_PORT, low - count + 1), *range(high + 1, 65536 - count + 1)]
+    firsts = firsts or list(range(1024, 65536 - count + 1))
     rng = random.Random()
     for _ in range(200):
-        pick = rng.randrange(total)          # uniform over every first port the spans allow
-        for a, b in spans:
-            if pick <= b - a:
-                base = a + pick
-                break
-            pick -= b - a + 1
+        base = rng.choice(firsts)
         ports = range(base, base + count)
         if not _PORTS_GIVEN.intersection(ports) and all(_bindable(p) for p in ports):
             _PORTS_GIVEN.update(ports)
