@@ -31,6 +31,10 @@ def debug_tracemalloc_frames() -> int:
         raise ValueError(f"M3SERVE_DEBUG_TRACEMALLOC must be a number of frames (0 = off), got {value!r}")
     return int(value)
 
+# Test-only: a JSON file of rules that constrain matching requests' outputs to fixed texts
+# (serving/steer.py), for end-to-end tests of real agent clients against random weights.
+TEST_STEER = os.environ.get("M3SERVE_TEST_STEER") or None
+
 # Where the embedded tiny model is built.
 CACHE_DIR = os.environ.get("M3SERVE_CACHE", str(Path.home() / ".cache" / "m3serve"))
 

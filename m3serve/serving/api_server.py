@@ -114,8 +114,21 @@ def _parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
         message, param = validation_message(e)
         raise APIError(400, message, param) from None
     if parsed.model_extra:
-        logger.info("ignoring unknown request fields: %s", sorted(parsed.model_extra))
+        _log_unknown_fields(model.__name__, sorted(parsed.model_extra))
     return parsed
+
+
+_unknown_fields_seen: set[tuple] = set()
+
+
+def _log_unknown_fields(kind: str, names: list[str]) -> None:
+    """Unknown fields are logged at INFO the first time a request kind carries them, then at
+    debug level (clients such as Codex send the same extra fields on every request)."""
+    key = (kind, *names)
+    level = logging.DEBUG if key in _unknown_fields_seen else logging.INFO
+    if len(_unknown_fields_seen) < 1024:
+        _unknown_fields_seen.add(key)
+    logger.log(level, "ignoring unknown request fields of %s: %s", kind, names)
 
 
 def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
@@ -217,6 +230,11 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
         if "ctx" not in holder:
             raise APIError(503, "the engine is not ready yet")
         return holder["ctx"]
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        """Clients probe the base URL before their first request (Claude Code sends HEAD /)."""
+        return {"name": "m3serve", "version": package_version()}
 
     @app.get("/health")
     async def health():

@@ -84,6 +84,49 @@ def test_streaming_events_rebuild_the_response(scripted):
     assert done == ["reasoning", "message", "function_call"]
 
 
+# What Codex sends besides function tools: a namespace of functions and a hosted web search.
+CODEX_TOOLS = [{"type": "namespace", "name": "weather_v1", "description": "Weather tools.",
+                "tools": [{**TOOLS[0], "strict": False}]},
+               {"type": "web_search", "external_web_access": False}]
+
+
+def test_namespace_tools_are_flattened_and_hosted_tools_dropped(scripted, responses_server):
+    client = scripted(SCRIPT)
+    events = list(client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=CODEX_TOOLS,
+                                          parallel_tool_calls=True, store=False, stream=True,
+                                          include=["reasoning.encrypted_content"],
+                                          extra_body={"prompt_cache_key": "k", "client_metadata": {"a": "b"}}))
+    prompt = last_prompt(responses_server)
+    assert '"name": "get_weather"' in prompt and "web_search" not in prompt     # the member, not the hosted tool
+    call = events[-1].response.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.namespace == "weather_v1"                                     # reported with its namespace
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert added[0].namespace == "weather_v1"
+    # the call and its output come back in the next turn, namespace included
+    scripted(ANSWER)
+    items = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"}]
+    second = client.responses.create(model=MODEL_NAME, input=items, tools=CODEX_TOOLS)
+    assert "22 C" in last_prompt(responses_server) and second.output_text == "It is sunny in Paris."
+
+
+def test_reasoning_summary_is_streamed_when_asked(scripted):
+    client = scripted(SCRIPT)
+    events = list(client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=TOOLS, stream=True,
+                                          reasoning={"summary": "auto"}))
+    kinds = [e.type for e in events]
+    for needed in ("response.reasoning_summary_part.added", "response.reasoning_summary_text.delta",
+                   "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"):
+        assert needed in kinds, needed
+    summary = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+    reasoning = events[-1].response.output[0]
+    assert summary == THOUGHT and reasoning.summary[0].text == THOUGHT
+    assert events[-1].response.reasoning.summary == "auto"
+    plain = list(client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=TOOLS, stream=True))
+    assert not any("summary" in e.type for e in plain) and plain[-1].response.output[0].summary == []
+
+
 def test_function_call_round_trip_keeps_reasoning(scripted, responses_server):
     client = scripted(SCRIPT)
     first = client.responses.create(model=MODEL_NAME, input=[{"role": "user", "content": "Weather in Paris?"}],
@@ -190,7 +233,9 @@ HOSTILE = [
      "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "call_id": "missing", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": 5}]}, "input[0].encrypted_content"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "teleport"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": "f"}]}, "tools[0].tools"),
+    ({"input": "hi", "tools": [{"type": "namespace", "tools": []}]}, "tools[0].name"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": "object"}]}, "tools[0].parameters"),
     ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "hi", "tools": "all"}, "tools"),

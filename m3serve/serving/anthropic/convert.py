@@ -200,9 +200,12 @@ def messages_of(system, messages: list) -> list[dict]:
         path = f"messages.{index}"
         message = _obj(message, path)
         role = message.get("role")
-        if role not in (*_USER_ROLES, "assistant"):
-            _fail(f"{path}.role", f"must be 'user' or 'assistant', got {role!r}")
+        if role not in (*_USER_ROLES, "assistant", "system"):
+            _fail(f"{path}.role", f"must be 'user', 'assistant' or 'system', got {role!r}")
         content = message.get("content")
+        if role == "system":
+            out.append({"role": "system", "content": _texts(content, f"{path}.content")})
+            continue
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
         elif not isinstance(content, list):

@@ -16,11 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
+from m3serve import envs
 from m3serve.core.errors import EngineError, RequestFailed
 from m3serve.outputs import PositionLogprobs
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.metrics import ServerMetrics
 from m3serve.serving.output_processor import RequestState
+from m3serve.serving.steer import Steering, load_rules
 
 # JSON has no -inf; vLLM reports impossible tokens with this value too.
 _MIN_LOGPROB = -9999.0
@@ -37,6 +39,7 @@ class ServingEngine:
     def __init__(self, client, tokenizer: Tokenizer, metrics: ServerMetrics, sampling_defaults: dict | None = None):
         self.client = client
         self.sampling_defaults = dict(sampling_defaults or {})   # the generation config's values
+        self.steering = Steering(load_rules(envs.TEST_STEER)) if envs.TEST_STEER else None
         self.tokenizer = tokenizer
         self.metrics = metrics
         info = client.info
@@ -113,6 +116,10 @@ class ServingEngine:
         unfinished children in the engine, which frees their blocks."""
         if params.logit_bias:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
+        if self.steering is not None:
+            params = self.steering.apply(prompt if prompt is not None else self.tokenizer.decode(prompt_token_ids,
+                                                                                               skip_special_tokens=False),
+                                         params)
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
         requests = state.engine_requests(self.eos_token_id, cache_salt, kv_transfer_params, mm_inputs)
         queue = await self.client.add_requests(request_id, requests)

@@ -40,10 +40,13 @@ class _Output:
     events it causes (a non-streaming response ignores them). One item is open at a time: a
     delta of another kind closes it."""
 
-    def __init__(self, events: "_Events", sign):
+    def __init__(self, events: "_Events", sign, namespaces: dict[str, str] | None = None,
+                 summary: bool = False):
         self.items: list[dict] = []
         self.events = events
         self.sign = sign            # reasoning text -> encrypted_content, or None
+        self.namespaces = namespaces or {}      # function name -> the namespace tool it came from
+        self.summary = summary      # reasoning.summary asked for: the reasoning text is its summary too
         self._open: dict | None = None
         self._call_items: dict[int, dict] = {}     # tool parser's call index -> item
 
@@ -91,8 +94,11 @@ class _Output:
         function = delta.get("function") or {}
         if item is None:
             out += self.close()
+            name = function.get("name") or ""
             item = {"id": _id("fc"), "type": "function_call", "call_id": delta.get("id") or _id("call"),
-                    "name": function.get("name") or "", "arguments": "", "status": "in_progress"}
+                    "name": name, "arguments": "", "status": "in_progress"}
+            if name in self.namespaces:
+                item["namespace"] = self.namespaces[name]
             self._call_items[delta["index"]] = item
             out += self._start(item, None)
         pieces = function.get("arguments") or ""
@@ -117,6 +123,8 @@ class _Output:
                                    content_index=0, text=text))
             out.append(self.events("response.content_part.done", output_index=index, item_id=item["id"],
                                    content_index=0, part=item["content"][0]))
+            if self.summary:
+                out += self._summary(item, index, text)
         elif item["type"] == "message":
             part = item["content"][0]
             out.append(self.events("response.output_text.done", output_index=index, item_id=item["id"],
@@ -129,6 +137,17 @@ class _Output:
                                    item_id=item["id"], name=item["name"], arguments=item["arguments"]))
         out.append(self.events("response.output_item.done", output_index=index, item=item))
         return out
+
+    def _summary(self, item: dict, index: int, text: str) -> list[str]:
+        """The reasoning's summary part and its events (M3 writes no separate summary: the
+        summary is the reasoning text, sent once the reasoning is complete)."""
+        part = {"type": "summary_text", "text": text}
+        item["summary"] = [part]
+        where = {"output_index": index, "item_id": item["id"], "summary_index": 0}
+        return [self.events("response.reasoning_summary_part.added", **where, part={**part, "text": ""}),
+                self.events("response.reasoning_summary_text.delta", **where, delta=text),
+                self.events("response.reasoning_summary_text.done", **where, text=text),
+                self.events("response.reasoning_summary_part.done", **where, part=part)]
 
     def feed(self, delta: dict) -> list[str]:
         """One parsed chat delta (reasoning_content, content, tool_calls), in that order."""
@@ -210,9 +229,10 @@ class ResponsesAPI:
             raise APIError(400, f"text.format: a structured output cannot follow forced thinking ({why} -> "
                                 f"thinking_mode enabled); use reasoning.effort minimal, low or medium", "text.format")
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        tools, namespaces = chat_tools(request.tools)
         fields = {"model": request.model, "messages": system + messages, "max_tokens": request.max_output_tokens,
                   "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-                  "seed": request.seed, "tools": chat_tools(request.tools) or None,
+                  "seed": request.seed, "tools": tools or None,
                   "tool_choice": chat_tool_choice(request.tool_choice),
                   "response_format": fmt,
                   "chat_template_kwargs": kwargs, "cache_salt": request.cache_salt}
@@ -221,11 +241,11 @@ class ResponsesAPI:
         except ValidationError as e:
             message, param = validation_message(e)
             raise APIError(400, message, param) from None
-        return chat, messages
+        return chat, messages, namespaces
 
     async def create(self, ctx: ServerContext, request: ResponsesRequest, arrival_time: float, is_disconnected):
         ctx.check_model(request.model)
-        chat, messages = self._prepare(ctx, request)
+        chat, messages, namespaces = self._prepare(ctx, request)
         prompt, ids, (tools, tool_choice, use_tools), kwargs = await ctx.engine.off_loop(render_request, ctx, chat)
         mm_inputs = None
         if ctx.media is not None:
@@ -240,14 +260,16 @@ class ResponsesAPI:
                                                     chat.cache_salt, mm_inputs=mm_inputs)])
         choice = _Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
         sign = self.signer.sign if "reasoning.encrypted_content" in (request.include or []) else None
+        summary = bool(request.reasoning and (request.reasoning.summary or request.reasoning.generate_summary))
+        new_output = lambda events: _Output(events, sign, namespaces, summary)      # noqa: E731
         store = self.store is not None and request.store is not False
         base = self._body(ctx, request, response_id, kwargs.get("thinking_mode"), store)
         if request.stream:
-            return StreamingResponse(self._stream(ctx, base, stream, choice, sign, messages if store else None),
+            return StreamingResponse(self._stream(ctx, base, stream, choice, new_output, messages if store else None),
                                      media_type="text/event-stream")
         [state] = await collect([stream], is_disconnected)
         [seq] = state.sequences
-        output = _Output(lambda *a, **k: "", sign)
+        output = new_output(lambda *a, **k: "")
         message = choice.whole(seq.text)
         output.feed({"reasoning_content": message["reasoning_content"], "content": message["content"],
                      "tool_calls": [{"index": i, "id": c["id"], "function": c["function"]}
@@ -266,7 +288,8 @@ class ResponsesAPI:
             "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
             "tools": request.tools or [], "max_output_tokens": request.max_output_tokens,
             "previous_response_id": request.previous_response_id,
-            "reasoning": {"effort": effort, "summary": None, "thinking_mode": thinking_mode},
+            "reasoning": {"effort": effort, "summary": request.reasoning.summary if request.reasoning else None,
+                          "thinking_mode": thinking_mode},
             "text": {"format": (request.text.format if request.text and request.text.format else {"type": "text"})},
             "truncation": request.truncation or "disabled", "store": store, "usage": None,
             "user": request.user}
@@ -290,9 +313,9 @@ class ResponsesAPI:
             self.store.put(body["id"], body, messages + output_messages(output.items))
         return body
 
-    async def _stream(self, ctx: ServerContext, base: dict, stream, choice: _Choice, sign, messages):
+    async def _stream(self, ctx: ServerContext, base: dict, stream, choice: _Choice, new_output, messages):
         events = _Events()
-        output = _Output(events, sign)
+        output = new_output(events)
         yield events("response.created", response=base)
         yield events("response.in_progress", response=base)
         state = None

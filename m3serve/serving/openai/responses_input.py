@@ -14,11 +14,14 @@ import hashlib
 import hmac
 import json
 import os
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from m3serve.serving.openai.protocol import APIError
+
+logger = logging.getLogger(__name__)
 
 # reasoning.effort -> M3's chat-template thinking_mode. M3 has no graded effort: the lowest
 # levels turn thinking off, the middle ones let the model decide (M3's own default), the highest
@@ -254,36 +257,84 @@ def input_messages(items: Any, prior: list[dict], signer: ReasoningSigner) -> li
     return out
 
 
-def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses function tools ({type, name, description, parameters, strict}) in chat shape."""
+# Tool kinds OpenAI runs on its own servers (or on the client, for local_shell / computer use)
+# that a local model server cannot run: dropped from the prompt with a warning, as clients such
+# as Codex send some of them by default (`web_search`).
+_HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+                 "code_interpreter", "image_generation", "computer_use_preview", "computer_use", "mcp",
+                 "local_shell", "shell", "apply_patch", "custom", "tool_search")
+
+
+def _function_tool(tool: dict, param: str) -> dict:
+    """One `{type: function, name, description?, parameters?}` in chat shape."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{param}.name", f"must be a non-empty string, got {_shown(name)}")
+    parameters = tool.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise _bad(f"{param}.parameters", f"must be a JSON schema object, got {_shown(parameters)}")
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        raise _bad(f"{param}.description", f"must be a string, got {_shown(description)}")
+    function = {"name": name, **({"description": description} if description else {}),
+                **({"parameters": parameters} if parameters is not None else {})}
+    return {"type": "function", "function": function}
+
+
+def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, dict[str, str]]:
+    """Responses tools in chat shape, and the namespace of each function that came from one.
+
+    `function` tools pass; a `namespace` entry ({name, description?, tools: [function, ...]})
+    contributes its functions under their own names (the call the model makes is reported back
+    with the namespace); tools that run elsewhere (`_HOSTED_TOOLS`) are dropped with a warning."""
     if tools is None:
-        return None
-    out = []
+        return None, {}
+    out, namespaces = [], {}
     for i, tool in enumerate(tools):
         param = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise _bad(param, f"must be an object, got {_shown(tool)}")
         kind = tool.get("type")
-        if kind != "function":
-            raise _bad(f"{param}.type", f"{_shown(kind)} is not supported: m3serve runs no hosted tools, "
-                                        f"only type 'function'")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise _bad(f"{param}.name", f"must be a non-empty string, got {_shown(name)}")
-        parameters = tool.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise _bad(f"{param}.parameters", f"must be a JSON schema object, got {_shown(parameters)}")
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise _bad(f"{param}.description", f"must be a string, got {_shown(description)}")
-        function = {"name": name, **({"description": description} if description else {}),
-                    **({"parameters": parameters} if parameters is not None else {})}
-        out.append({"type": "function", "function": function})
+        if kind == "function":
+            out.append(_function_tool(tool, param))
+        elif kind == "namespace":
+            namespace, members = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace:
+                raise _bad(f"{param}.name", f"must be a non-empty string, got {_shown(namespace)}")
+            if not isinstance(members, list):
+                raise _bad(f"{param}.tools", f"must be a list of function tools, got {_shown(members)}")
+            for j, member in enumerate(members):
+                where = f"{param}.tools[{j}]"
+                if not isinstance(member, dict):
+                    raise _bad(where, f"must be an object, got {_shown(member)}")
+                if member.get("type", "function") != "function":
+                    logger.warning("responses: dropping %s of type %r (only functions run here)",
+                                   where, member.get("type"))
+                    continue
+                function = _function_tool(member, where)
+                out.append(function)
+                namespaces[function["function"]["name"]] = namespace
+        elif kind in _HOSTED_TOOLS:
+            _dropped_tool_warning(kind)
+        else:
+            raise _bad(f"{param}.type", f"{_shown(kind)} is not a tool type m3serve knows (function, "
+                                        f"namespace; hosted tools such as web_search are dropped)")
     names = [t["function"]["name"] for t in out]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
         raise _bad("tools", f"function name {duplicate!r} appears more than once")
-    return out
+    return out, namespaces
+
+
+_warned_tools: set[str] = set()
+
+
+def _dropped_tool_warning(kind: str) -> None:
+    """Warn once per tool type (clients send them on every request)."""
+    if kind not in _warned_tools:
+        _warned_tools.add(kind)
+        logger.warning("responses: dropping tools of type %r: m3serve runs no hosted tools, only functions "
+                       "(the model is not told about them)", kind)
 
 
 def chat_tool_choice(tool_choice: str | dict | None):

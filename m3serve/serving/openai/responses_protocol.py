@@ -57,7 +57,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None    # prefix caching is automatic here: accepted, no effect
+    client_metadata: dict[str, Any] | None = None     # Codex's per-turn details: accepted, not used
     safety_identifier: str | None = None
     service_tier: str | None = None
     # vLLM extras
