@@ -86,7 +86,7 @@ def parse_constraint(spec: StructuredOutputsParams):
         elif spec.regex is not None:
             grammar = xgr.Grammar.from_regex(spec.regex)
         elif spec.choice is not None:
-            grammar = xgr.Grammar.from_regex("|".join(f"({re.escape(c)})" for c in spec.choice))
+            grammar = xgr.Grammar.from_regex("|".join(f"({_regex_literal(c)})" for c in spec.choice))
         else:
             grammar = xgr.Grammar.from_ebnf(spec.grammar)
     except Exception as e:      # xgrammar's parse errors are RuntimeErrors of several kinds
@@ -219,6 +219,16 @@ def _warm_up(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> N
                          "compile from cold)")
         return
     logger.debug("grammar compiler warm in %.2f s", time.monotonic() - started)
+
+
+# Characters with a meaning in xgrammar's regex dialect. Python's re.escape also escapes spaces
+# and newlines, escapes xgrammar does not know (it warns, then matches the character).
+_REGEX_META = frozenset("\\^$.|?*+()[]{}-/")
+
+
+def _regex_literal(text: str) -> str:
+    """A regex matching exactly `text` in xgrammar's dialect."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
 def _constraint_name(spec: StructuredOutputsParams) -> str:

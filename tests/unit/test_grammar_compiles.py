@@ -150,3 +150,17 @@ def test_the_children_of_one_request_share_one_compilation(make_loop, slow_compi
     assert [f[1] for f in finished.values()] == [None] * 3
     assert slow_compiles.count(SLOW) == 1
     _check_clean(loop)
+
+
+
+def test_choice_matches_its_text_exactly_with_spaces_newlines_and_metacharacters():
+    import xgrammar as xgr
+    text = 'a b\n"x"\t]<]m[>[<f>/tmp/x.txt</f> {1} $5 ^ - \\ (end)?'
+    grammar = structured.parse_constraint(StructuredOutputsParams(choice=[text, "other"]))
+    vocab = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab)).compile_grammar(grammar)
+    for candidate, accepted in ((text, True), ("other", True), (text.replace("\n", "n"), False),
+                                (text.replace(" ", ""), False), (text[:-1], False)):
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        whole = all(matcher.accept_string(ch) for ch in candidate) and matcher.is_completed()
+        assert whole == accepted, (candidate, accepted)
