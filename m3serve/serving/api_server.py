@@ -37,7 +37,8 @@ from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest,
                                              DetokenizeRequest, TokenizeRequest, check_json, error_body,
                                              param_of, validation_message)
-from m3serve.serving.openai.responses_input import ReasoningSigner, ResponseStore
+from m3serve.serving.openai.responses_input import ResponseStore
+from m3serve.serving.signing import ReasoningSigner
 from m3serve.serving.openai.responses_protocol import ResponsesRequest
 from m3serve.serving.server_args import ServerConfig
 
@@ -168,7 +169,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None,
-            stream_interval=config.stream_interval, media=_media_front(client, tokenizer, config))
+            stream_interval=config.stream_interval, media=_media_front(client, tokenizer, config), signer=signer)
         if getattr(client, "config", None) is not None:
             logger.info(describe_engine(client.config, client.info))
         logger.info("serving %s (%s)", model_name, model_dir)
@@ -187,8 +188,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     app.add_middleware(drain.middleware)
     fields = {f for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest,
                           ResponsesRequest) for f in m.model_fields}
-    responses = responses_api.ResponsesAPI(ResponseStore() if config.enable_response_store else None,
-                                           ReasoningSigner(config.responses_signing_key))
+    signer = ReasoningSigner(config.responses_signing_key)
+    responses = responses_api.ResponsesAPI(ResponseStore() if config.enable_response_store else None, signer)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):

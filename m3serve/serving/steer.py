@@ -1,9 +1,9 @@
 """Test-only steering of token choice, for end-to-end tests of real agent clients against a model
 with random weights (M3SERVE_TEST_STEER, docs/serving.md "Testing with real clients").
 
-A steering file is JSON: `{"rules": [{"when": TEXT, "output": TEXT}, ...]}`. The first rule whose
-`when` occurs in a request's prompt (the rendered text; "" matches every prompt) constrains that
-request's output to exactly its `output`, through the same structured-output mechanism as
+A steering file is JSON: `{"rules": [{"when": [TEXT, ...], "output": TEXT}, ...]}`. The first rule
+all of whose `when` texts occur in a request's prompt (the rendered text; an empty list matches
+every prompt) constrains that request's output to exactly its `output`, through the same structured-output mechanism as
 `structured_outputs.choice`: the engine still runs the model, masks the vocabulary with the
 compiled grammar before each sampled token, and the detokenizer, reasoning and tool-call parsers
 read the tokens it chose. A prompt no rule matches is not steered. The server logs a warning at
@@ -23,8 +23,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Rule:
-    when: str
+    when: tuple[str, ...]
     output: str
+
+    def matches(self, prompt: str) -> bool:
+        return all(text in prompt for text in self.when)
 
 
 def load_rules(path: str) -> list[Rule]:
@@ -38,10 +41,12 @@ def load_rules(path: str) -> list[Rule]:
         raise ValueError(f"M3SERVE_TEST_STEER: {path!r} must hold {{\"rules\": [...]}} with at least one rule")
     out = []
     for i, rule in enumerate(rules):
-        if not (isinstance(rule, dict) and isinstance(rule.get("when"), str)
+        when = rule.get("when") if isinstance(rule, dict) else None
+        if not (isinstance(when, list) and all(isinstance(t, str) for t in when)
                 and isinstance(rule.get("output"), str) and rule["output"]):
-            raise ValueError(f"M3SERVE_TEST_STEER: rules[{i}] must be {{\"when\": str, \"output\": non-empty str}}")
-        out.append(Rule(rule["when"], rule["output"]))
+            raise ValueError(f"M3SERVE_TEST_STEER: rules[{i}] must be "
+                             f"{{\"when\": [str, ...], \"output\": non-empty str}}")
+        out.append(Rule(tuple(when), rule["output"]))
     return out
 
 
@@ -54,8 +59,8 @@ class Steering:
                        "outputs to fixed texts; never set this outside tests", len(rules))
 
     def apply(self, prompt: str, params: SamplingParams) -> SamplingParams:
-        for rule in self.rules:
-            if rule.when in prompt:
-                logger.info("steering: rule %r applies (%d characters of output)", rule.when[:40], len(rule.output))
+        for index, rule in enumerate(self.rules):
+            if rule.matches(prompt):
+                logger.info("steering: rule %d applies (%d characters of output)", index, len(rule.output))
                 return replace(params, structured_outputs=StructuredOutputsParams(choice=[rule.output]))
         return params

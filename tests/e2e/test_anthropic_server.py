@@ -240,12 +240,65 @@ def test_claude_code_extras_are_accepted(scripted, scripted_server):
     assert r.json()["content"] == [{"type": "text", "text": "Fine."}]
 
 
+def test_system_messages_inside_messages_render_where_they_stand(scripted_server):
+    """Claude Code sends `role: "system"` inside `messages` (beta mid-conversation-system)."""
+    r = httpx.post(scripted_server.url + "/v1/messages/render?beta=true", timeout=30, json={
+        "model": MODEL_NAME, "system": [{"type": "text", "text": "You are terse."}],
+        "messages": [{"role": "user", "content": "first"},
+                     {"role": "system", "content": [{"type": "text", "text": "Environment: /tmp",
+                                                     "cache_control": {"type": "ephemeral"}}]},
+                     {"role": "assistant", "content": "ok"},
+                     {"role": "system", "content": "Now be verbose."},
+                     {"role": "user", "content": "second"}]})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    order = [prompt.index(t) for t in ("You are terse.", "first", "]~b]system\nEnvironment: /tmp[e~[",
+                                       "ok", "]~b]system\nNow be verbose.[e~[", "second")]
+    assert order == sorted(order), prompt
+
+
+def test_omitted_thinking_travels_in_the_signature(scripted, scripted_server):
+    """`thinking.display: "omitted"` (Claude Code's default): the response's thinking blocks are
+    empty, their signature carries the text, and the next turn renders it back."""
+    engine = scripted_server.client
+    client = scripted(SCRIPT)
+    out = client.messages.create(model=MODEL_NAME, max_tokens=300, messages=ASK, tools=[WEATHER],
+                                 thinking={"type": "adaptive", "display": "omitted"})
+    thinking = out.content[0]
+    assert thinking.type == "thinking" and thinking.thinking == "" and thinking.signature
+    with client.messages.stream(model=MODEL_NAME, max_tokens=300, messages=ASK, tools=[WEATHER],
+                                thinking={"type": "adaptive", "display": "omitted"}) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+    assert "thinking_delta" not in kinds and "signature_delta" in kinds
+    scripted("Sunny.")
+    first = len(engine.requests)
+    later = [*ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": out.content[-1].id, "content": "22 C"}]}]
+    client.messages.create(model=MODEL_NAME, max_tokens=50, messages=later, tools=[WEATHER])
+    assert "<mm:think>\nThe user wants weather.\n</mm:think>" in prompt_of(engine.requests[first], engine.tokenizer)
+    # a signature this server did not issue: the block's own text, as given
+    foreign = [*ASK, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "my own thought", "signature": "EqQBCkYIBxgCKkD"},
+        {"type": "text", "text": "Hi."}]}, {"role": "user", "content": "again"}]
+    first = len(engine.requests)
+    client.messages.create(model=MODEL_NAME, max_tokens=50, messages=foreign)
+    assert "<mm:think>\nmy own thought\n</mm:think>" in prompt_of(engine.requests[first], engine.tokenizer)
+
+
+def test_head_of_the_base_url_is_answered(scripted_server):
+    """Claude Code probes the base URL with HEAD / before its requests."""
+    assert httpx.head(scripted_server.url + "/", timeout=10).status_code == 200
+    assert httpx.get(scripted_server.url + "/", timeout=10).json()["name"] == "m3serve"
+
+
 HOSTILE = [
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": "hi"}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "system", "content": 5}]}, "messages.0.content"),
+    ({"thinking": {"type": "adaptive", "display": "sometimes"}}, "thinking.display"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.source"),
     ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages.0.content.0.type"),
@@ -354,6 +407,21 @@ def test_live_create_stream_and_count(server):
     assert streamed.model_dump()["content"] == out.model_dump()["content"]      # greedy: the same
     again = client.messages.create(model=MODEL_NAME, max_tokens=12, messages=ASK, extra_body={"temperature": 0.0})
     assert again.usage.cache_read_input_tokens > 0        # the prompt's full blocks were cached
+
+
+def test_live_stream_start_and_end_split_the_prompt_alike(server):
+    """message_start's usage and the final message_delta's agree on a prefix-cache hit."""
+    ask = [{"role": "user", "content": "Tell me about caching, at length. " * 20}]
+    client = _live(server)
+    client.messages.create(model=MODEL_NAME, max_tokens=2, messages=ask)            # caches the prompt
+    r = httpx.post(server.url + "/v1/messages", timeout=60, json={
+        "model": MODEL_NAME, "max_tokens": 3, "messages": ask, "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+    start = events[0]["message"]["usage"]
+    end = next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert end["cache_read_input_tokens"] > 0
+    for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+        assert start[key] == end[key], (key, start, end)
 
 
 def test_live_max_tokens(server):

@@ -3,7 +3,8 @@ function_call run), and the signed reasoning blob (servers sharing a key read ea
 import pytest
 
 from m3serve.serving.openai.protocol import APIError
-from m3serve.serving.openai.responses_input import ReasoningSigner, input_messages
+from m3serve.serving.openai.responses_input import input_messages
+from m3serve.serving.signing import ReasoningSigner
 
 
 def test_items_form_assistant_turns():
@@ -30,8 +31,10 @@ def test_items_form_assistant_turns():
 
 def test_signing_key_is_shared_or_refused():
     blob = ReasoningSigner("same key").sign("private thoughts")
-    assert ReasoningSigner("same key").open(blob, "p") == "private thoughts"
+    assert ReasoningSigner("same key").open(blob) == "private thoughts"
+    item = {"type": "reasoning", "summary": [], "encrypted_content": blob}
     for other in (ReasoningSigner("another key"), ReasoningSigner()):
+        assert other.open(blob) is None and other.open(blob[:-2]) is None and other.open("x") is None
         with pytest.raises(APIError) as e:
-            other.open(blob, "input[3].encrypted_content")
+            input_messages([{"role": "user", "content": "hi"}] * 3 + [item], [], other)
         assert e.value.status == 400 and e.value.param == "input[3].encrypted_content"

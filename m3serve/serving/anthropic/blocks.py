@@ -2,7 +2,9 @@
 
 One `BlockBuilder` per response. It runs M3's reasoning parser, then the tool-call parser on the
 content, and turns what they produce into `content_block_start` / `content_block_delta` /
-`content_block_stop` events: `thinking` blocks (closed with a `signature_delta`), `text` blocks
+`content_block_stop` events: `thinking` blocks (closed with a `signature_delta` whose signature
+carries the thinking text, signed, so a client that sends the block back -- with its text, or
+emptied, as `thinking.display: "omitted"` asks -- gives the next turn the same thinking), `text` blocks
 (whitespace at a block's ends dropped, so no whitespace-only text block is ever sent) and
 `tool_use` blocks whose input is streamed as `input_json_delta` pieces, one per argument as the
 parser completes it. Streaming and non-streaming responses are built from the same events, so
@@ -10,19 +12,12 @@ they carry the same blocks.
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import uuid
 
 from m3serve.serving.reasoning import get_reasoning_parser
+from m3serve.serving.signing import ReasoningSigner
 from m3serve.serving.tool_parser import get_tool_parser
-
-
-def thinking_signature(thinking: str) -> str:
-    """The `signature` of a thinking block: a digest of its text. Clients pass it back
-    unchanged; this server renders passed-back thinking as given and does not verify it."""
-    return base64.b64encode(hashlib.sha256(thinking.encode("utf-8")).digest()).decode("ascii")
 
 
 def _dumps(value) -> str:
@@ -34,8 +29,12 @@ class BlockBuilder:
     `content` list and whether a tool was called."""
 
     def __init__(self, reasoning_parser: str, thinking_mode: str | None, tool_parser: str | None,
-                 tools: list[dict] | None, tool_choice):
+                 tools: list[dict] | None, tool_choice, signer: ReasoningSigner | None = None,
+                 show_thinking: bool = True):
         self.reasoning = get_reasoning_parser(reasoning_parser)(thinking_mode)
+        self.signer = signer or ReasoningSigner()
+        self.show_thinking = show_thinking      # False: thinking blocks go out empty (display "omitted")
+        self._thought = ""                      # the open thinking block's text
         self.tools = get_tool_parser(tool_parser)(tools, tool_choice) if tool_parser else None
         self.content: list[dict] = []
         self._open: str | None = None      # "thinking" | "text" | "tool_use"
@@ -91,7 +90,7 @@ class BlockBuilder:
             return
         block, index = self.content[-1], len(self.content) - 1
         if self._open == "thinking":
-            block["signature"] = thinking_signature(block["thinking"])
+            block["signature"] = self.signer.sign(self._thought)
             self._delta({"type": "signature_delta", "signature": block["signature"]}, events)
         self._open, self._space = None, ""
         events.append({"type": "content_block_stop", "index": index})
@@ -99,8 +98,11 @@ class BlockBuilder:
     def _thinking(self, text: str, events: list[dict]) -> None:
         if self._open != "thinking":
             self._start({"type": "thinking", "thinking": "", "signature": ""}, events)
-        self.content[-1]["thinking"] += text
-        self._delta({"type": "thinking_delta", "thinking": text}, events)
+            self._thought = ""
+        self._thought += text
+        if self.show_thinking:
+            self.content[-1]["thinking"] += text
+            self._delta({"type": "thinking_delta", "thinking": text}, events)
 
     def _text(self, text: str, events: list[dict]) -> None:
         if self._open != "text":

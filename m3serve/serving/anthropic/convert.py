@@ -3,9 +3,12 @@ thinking mode.
 
 Every block is checked here and a problem is a ValueError whose message starts with the block's
 path (`messages.1.content.0.input: ...`). What maps where:
-- `system` (string or text blocks) → a leading system message;
+- `system` (string or text blocks) → a leading system message; a message of role `system` inside
+  `messages` (Claude Code sends them) → a system message where it stands;
 - `text` blocks → message content; `thinking` blocks of assistant turns → `reasoning_content`,
-  which M3's template renders back as `<mm:think>…</mm:think>` on every earlier turn;
+  which M3's template renders back as `<mm:think>…</mm:think>` on every earlier turn (a block
+  whose text was left out, `thinking.display: "omitted"`, gets it back from the signature this
+  server issued; a block with a foreign signature is taken as given);
   `redacted_thinking` holds no readable text and is skipped; `tool_use` → `tool_calls` (input as
   the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it);
 - `image` blocks of user turns (base64 or url sources) → `image_url` parts in place (the
@@ -20,6 +23,7 @@ import logging
 from dataclasses import dataclass
 
 from m3serve.serving.chat_template import REASONING_EFFORTS
+from m3serve.serving.signing import ReasoningSigner
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ class ChatForm:
     thinking_mode: str | None             # the template's; None = the server's default
     budget_tokens: int | None             # thinking budget (thinking.type "enabled")
     reasoning_effort: str | None = None   # output_config.effort: the template's reasoning_effort
+    show_thinking: bool = True            # thinking.display != "omitted": the response carries its text
 
 
 def _fail(path: str, message: str):
@@ -157,7 +162,7 @@ def _user_messages(content: list, path: str) -> list[dict]:
     return out
 
 
-def _assistant_message(content: list, path: str) -> dict:
+def _assistant_message(content: list, path: str, signer: ReasoningSigner) -> dict:
     texts, thoughts, calls = [], [], []
     for i, block in enumerate(content):
         where = f"{path}.{i}"
@@ -166,8 +171,10 @@ def _assistant_message(content: list, path: str) -> dict:
         if kind == "text":
             texts.append(_string(block, "text", where))
         elif kind == "thinking":
-            thoughts.append(_string(block, "thinking", where))
-            _string(block, "signature", where, required=False)
+            thought = _string(block, "thinking", where)
+            signature = _string(block, "signature", where, required=False)
+            signed = signer.open(signature) if signature else None
+            thoughts.append(thought or signed or "")
         elif kind == "redacted_thinking":
             _string(block, "data", where)        # opaque to this server: nothing to render
         elif kind == "tool_use":
@@ -189,7 +196,7 @@ def _assistant_message(content: list, path: str) -> dict:
     return message
 
 
-def messages_of(system, messages: list) -> list[dict]:
+def messages_of(system, messages: list, signer: ReasoningSigner) -> list[dict]:
     """The chat messages of `system` plus Anthropic `messages`."""
     out = []
     if system is not None:
@@ -211,7 +218,7 @@ def messages_of(system, messages: list) -> list[dict]:
         elif not isinstance(content, list):
             _fail(f"{path}.content", f"must be a string or a list of content blocks, got {_kind(content)}")
         if role == "assistant":
-            out.append(_assistant_message(content, f"{path}.content"))
+            out.append(_assistant_message(content, f"{path}.content", signer))
         else:
             out.extend(_user_messages(content, f"{path}.content"))
     return out
@@ -280,20 +287,26 @@ def tool_choice_of(choice, tools: list[dict] | None):
     return {"type": "function", "function": {"name": name}}
 
 
-def thinking_of(thinking) -> tuple[str | None, int | None]:
-    """(M3 thinking mode, budget) of `thinking`: enabled → ("enabled", budget_tokens),
-    disabled → ("disabled", None), adaptive → ("adaptive", None), absent → (None, None)."""
+def thinking_of(thinking) -> tuple[str | None, int | None, bool]:
+    """(M3 thinking mode, budget, whether the response shows the thinking text) of `thinking`:
+    enabled → ("enabled", budget_tokens), disabled → ("disabled", None), adaptive →
+    ("adaptive", None), absent → (None, None); `display` "omitted" hides the text (it still
+    travels in the block's signature), "summarized" (or absent) shows it."""
     if thinking is None:
-        return None, None
+        return None, None, True
     thinking = _obj(thinking, "thinking")
     kind = thinking.get("type")
+    display = thinking.get("display")
+    if display not in (None, "summarized", "omitted"):
+        _fail("thinking.display", f"must be 'summarized' or 'omitted', got {display!r}")
+    show = display != "omitted"
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
         if type(budget) is not int or budget < 1:
             _fail("thinking.budget_tokens", f"must be a positive integer, got {budget!r}")
-        return "enabled", budget
+        return "enabled", budget, show
     if kind in ("disabled", "adaptive"):
-        return kind, None
+        return kind, None, show
     _fail("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
 
 
@@ -312,10 +325,11 @@ def effort_of(output_config) -> str | None:
     return effort
 
 
-def chat_form(request) -> ChatForm:
-    """The chat form of a MessagesRequest or CountTokensRequest (ValueError naming the field)."""
-    messages = messages_of(request.system, request.messages)
+def chat_form(request, signer: ReasoningSigner) -> ChatForm:
+    """The chat form of a MessagesRequest or CountTokensRequest (ValueError naming the field);
+    `signer` opens the signatures of thinking blocks this server issued."""
+    messages = messages_of(request.system, request.messages, signer)
     tools = tools_of(request.tools)
     tool_choice = tool_choice_of(request.tool_choice, tools)
-    mode, budget = thinking_of(request.thinking)
-    return ChatForm(messages, tools, tool_choice, mode, budget, effort_of(request.output_config))
+    mode, budget, show = thinking_of(request.thinking)
+    return ChatForm(messages, tools, tool_choice, mode, budget, effort_of(request.output_config), show)

@@ -52,7 +52,7 @@ class Prompt:
 
 def render(ctx: ServerContext, request: CountTokensRequest) -> Prompt:
     """Convert, validate and render a request (call off the event loop); ValueError names the field."""
-    form = chat_form(request)
+    form = chat_form(request, ctx.signer)
     kwargs = dict(ctx.default_chat_template_kwargs)
     if form.thinking_mode is not None:
         kwargs["thinking_mode"] = form.thinking_mode
@@ -130,18 +130,20 @@ class Generation:
                                           self._first_params, self.arrival, mm_inputs=self.prompt.mm_inputs)
         [self._stream] = await admit([stream])
 
-    async def _leg(self, stream) -> AsyncIterator[str]:
+    async def _leg(self, stream, first: bool = False) -> AsyncIterator[str]:
         seq = None
         async with aclosing(stream) as states:
             async for state in states:
                 seq = state.sequences[0]
+                if first:           # the prefix-cache hit is known from the first output on
+                    self.num_cached_tokens = seq.num_cached_tokens
                 delta = seq.text_delta()
                 if delta:
                     yield delta
         self._seq = seq
 
     async def texts(self) -> AsyncIterator[str]:
-        async for text in self._leg(self._stream):
+        async for text in self._leg(self._stream, first=True):
             yield text
         first = self._seq
         self.num_cached_tokens = first.num_cached_tokens
@@ -193,7 +195,7 @@ class Generation:
 
 def _builder(prompt: Prompt, ctx: ServerContext) -> BlockBuilder:
     return BlockBuilder(ctx.reasoning_parser or DEFAULT_PARSER, prompt.thinking_mode, prompt.tool_parser,
-                        prompt.form.tools, prompt.form.tool_choice)
+                        prompt.form.tools, prompt.form.tool_choice, ctx.signer, prompt.form.show_thinking)
 
 
 async def create_message(ctx: ServerContext, request: MessagesRequest, arrival_time: float, is_disconnected):
@@ -238,20 +240,35 @@ def stream_error_event(e: BaseException) -> str:
 async def _events(ctx: ServerContext, request: MessagesRequest, run: Generation, builder: BlockBuilder,
                   message_id: str):
     """Anthropic's event sequence: message_start, ping, the content blocks' events,
-    message_delta (stop reason, usage), message_stop; an `error` event if the engine fails."""
-    usage = {**run.usage(), "output_tokens": 0}
-    yield _event({"type": "message_start", "message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": request.model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": usage}})
-    yield _event({"type": "ping"})
+    message_delta (stop reason, usage), message_stop; an `error` event if the engine fails.
+    message_start waits for the first output, when the prompt's prefix-cache hit is known, so
+    its usage splits the prompt as the final message_delta does."""
+    started = False
+
+    def start() -> list[str]:
+        usage = {**run.usage(), "output_tokens": 0}
+        return [_event({"type": "message_start", "message": {
+            "id": message_id, "type": "message", "role": "assistant", "model": request.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage}}), _event({"type": "ping"})]
     try:
         async with aclosing(run.texts()) as texts:
             async for text in texts:
+                if not started:
+                    started = True
+                    for event in start():
+                        yield event
                 for event in builder.feed(text):
                     yield _event(event)
+        if not started:
+            started = True
+            for event in start():
+                yield event
         for event in builder.feed("", finished=True):
             yield _event(event)
     except (EngineError, ValueError) as e:
+        if not started:
+            for event in start():
+                yield event
         yield stream_error_event(e)
         return
     yield _event({"type": "message_delta", "delta": {"stop_reason": run.stop_reason(builder),

@@ -16,6 +16,7 @@ from m3serve.core.errors import EngineDeadError, RequestFailed
 from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import APIError, error_body
 from m3serve.serving.output_processor import RequestState
+from m3serve.serving.signing import ReasoningSigner
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class ServerContext:
     kv_transfer: object = None      # config.KVTransferConfig of the engine (None: no P/D)
     stream_interval: int = 1        # a streamed chunk waits for this many new tokens (--stream-interval)
     media: object = None            # serving.media_front.MediaFront: images and video in messages
+    signer: ReasoningSigner = field(default_factory=ReasoningSigner)   # reasoning that travels via clients
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str | None) -> None:

@@ -22,10 +22,11 @@ from m3serve.serving.chat_template import REASONING_EFFORTS
 from m3serve.serving.openai.chat import _Choice, render_request
 from m3serve.serving.openai.common import ServerContext, admit, collect, internal_error, merge
 from m3serve.serving.openai.protocol import APIError, ChatCompletionRequest, validation_message
-from m3serve.serving.openai.responses_input import (EFFORT_TO_THINKING_MODE, ReasoningSigner, ResponseStore,
+from m3serve.serving.openai.responses_input import (EFFORT_TO_THINKING_MODE, ResponseStore,
                                                     chat_tool_choice, chat_tools, input_messages,
                                                     output_messages, response_format)
 from m3serve.serving.openai.responses_protocol import KNOWN_INCLUDES, ResponsesRequest
+from m3serve.serving.signing import ReasoningSigner
 from m3serve.serving.tool_grammar import tool_call_grammar
 
 STORE_FLAG = "--enable-response-store"

@@ -8,18 +8,14 @@ Every malformed item is an `APIError(400)` whose `param` names the item and fiel
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import hmac
 import json
-import os
 import logging
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from m3serve.serving.openai.protocol import APIError
+from m3serve.serving.signing import ReasoningSigner
 
 logger = logging.getLogger(__name__)
 
@@ -41,44 +37,6 @@ def _bad(param: str, message: str) -> APIError:
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-class ReasoningSigner:
-    """Reasoning text <-> `encrypted_content` blob. The blob is signed (HMAC-SHA256 with a
-    server key), not encrypted: its text is readable, but a changed blob, or one signed with
-    another key, is refused. Servers given the same key read each other's blobs."""
-
-    PREFIX = "m3r1."
-
-    def __init__(self, key: str | bytes | None = None):
-        if isinstance(key, str):
-            key = key.encode("utf-8")
-        self._key = hashlib.sha256(key).digest() if key else os.urandom(32)
-
-    def _mac(self, body: str) -> str:
-        digest = hmac.new(self._key, body.encode("ascii"), hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).decode("ascii").rstrip("=")
-
-    def sign(self, text: str) -> str:
-        payload = base64.urlsafe_b64encode(json.dumps({"text": text}, ensure_ascii=False).encode("utf-8"))
-        body = self.PREFIX + payload.decode("ascii").rstrip("=")
-        return f"{body}.{self._mac(body)}"
-
-    def open(self, blob: str, param: str) -> str:
-        """The reasoning text of a blob this server (or one sharing its key) issued."""
-        body, _, mac = blob.rpartition(".")
-        if not body.startswith(self.PREFIX) or not body.isascii() or not mac.isascii() or \
-                not hmac.compare_digest(self._mac(body), mac):
-            raise _bad(param, "not an encrypted_content blob issued by this server (altered, truncated, or "
-                              "signed with another key; see --responses-signing-key)")
-        payload = body[len(self.PREFIX):]
-        try:
-            text = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["text"]
-        except (ValueError, KeyError, TypeError, binascii.Error):
-            raise _bad(param, "encrypted_content payload is malformed") from None
-        if not isinstance(text, str):
-            raise _bad(param, "encrypted_content payload is malformed")
-        return text
 
 
 class ResponseStore:
@@ -163,7 +121,12 @@ def _reasoning_text(item: dict, param: str, signer: ReasoningSigner) -> str:
     if blob is not None:
         if not isinstance(blob, str):
             raise _bad(f"{param}.encrypted_content", f"must be a string, got {type(blob).__name__}")
-        return signer.open(blob, f"{param}.encrypted_content")
+        text = signer.open(blob)
+        if text is None:
+            raise _bad(f"{param}.encrypted_content", "not an encrypted_content blob issued by this server (altered, "
+                                                     "truncated, or signed with another key; see "
+                                                     "--responses-signing-key)")
+        return text
     for field, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(field)
         if parts is None:
