@@ -270,6 +270,10 @@ def test_omitted_thinking_travels_in_the_signature(scripted, scripted_server):
                                 thinking={"type": "adaptive", "display": "omitted"}) as stream:
         kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
     assert "thinking_delta" not in kinds and "signature_delta" in kinds
+    for display in ("summarized", "updates"):           # what Claude Code versions send: the text shows
+        shown = client.messages.create(model=MODEL_NAME, max_tokens=300, messages=ASK, tools=[WEATHER],
+                                       thinking={"type": "adaptive", "display": display})
+        assert shown.content[0].thinking == "The user wants weather."
     scripted("Sunny.")
     first = len(engine.requests)
     later = [*ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
@@ -298,7 +302,7 @@ HOSTILE = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "system", "content": 5}]}, "messages.0.content"),
-    ({"thinking": {"type": "adaptive", "display": "sometimes"}}, "thinking.display"),
+    ({"thinking": {"type": "adaptive", "display": 3}}, "thinking.display"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.source"),
     ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages.0.content.0.type"),

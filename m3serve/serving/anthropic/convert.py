@@ -291,14 +291,15 @@ def thinking_of(thinking) -> tuple[str | None, int | None, bool]:
     """(M3 thinking mode, budget, whether the response shows the thinking text) of `thinking`:
     enabled → ("enabled", budget_tokens), disabled → ("disabled", None), adaptive →
     ("adaptive", None), absent → (None, None); `display` "omitted" hides the text (it still
-    travels in the block's signature), "summarized" (or absent) shows it."""
+    travels in the block's signature); any other display ("summarized", "updates", ... : M3
+    writes no summaries) shows the text as it is."""
     if thinking is None:
         return None, None, True
     thinking = _obj(thinking, "thinking")
     kind = thinking.get("type")
     display = thinking.get("display")
-    if display not in (None, "summarized", "omitted"):
-        _fail("thinking.display", f"must be 'summarized' or 'omitted', got {display!r}")
+    if display is not None and not isinstance(display, str):
+        _fail("thinking.display", f"must be a string, got {_kind(display)}")
     show = display != "omitted"
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
