@@ -289,6 +289,18 @@ def test_omitted_thinking_travels_in_the_signature(scripted, scripted_server):
     assert "<mm:think>\nmy own thought\n</mm:think>" in prompt_of(engine.requests[first], engine.tokenizer)
 
 
+def test_server_tools_are_dropped(scripted, scripted_server):
+    """Anthropic's server tools run on Anthropic's side: left out of the prompt, not a 400."""
+    engine = scripted_server.client
+    client = scripted(SCRIPT)
+    first = len(engine.requests)
+    out = client.messages.create(model=MODEL_NAME, max_tokens=300, messages=ASK, tools=[
+        WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}])
+    prompt = prompt_of(engine.requests[first], engine.tokenizer)
+    assert '"get_weather"' in prompt and "web_search" not in prompt
+    assert out.content[-1].name == "get_weather"
+
+
 def test_head_of_the_base_url_is_answered(scripted_server):
     """Claude Code probes the base URL with HEAD / before its requests."""
     assert httpx.head(scripted_server.url + "/", timeout=10).status_code == 200
@@ -322,7 +334,7 @@ HOSTILE = [
     ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": "x"}}]},
      "tools.0.input_schema.properties"),
     ({"tools": [{"name": "f", "input_schema": {"type": "object", "required": "a"}}]}, "tools.0.input_schema.required"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": 5, "name": "web_search"}]}, "tools.0.type"),
     ({"tools": [{"name": "f", "input_schema": {}}, {"name": "f", "input_schema": {}}]}, "tools.1.name"),
     ({"tools": [{"name": "", "input_schema": {}}]}, "tools.0.name"),
     ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}}, "tool_choice.name"),

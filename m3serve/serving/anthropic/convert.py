@@ -14,6 +14,8 @@ path (`messages.1.content.0.input: ...`). What maps where:
 - `image` blocks of user turns (base64 or url sources) → `image_url` parts in place (the
   prompt's image markers; the pixels are fetched and decoded by the media front);
 - `document` blocks → a 400 (not supported);
+- server tools (a `type` other than `custom`: web search, code execution, ...) → dropped with a
+  warning (they run on Anthropic's side);
 - `cache_control` on any block or tool is accepted (prefix caching is automatic);
 - `output_config.effort` → the template's `reasoning_effort` (MiniMax-M3.1's levels).
 """
@@ -234,8 +236,10 @@ def tools_of(tools: list | None) -> list[dict] | None:
         tool = _obj(tool, path)
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            _fail(f"{path}.type", f"{kind!r}: Anthropic server tools are not available here; "
-                                  "define the tool with a name and an input_schema")
+            if not isinstance(kind, str):
+                _fail(f"{path}.type", f"must be a string, got {_kind(kind)}")
+            _dropped_tool_warning(kind)
+            continue
         name = _string(tool, "name", path)
         if not name:
             _fail(f"{path}.name", "must not be empty")
@@ -258,6 +262,18 @@ def tools_of(tools: list | None) -> list[dict] | None:
             function["description"] = description
         out.append({"type": "function", "function": function})
     return out or None
+
+
+_warned_tools: set[str] = set()
+
+
+def _dropped_tool_warning(kind: str) -> None:
+    """Anthropic's server tools (web search, code execution, ...) run on Anthropic's side: they
+    are left out of the prompt, with one warning per type (clients send them on every request)."""
+    if kind not in _warned_tools and len(_warned_tools) < 256:
+        _warned_tools.add(kind)
+        logger.warning("messages: dropping tools of type %r: server tools do not run here, only client "
+                       "tools with an input_schema (the model is not told about them)", kind)
 
 
 def tool_choice_of(choice, tools: list[dict] | None):
