@@ -289,6 +289,29 @@ def test_omitted_thinking_travels_in_the_signature(scripted, scripted_server):
     assert "<mm:think>\nmy own thought\n</mm:think>" in prompt_of(engine.requests[first], engine.tokenizer)
 
 
+def test_clear_thinking_edit_drops_earlier_thinking(scripted_server):
+    """context_management's clear_thinking edit (Claude Code sends it) changes the prompt."""
+    turns = []
+    for n in range(3):
+        turns += [{"role": "user", "content": f"question {n}"},
+                  {"role": "assistant", "content": [{"type": "thinking", "thinking": f"thought {n}", "signature": "s"},
+                                                    {"type": "text", "text": f"answer {n}"}]}]
+    turns.append({"role": "user", "content": "last"})
+
+    def prompt(edit):
+        r = httpx.post(scripted_server.url + "/v1/messages/render", timeout=30, json={
+            "model": MODEL_NAME, "messages": turns, **({"context_management": {"edits": [edit]}} if edit else {})})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt"]
+    kept = lambda text: [n for n in range(3) if f"thought {n}" in text]      # noqa: E731
+    assert kept(prompt(None)) == [0, 1, 2]
+    assert kept(prompt({"type": "clear_thinking_20251015", "keep": "all"})) == [0, 1, 2]
+    assert kept(prompt({"type": "clear_thinking_20251015"})) == [2]
+    assert kept(prompt({"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 2}})) == [1, 2]
+    assert kept(prompt({"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 10}})) \
+        == [0, 1, 2]                                                           # accepted, not applied
+
+
 def test_server_tools_are_dropped(scripted, scripted_server):
     """Anthropic's server tools run on Anthropic's side: left out of the prompt, not a 400."""
     engine = scripted_server.client
@@ -315,6 +338,9 @@ HOSTILE = [
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "system", "content": 5}]}, "messages.0.content"),
     ({"thinking": {"type": "adaptive", "display": 3}}, "thinking.display"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": {"value": -1}}]}},
+     "context_management.edits.0.keep"),
+    ({"context_management": {"edits": "all"}}, "context_management.edits"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.source"),
     ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}, "messages.0.content.0.type"),

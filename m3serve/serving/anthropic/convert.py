@@ -17,7 +17,8 @@ path (`messages.1.content.0.input: ...`). What maps where:
 - server tools (a `type` other than `custom`: web search, code execution, ...) → dropped with a
   warning (they run on Anthropic's side);
 - `cache_control` on any block or tool is accepted (prefix caching is automatic);
-- `output_config.effort` → the template's `reasoning_effort` (MiniMax-M3.1's levels).
+- `output_config.effort` → the template's `reasoning_effort` (MiniMax-M3.1's levels);
+- `context_management` edits that clear earlier thinking are applied (`apply_context_edits`).
 """
 from __future__ import annotations
 
@@ -210,7 +211,8 @@ def messages_of(system, messages: list, signer: ReasoningSigner) -> list[dict]:
         message = _obj(message, path)
         role = message.get("role")
         if role not in (*_USER_ROLES, "assistant", "system"):
-            _fail(f"{path}.role", f"must be 'user', 'assistant' or 'system', got {role!r}")
+            # Anthropic's own wording, which clients recognise
+            _fail(f"{path}.role", f"Unexpected role {role!r}. The roles are 'user', 'assistant' and 'system'")
         content = message.get("content")
         if role == "system":
             out.append({"role": "system", "content": _texts(content, f"{path}.content")})
@@ -342,10 +344,43 @@ def effort_of(output_config) -> str | None:
     return effort
 
 
+_CLEAR_THINKING = "clear_thinking_20251015"
+
+
+def apply_context_edits(messages: list[dict], context_management) -> None:
+    """`context_management.edits` that change what the prompt holds, applied in place:
+    `clear_thinking_20251015` drops the thinking of all but the last `keep.value` assistant
+    turns that have some (`keep` "all" keeps every one; absent, the last one). Other edits
+    (clearing old tool results past a token trigger) are accepted and logged: the prompt keeps
+    what the client sent."""
+    if context_management is None:
+        return
+    edits = _obj(context_management, "context_management").get("edits") or []
+    if not isinstance(edits, list):
+        _fail("context_management.edits", f"must be a list, got {_kind(edits)}")
+    for i, edit in enumerate(edits):
+        path = f"context_management.edits.{i}"
+        edit = _obj(edit, path)
+        if edit.get("type") != _CLEAR_THINKING:
+            logger.debug("messages: %s of type %r accepted, not applied", path, edit.get("type"))
+            continue
+        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        if keep == "all":
+            continue
+        keep = _obj(keep, f"{path}.keep")
+        value = keep.get("value")
+        if keep.get("type") != "thinking_turns" or type(value) is not int or value < 0:
+            _fail(f"{path}.keep", f"must be 'all' or {{'type': 'thinking_turns', 'value': N >= 0}}, got {keep!r}")
+        thinking = [m for m in messages if m["role"] == "assistant" and m.get("reasoning_content")]
+        for message in thinking[:len(thinking) - value]:
+            del message["reasoning_content"]
+
+
 def chat_form(request, signer: ReasoningSigner) -> ChatForm:
     """The chat form of a MessagesRequest or CountTokensRequest (ValueError naming the field);
     `signer` opens the signatures of thinking blocks this server issued."""
     messages = messages_of(request.system, request.messages, signer)
+    apply_context_edits(messages, request.context_management)
     tools = tools_of(request.tools)
     tool_choice = tool_choice_of(request.tool_choice, tools)
     mode, budget, show = thinking_of(request.thinking)

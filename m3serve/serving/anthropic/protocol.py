@@ -33,7 +33,7 @@ class _Body(BaseModel):
 
 # Fields Anthropic's API defines that do not apply to a local model: accepted, logged at debug
 # level, otherwise ignored (Claude Code sends several of them on every request).
-NOT_APPLICABLE = ("context_management", "service_tier", "container", "mcp_servers", "betas",
+NOT_APPLICABLE = ("service_tier", "container", "mcp_servers", "betas",
                   "inference_geo")
 
 
