@@ -107,7 +107,7 @@ def _parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    check_json(data)
+    check_json(data, free_json=getattr(model, "free_json", ()))
     try:
         parsed = model.model_validate(data)
     except ValidationError as e:

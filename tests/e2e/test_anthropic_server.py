@@ -207,6 +207,28 @@ def test_three_turn_tool_loop_keeps_thinking(scripted, scripted_server):
     assert f"{NS}<city>Paris{NS}</city>" in rendered          # tool_use input rendered back
 
 
+def test_tool_loop_takes_back_what_the_server_wrote(scripted, scripted_server):
+    """A tool_use input holding an integer past 64 bits (the model wrote it; no schema bound
+    stops an unconstrained call) goes back verbatim in the next turn, to create and to
+    count_tokens; a tool schema may hold such integers too."""
+    big = 10 ** 80
+    call = CALL.replace("<days>3", f"<days>{big}")
+    tool = {**WEATHER, "input_schema": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer", "maximum": 10 ** 30}}}}
+    client = scripted(call, "Done.")
+    out = client.messages.create(model=MODEL_NAME, max_tokens=300, messages=ASK, tools=[tool])
+    [use] = [b for b in out.content if b.type == "tool_use"]
+    assert use.input == {"city": "Paris", "days": big}
+    messages = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "ok"}]}]
+    again = client.messages.create(model=MODEL_NAME, max_tokens=300, messages=messages, tools=[tool])
+    assert again.content[0].text == "Done."
+    assert client.messages.count_tokens(model=MODEL_NAME, messages=messages, tools=[tool]).input_tokens > 0
+    r = httpx.post(scripted_server.url + "/v1/messages", timeout=30, json={
+        "model": MODEL_NAME, "max_tokens": big, "messages": messages, "tools": [tool]})
+    assert r.status_code == 400 and "max_tokens: integer out of the 64-bit range" in r.json()["error"]["message"]
+
+
 def test_thinking_modes_map_to_the_template(scripted_server):
     def prompt(**extra):
         r = httpx.post(scripted_server.url + "/v1/messages/render", timeout=30,
