@@ -4,6 +4,7 @@ as SSE deltas or returned as one message, with `reasoning_content` (and `reasoni
 """
 from __future__ import annotations
 
+import time
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -127,6 +128,7 @@ def render_request(ctx: ServerContext, request: ChatCompletionRequest):
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, arrival_time: float,
                                  is_disconnected):
+    created = int(time.time())      # the response's (and each of its chunks')
     ctx.check_model(request.model)
     if request.top_logprobs is not None and not request.logprobs:
         raise ValueError("top_logprobs requires logprobs to be true")
@@ -154,7 +156,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                                                 request.cache_salt, kv, mm_inputs=mm_inputs)])
     choices = [_Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
                for _ in range(request.n)]
-    header = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
+    header = {"id": request_id, "object": "chat.completion", "created": created, "model": ctx.model_name}
     if request.stream:
         return StreamingResponse(_stream({**header, "object": "chat.completion.chunk"}, request, stream, choices,
                                          ctx.stream_interval, ids),

@@ -35,7 +35,7 @@ class ServerContext:
     kv_transfer: object = None      # config.KVTransferConfig of the engine (None: no P/D)
     stream_interval: int = 1        # a streamed chunk waits for this many new tokens (--stream-interval)
     media: object = None            # serving.media_front.MediaFront: images and video in messages
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = field(default_factory=lambda: int(time.time()))    # the model's `created` (/v1/models)
 
     def check_model(self, model: str | None) -> None:
         """A request naming another model is a 404, as in vLLM and OpenAI."""
