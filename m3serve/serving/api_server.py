@@ -195,7 +195,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @app.exception_handler(RequestFailed)
     async def _request_failed(_, e: RequestFailed):
-        return _error(400, str(e))
+        return _error(400, str(e), param_of(str(e), fields))
 
     @app.exception_handler(EngineError)
     async def _engine_error(_, e: EngineError):

@@ -280,6 +280,12 @@ HOSTILE = [
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                  "content": [{"type": "image", "source": {}}]}]}]},
      "messages.0.content.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {
+        "type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]}]},
+     "messages.0.content.0.type: 'document' blocks (PDFs, text documents) are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}]},
+     "messages.0.content.0.content.0.type: 'document' blocks (PDFs"),
     ({"system": 5}, "system"),
     ({"system": [{"type": "tool_use"}]}, "system.0.type"),
     ({"tools": [{"name": "f", "input_schema": "x"}]}, "tools.0.input_schema"),

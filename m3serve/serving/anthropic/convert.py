@@ -10,7 +10,7 @@ path (`messages.1.content.0.input: ...`). What maps where:
   the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it);
 - `image` blocks of user turns (base64 or url sources) → `image_url` parts in place (the
   prompt's image markers; the pixels are fetched and decoded by the media front);
-- `document` blocks → a 400 (not supported);
+- `document` blocks → a 400 naming the block (documents are not supported, on any model);
 - `cache_control` on any block or tool is accepted (prefix caching is automatic);
 - `output_config.effort` → the template's `reasoning_effort` (MiniMax-M3.1's levels).
 """
@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 # Claude Code sends roles outside Anthropic's two for context it injects; they are user turns.
 _USER_ROLES = ("user", "ctx", "msg")
-_NOT_YET = ("document",)
 _IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _TOOL_ERROR_PREFIX = "Error: "
 
@@ -69,8 +68,9 @@ def _block_type(block: dict, path: str) -> str:
     kind = block.get("type")
     if not isinstance(kind, str):
         _fail(f"{path}.type", f"must be a string naming the block type, got {_kind(kind)}")
-    if kind in _NOT_YET:
-        _fail(f"{path}.type", f"{kind!r} blocks are not supported by this server yet (vision is not enabled)")
+    if kind == "document":
+        _fail(f"{path}.type", "'document' blocks (PDFs, text documents) are not supported by this server; "
+                              "send the document's text in a text block")
     return kind
 
 

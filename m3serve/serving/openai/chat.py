@@ -140,8 +140,8 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         ids, mm_inputs = await ctx.media.prepare(request.messages, ids, request.mm_processor_kwargs)
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")   # checked though unused
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    max_tokens = ctx.engine.resolve_max_tokens(len(ids), max_tokens)
+    field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = ctx.engine.resolve_max_tokens(len(ids), getattr(request, field), field)
     k = (request.top_logprobs or 0) if request.logprobs else None
     params = request.sampling_params(max_tokens, k, ctx.engine.sampling_defaults)
     ctx.engine.check_fan_out(1, request.n)

@@ -212,16 +212,18 @@ class _SamplingRequest(_Strict):
                 raise ValueError("response_format.type is required: text, json_object or json_schema")
             kind = fmt["type"]
             if kind == "json_object":
-                given["response_format"] = {"json_object": True}
+                given["response_format"] = {"json_object": True, "source": "response_format"}
             elif kind == "json_schema":
                 spec = fmt.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise ValueError("response_format.json_schema.schema is required: a JSON schema object")
-                given["response_format"] = {"json": schema}
+                given["response_format"] = {"json": schema, "source": "response_format.json_schema.schema"}
             elif kind != "text":
                 raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
         if self.structured_outputs is not None:
+            if "source" in self.structured_outputs:
+                raise ValueError("structured_outputs: unexpected key 'source'")
             given["structured_outputs"] = dict(self.structured_outputs)
         for name, field in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
                             ("grammar", "guided_grammar")):
@@ -229,7 +231,7 @@ class _SamplingRequest(_Strict):
             # which a memory-growth check would read as growth
             value = getattr(self, field)
             if value is not None:
-                given[field] = {name: value}
+                given[field] = {name: value, "source": field}
         if not given:
             return None
         if len(given) > 1:

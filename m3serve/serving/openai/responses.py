@@ -230,8 +230,11 @@ class ResponsesAPI:
         mm_inputs = None
         if ctx.media is not None:
             ids, mm_inputs = await ctx.media.prepare(chat.messages, ids)
-        max_tokens = ctx.engine.resolve_max_tokens(len(ids), chat.max_tokens)
+        max_tokens = ctx.engine.resolve_max_tokens(len(ids), chat.max_tokens, "max_output_tokens")
         params = chat.sampling_params(max_tokens, None, ctx.engine.sampling_defaults)
+        if params.structured_outputs is not None:       # errors name the field this request used
+            params.structured_outputs.source = ("text.format.schema" if params.structured_outputs.json is not None
+                                                else "text.format")
         if use_tools and tool_choice != "auto":
             params.structured_outputs = StructuredOutputsParams(
                 grammar=tool_call_grammar(tools, tool_choice, kwargs.get("thinking_mode")))
