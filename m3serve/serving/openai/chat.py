@@ -145,7 +145,14 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     k = (request.top_logprobs or 0) if request.logprobs else None
     params = request.sampling_params(max_tokens, k, ctx.engine.sampling_defaults)
     ctx.engine.check_fan_out(1, request.n)
-    if use_tools and tool_choice != "auto":
+    forced_tools = use_tools and tool_choice != "auto"
+    if params.structured_outputs is not None and not forced_tools and kwargs.get("thinking_mode") == "enabled":
+        # the grammar holds from the first output token: the opened thinking block would hold
+        # the constrained output and the answer would be empty (Responses' text.format rule)
+        raise ValueError(f"{params.structured_outputs.field_name}: a structured output cannot follow forced "
+                         f"thinking (thinking_mode enabled); use reasoning_effort none, minimal, low or medium, "
+                         f"or chat_template_kwargs.thinking_mode adaptive")
+    if forced_tools:
         # "required" / named: the output is constrained to the model's tool-call markup (this
         # replaces any response_format, as in vLLM); the tool parser reads it back as usual.
         params.structured_outputs = StructuredOutputsParams(

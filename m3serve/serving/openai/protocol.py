@@ -302,8 +302,8 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    # MiniMax-M3.1's level (max, xhigh, high, medium, low), given to the chat template as
-    # `reasoning_effort`; checked when the prompt is rendered
+    # OpenAI's effort (none, minimal, low, medium, high, xhigh, max): M3's thinking_mode, and
+    # for low..max MiniMax-M3.1's level (chat_template.template_kwargs); checked when rendered
     reasoning_effort: str | None = None
 
 

@@ -18,11 +18,11 @@ from pydantic import ValidationError
 
 from m3serve.core.errors import EngineDeadError, RequestFailed
 from m3serve.sampling_params import StructuredOutputsParams
-from m3serve.serving.chat_template import REASONING_EFFORTS
+from m3serve.serving.chat_template import EFFORT_TO_THINKING_MODE, REASONING_EFFORTS
 from m3serve.serving.openai.chat import _Choice, render_request
 from m3serve.serving.openai.common import ServerContext, admit, collect, internal_error, merge
 from m3serve.serving.openai.protocol import APIError, ChatCompletionRequest, validation_message
-from m3serve.serving.openai.responses_input import (EFFORT_TO_THINKING_MODE, ReasoningSigner, ResponseStore,
+from m3serve.serving.openai.responses_input import (ReasoningSigner, ResponseStore,
                                                     chat_tool_choice, chat_tools, input_messages,
                                                     output_messages, response_format)
 from m3serve.serving.openai.responses_protocol import KNOWN_INCLUDES, ResponsesRequest
