@@ -249,6 +249,10 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def models():
         return tokenize_api.list_models(ctx())
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return tokenize_api.retrieve_model(ctx(), model_id)
+
     @app.get("/version")
     async def version():
         return {"version": package_version()}

@@ -352,3 +352,18 @@ def test_created_is_each_requests_own_time(client):
             stamps = {chunk.created for chunk in out} if stream else {out.created}
             assert len(stamps) == 1, stamps
             assert before <= stamps.pop() <= after
+
+
+def test_retrieve_model_by_id(client, server):
+    """`client.models.retrieve(id)`: the entry /v1/models lists; an unknown id is a 404 in
+    OpenAI's error shape."""
+    [listed] = client.models.list().data
+    model = client.models.retrieve(MODEL_NAME)
+    assert model.model_dump() == listed.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    r = httpx.get(server.url + "/v1/models/org/some-model", timeout=10)      # ids may hold slashes
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == (404, "model", "NotFoundError")
+    assert "org/some-model" in error["message"]
