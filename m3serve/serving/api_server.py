@@ -126,7 +126,9 @@ def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
     model = getattr(engine, "model", None)
     limits = getattr(model, "limit_mm_per_prompt", None) or dict(DEFAULT_MM_LIMITS)
     policy = MediaPolicy.from_flags(config.allowed_local_media_path, config.allowed_media_domains)
-    return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None))
+    info = getattr(client, "info", None)
+    return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None),
+                      refusal=getattr(info, "media_refusal", ""))
 
 
 def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,

@@ -384,6 +384,25 @@ def test_live_create_stream_and_count(server):
     assert again.usage.cache_read_input_tokens > 0        # the prompt's full blocks were cached
 
 
+PIXEL = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+
+
+def test_live_text_only_model_refuses_images_in_count_tokens_too(server):
+    """count_tokens answers as create does: an image on a model without a vision tower is a
+    400 naming the block (so is /tokenize with an image part)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, {
+        "type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PIXEL}}]}]
+    client = _live(server)
+    for call in (lambda: client.messages.create(model=MODEL_NAME, max_tokens=5, messages=messages),
+                 lambda: client.messages.count_tokens(model=MODEL_NAME, messages=messages)):
+        with pytest.raises(anthropic.BadRequestError, match="messages.0.content.1: this model is served without "
+                                                            "a vision tower"):
+            call()
+    r = httpx.post(server.url + "/tokenize", timeout=30, json={"model": MODEL_NAME, "messages": [{
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}}]}]})
+    assert r.status_code == 400 and "without a vision tower" in r.json()["error"]["message"], r.text
+
+
 def test_live_max_tokens(server):
     out = _live(server).messages.create(model=MODEL_NAME, max_tokens=1, messages=ASK, thinking={"type": "disabled"},
                                         extra_body={"temperature": 0.0})
