@@ -286,6 +286,12 @@ HOSTILE = [
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
         {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}]},
      "messages.0.content.0.content.0.type: 'document' blocks (PDFs"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_gone", "content": "x"}]}]},
+     "messages.0.content.0.tool_use_id: no tool_use with id 'toolu_gone' comes before it"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "content": "x"},
+                                                {"type": "tool_result", "tool_use_id": "toolu_b", "content": "y"}]}]},
+     "messages.1.content.1.tool_use_id: no tool_use with id 'toolu_b' comes before it"),
     ({"system": 5}, "system"),
     ({"system": [{"type": "tool_use"}]}, "system.0.type"),
     ({"tools": [{"name": "f", "input_schema": "x"}]}, "tools.0.input_schema"),

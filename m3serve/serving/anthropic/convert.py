@@ -7,7 +7,8 @@ path (`messages.1.content.0.input: ...`). What maps where:
 - `text` blocks → message content; `thinking` blocks of assistant turns → `reasoning_content`,
   which M3's template renders back as `<mm:think>…</mm:think>` on every earlier turn;
   `redacted_thinking` holds no readable text and is skipped; `tool_use` → `tool_calls` (input as
-  the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it);
+  the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it;
+  its `tool_use_id` must be a tool_use of an earlier assistant turn);
 - `image` blocks of user turns (base64 or url sources) → `image_url` parts in place (the
   prompt's image markers; the pixels are fetched and decoded by the media front);
 - `document` blocks → a 400 naming the block (documents are not supported, on any model);
@@ -132,9 +133,10 @@ def _user_content(texts: list) -> str | list:
     return parts
 
 
-def _user_messages(content: list, path: str) -> list[dict]:
+def _user_messages(content: list, path: str, call_ids: set[str]) -> list[dict]:
     """A user turn: runs of text (and images) become user messages, each tool_result a tool
-    message, in order."""
+    message, in order. A tool_result must answer a tool_use of an earlier assistant turn
+    (`call_ids`), as Responses' function_call_output must."""
     out: list[dict] = []
     texts: list = []
     for i, block in enumerate(content):
@@ -149,7 +151,11 @@ def _user_messages(content: list, path: str) -> list[dict]:
             if texts:
                 out.append({"role": "user", "content": _user_content(texts)})
                 texts = []
-            out.append(_tool_result(block, where))
+            result = _tool_result(block, where)
+            if result["tool_call_id"] not in call_ids:
+                _fail(f"{where}.tool_use_id", f"no tool_use with id {result['tool_call_id']!r} comes before it "
+                                              "(a tool_result answers a tool_use of an earlier assistant turn)")
+            out.append(result)
         else:
             _fail(f"{where}.type", f"{kind!r} is not a user content block (expected text, image or tool_result)")
     if texts or not out:
@@ -191,7 +197,7 @@ def _assistant_message(content: list, path: str) -> dict:
 
 def messages_of(system, messages: list) -> list[dict]:
     """The chat messages of `system` plus Anthropic `messages`."""
-    out = []
+    out, call_ids = [], set()
     if system is not None:
         text = _texts(system, "system")
         if text:
@@ -209,8 +215,9 @@ def messages_of(system, messages: list) -> list[dict]:
             _fail(f"{path}.content", f"must be a string or a list of content blocks, got {_kind(content)}")
         if role == "assistant":
             out.append(_assistant_message(content, f"{path}.content"))
+            call_ids.update(call["id"] for call in out[-1].get("tool_calls", ()))
         else:
-            out.extend(_user_messages(content, f"{path}.content"))
+            out.extend(_user_messages(content, f"{path}.content", call_ids))
     return out
 
 
