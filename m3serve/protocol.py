@@ -200,6 +200,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     dp_rank: int = 0
     world_size: int = 1
     max_waiting_requests: int = 0     # the waiting queue's bound (--max-waiting-requests); 0 = none told
+    media_refusal: str = ""           # why images and videos are refused ("": accepted)
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -41,13 +41,23 @@ class StructuredOutputsParams:
     object or its text), `regex`, `choice` (the output is one of these strings), `grammar`
     (EBNF), `json_object` (any JSON object). `disable_any_whitespace`: no free whitespace
     between JSON tokens. The grammar is compiled by the engine (an invalid one is refused
-    there, naming the problem) and applied as a token mask before every sampled token."""
+    there, naming the problem) and applied as a token mask before every sampled token.
+    `source`: the request field that set the constraint (`response_format.json_schema.schema`,
+    `guided_json`, ...), which the engine's errors name; None: `structured_outputs.<kind>`."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    source: str | None = None
+
+    @property
+    def field_name(self) -> str:
+        """The request field errors name."""
+        kind = next((k for k in ("json", "regex", "choice", "grammar", "json_object")
+                     if getattr(self, k) not in (None, False)), "json")
+        return self.source or f"structured_outputs.{kind}"
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object")

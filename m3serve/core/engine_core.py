@@ -100,15 +100,22 @@ class EngineCore:
             self._check_media(request)
         self.scheduler.add_request(request)
 
-    def _check_media(self, request: Request) -> None:
-        """Images and videos need a vision tower and a plain (non-speculative) engine; their
-        placeholders must add up. Sets the request's prefix-cache spans."""
-        from m3serve.multimodal.inputs import media_spans
+    def media_refusal(self) -> str:
+        """Why this engine refuses images and videos ("" when it accepts them): they need a
+        vision tower and a plain (non-speculative) engine."""
         if not self.executor.has_vision:
-            raise ValueError("this model is served without a vision tower (a text-only checkpoint, "
-                             "or --language-model-only): images and videos are not accepted")
+            return ("this model is served without a vision tower (a text-only checkpoint, "
+                    "or --language-model-only): images and videos are not accepted")
         if self.config.speculative.enabled:
-            raise ValueError("images and videos are not supported with speculative decoding yet")
+            return "images and videos are not supported with speculative decoding yet"
+        return ""
+
+    def _check_media(self, request: Request) -> None:
+        """Images and videos must be accepted here (media_refusal) and their placeholders
+        must add up. Sets the request's prefix-cache spans."""
+        from m3serve.multimodal.inputs import media_spans
+        if refusal := self.media_refusal():
+            raise ValueError(refusal)
         cfg = self.executor.model_config
         spans = media_spans(request.prompt_token_ids, request.mm_inputs, cfg.image_token_id, cfg.video_token_id)
         request.mm_spans = [(s, e, x.content_hash) for (s, e), x in zip(spans, request.mm_inputs)]

@@ -229,7 +229,7 @@ class ReplicaBook:
         return EngineReady(max_model_len=first.max_model_len, block_size=first.block_size,
                            num_usable_blocks=usable, vocab_size=first.vocab_size,
                            eos_token_id=first.eos_token_id, dp_rank=0, world_size=first.world_size,
-                           max_waiting_requests=first.max_waiting_requests)
+                           max_waiting_requests=first.max_waiting_requests, media_refusal=first.media_refusal)
 
     @staticmethod
     def combine(stats: list[EngineStats]) -> EngineStats:

@@ -269,7 +269,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         max_model_len=core.max_model_len, block_size=executor.block_size,
         num_usable_blocks=core.kv_manager.num_usable_blocks, vocab_size=model_config.vocab_size,
         eos_token_id=model_config.eos_token_id, dp_rank=dp_rank,
-        world_size=config.parallel.world_size, max_waiting_requests=config.scheduler.max_waiting_requests)))
+        world_size=config.parallel.world_size, max_waiting_requests=config.scheduler.max_waiting_requests,
+        media_refusal=core.media_refusal())))
     code = 0
     try:
         _serve(EngineLoop(core, dp_rank), pull, push)

@@ -108,7 +108,7 @@ def _parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    check_json(data)
+    check_json(data, free_json=getattr(model, "free_json", ()))
     try:
         parsed = model.model_validate(data)
     except ValidationError as e:
@@ -140,7 +140,9 @@ def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
     model = getattr(engine, "model", None)
     limits = getattr(model, "limit_mm_per_prompt", None) or dict(DEFAULT_MM_LIMITS)
     policy = MediaPolicy.from_flags(config.allowed_local_media_path, config.allowed_media_domains)
-    return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None))
+    info = getattr(client, "info", None)
+    return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None),
+                      refusal=getattr(info, "media_refusal", ""))
 
 
 def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,
@@ -209,7 +211,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
 
     @app.exception_handler(RequestFailed)
     async def _request_failed(_, e: RequestFailed):
-        return _error(400, str(e))
+        return _error(400, str(e), param_of(str(e), fields))
 
     @app.exception_handler(EngineError)
     async def _engine_error(_, e: EngineError):
@@ -267,6 +269,10 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     @app.get("/v1/models")
     async def models():
         return tokenize_api.list_models(ctx())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return tokenize_api.retrieve_model(ctx(), model_id)
 
     @app.get("/version")
     async def version():

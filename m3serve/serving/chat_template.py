@@ -23,6 +23,13 @@ THINKING_MODES = ("enabled", "disabled", "adaptive")
 # MiniMax-M3.1's reasoning-effort levels, most to least; the template writes the level into the
 # system prompt as <effort>LEVEL</effort>
 REASONING_EFFORTS = ("max", "xhigh", "high", "medium", "low")
+# OpenAI's reasoning efforts (Chat's `reasoning_effort`, Responses' `reasoning.effort`) and the
+# thinking_mode each sets: M3 has no graded effort, so the lowest turn thinking off, the middle
+# ones let the model decide (M3's own default), the highest always think. low..max are also
+# MiniMax-M3.1's levels of the same name.
+OPENAI_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+EFFORT_TO_THINKING_MODE = {"none": "disabled", "minimal": "disabled", "low": "adaptive", "medium": "adaptive",
+                           "high": "enabled", "xhigh": "enabled", "max": "enabled"}
 # Older or alternative names clients use for an assistant message's reasoning text.
 _REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
 
@@ -164,13 +171,19 @@ def check_reasoning_effort(effort: Any, where: str = "reasoning_effort") -> str:
 def template_kwargs(defaults: dict, own: dict | None, effort: str | None = None,
                     where: str = "reasoning_effort") -> dict:
     """A request's template variables: the server's `defaults`, then the request's own
-    chat_template_kwargs, then its reasoning-effort field (`where` names it) as
-    `reasoning_effort`. An effort field and a different chat_template_kwargs.reasoning_effort in
-    the same request are a ValueError."""
+    chat_template_kwargs, then its OpenAI reasoning effort (`where` names the field, one of
+    OPENAI_EFFORTS): the thinking_mode of EFFORT_TO_THINKING_MODE unless chat_template_kwargs
+    sets one, and for low..max M3.1's `reasoning_effort` of the same name. An effort and a
+    different chat_template_kwargs.reasoning_effort in the same request are a ValueError."""
     kwargs = {**defaults, **(own or {})}
     if effort is None:
         return kwargs
-    check_reasoning_effort(effort, where)
+    if not isinstance(effort, str) or effort not in OPENAI_EFFORTS:
+        raise ValueError(f"{where} must be one of {list(OPENAI_EFFORTS)}, got {effort!r}")
+    if "thinking_mode" not in (own or {}):
+        kwargs["thinking_mode"] = EFFORT_TO_THINKING_MODE[effort]
+    if effort not in REASONING_EFFORTS:
+        return kwargs
     given = (own or {}).get("reasoning_effort")
     if given is not None and given != effort:
         raise ValueError(f"{where} {effort!r} and chat_template_kwargs.reasoning_effort {given!r} disagree")

@@ -18,8 +18,9 @@ from m3serve.multimodal.parts import MediaPart, collect_media_parts
 
 class MediaFront:
     def __init__(self, tokenizer, policy: MediaPolicy, limits: dict[str, int],
-                 processor_kwargs: dict | None = None, max_workers: int = 4):
+                 processor_kwargs: dict | None = None, max_workers: int = 4, refusal: str = ""):
         self.tokenizer, self.policy, self.limits = tokenizer, policy, limits
+        self.refusal = refusal          # the engine's reason to refuse media ("": accepted)
         self.processor_kwargs = processor_kwargs
         self._options = None
         self._markers = tuple(i for i in (tokenizer.token_to_id(m) for m in MARKERS.values()) if i is not None)
@@ -42,6 +43,8 @@ class MediaFront:
     async def prepare(self, messages, ids: list[int], request_kwargs: dict | None = None):
         """(prompt ids with placeholder spans, engine inputs or None) for a rendered chat."""
         parts = collect_media_parts(messages)
+        if parts and self.refusal:      # refused before fetching, and by count_tokens as by create
+            raise ValueError(f"{parts[0].where}: {self.refusal}")
         if not parts:
             if self._markers:           # a scan of the whole prompt: off the event loop too
                 await asyncio.get_running_loop().run_in_executor(self._pool, self._check_no_markers, ids)

@@ -8,13 +8,16 @@ The output the grammar admits: the reasoning block the chat template leaves open
 any of the tools) or exactly one invoke of the named tool. Each invoke holds the schema's
 properties as elements, in schema order, the required ones always; leaf text follows the
 property's type (integer, number, boolean, null, enum/const values; strings are any text
-without the namespace marker); objects with properties nest as elements, arrays as `<item>`
+without the namespace marker); integers stay within the schema's `minimum`/`maximum` (and the
+exclusive forms) and always within 64 bits, what every API here accepts back in the next turn;
+numbers have at most 18 integer digits (their bounds are not enforced); objects with properties nest as elements, arrays as `<item>`
 elements. Schemas the markup cannot express exactly (`$ref`, `not`, patterns, objects without
 properties) admit any marker-free text, which the parser types as it does unconstrained output.
 """
 from __future__ import annotations
 
 import json
+import math
 
 from m3serve.serving.reasoning import THINK_CLOSE, THINK_OPEN
 from m3serve.serving.tool_parser import NAMESPACE
@@ -90,8 +93,68 @@ class _Rules:
         return "\n".join([f"root ::= {root}"] + [f"{name} ::= {body}" for name, body in self.rules.items()])
 
 
-_INTEGER = '"-"? ("0" | [1-9] [0-9]*)'
-_NUMBER = _INTEGER + ' ("." [0-9]+)? ([eE] [+-]? [0-9]+)?'
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# 18 integer digits, a bounded fraction and a 2-digit exponent: always a finite float, and an
+# integer literal (no fraction) always within 64 bits
+_NUMBER = '"-"? ("0" | [1-9] [0-9]{0,17}) ("." [0-9]{1,17})? ([eE] [+-]? [0-9]{1,2})?'
+
+
+def _digits_between(low: str, high: str) -> list[str]:
+    """EBNF sequences of the digit strings of one length from `low` to `high` (inclusive)."""
+    if low == high:
+        return [" ".join(f'"{d}"' for d in low)]
+    rest = len(low) - 1
+    if low[0] == high[0]:
+        return [f'"{low[0]}" {tail}' for tail in _digits_between(low[1:], high[1:])]
+    if low[1:] == "0" * rest and high[1:] == "9" * rest:
+        return [f"[{low[0]}-{high[0]}]" + (f" [0-9]{{{rest}}}" if rest else "")]
+    out = [f'"{low[0]}" {tail}' for tail in _digits_between(low[1:], "9" * rest)]
+    if int(high[0]) - int(low[0]) > 1:
+        out.append(f"[{int(low[0]) + 1}-{int(high[0]) - 1}] [0-9]{{{rest}}}")
+    out += [f'"{high[0]}" {tail}' for tail in _digits_between("0" * rest, high[1:])]
+    return out
+
+
+def _naturals_between(low: int, high: int) -> list[str]:
+    """EBNF sequences of the decimal numbers from `low` to `high` (0 <= low <= high), without
+    leading zeros."""
+    out = []
+    for width in range(len(str(low)), len(str(high)) + 1):
+        first, last = max(low, 10 ** (width - 1) if width > 1 else 0), min(high, 10 ** width - 1)
+        if first <= last:
+            out += _digits_between(str(first), str(last))
+    return out
+
+
+def _bound(schema: dict, key: str, exclusive: str, lower: bool):
+    """The schema's integer bound on one side (None: none), from `minimum`/`maximum` and the
+    exclusive form (a number, or draft 4's `true` beside the plain bound)."""
+    def number(value) -> bool:
+        return type(value) in (int, float) and math.isfinite(value)
+
+    found = []
+    for value, strict in ((schema.get(key), schema.get(exclusive) is True), (schema.get(exclusive), True)):
+        if number(value):
+            if lower:
+                found.append(math.floor(value) + 1 if strict else math.ceil(value))
+            else:
+                found.append(math.ceil(value) - 1 if strict else math.floor(value))
+    if not found:
+        return None
+    return max(found) if lower else min(found)
+
+
+def _integer(schema: dict, where: str) -> str:
+    """The EBNF of the integers `schema` allows, within 64 bits. ValueError when none is."""
+    low, high = _bound(schema, "minimum", "exclusiveMinimum", True), _bound(schema, "maximum", "exclusiveMaximum", False)
+    low = _INT64_MIN if low is None else max(low, _INT64_MIN)
+    high = _INT64_MAX if high is None else min(high, _INT64_MAX)
+    if low > high:
+        raise ValueError(f"tools: {where}: no integer is >= {low} and <= {high} (its minimum and maximum)")
+    options = [f'"-" {s}' for s in _naturals_between(max(1, -high), -low)] if low < 0 else []
+    if high >= 0:
+        options += _naturals_between(max(low, 0), high)
+    return "(" + " | ".join(f"({o})" for o in options) + ")"
 
 
 def _scalar_text(value) -> str:
@@ -121,8 +184,8 @@ class _ToolGrammar:
     def untyped_object(self) -> str:
         return f"({_WS} ({self.any_elements()} {_WS})* | {self.free})"
 
-    def value(self, schema, depth: int) -> str:
-        """The element content of one value of `schema`."""
+    def value(self, schema, depth: int, where: str) -> str:
+        """The element content of one value of `schema` (`where`: its path, for errors)."""
         if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
             return self.free
         if "const" in schema:
@@ -131,12 +194,12 @@ class _ToolGrammar:
             return "(" + " | ".join(_literal(_scalar_text(v)) for v in schema["enum"]) + ")"
         for key in ("anyOf", "oneOf"):
             if isinstance(schema.get(key), list) and schema[key]:
-                return "(" + " | ".join(self.value(option, depth + 1) for option in schema[key]) + ")"
+                return "(" + " | ".join(self.value(option, depth + 1, where) for option in schema[key]) + ")"
         kind = schema.get("type")
         if isinstance(kind, list) and kind:
-            return "(" + " | ".join(self.value({**schema, "type": k}, depth + 1) for k in kind) + ")"
+            return "(" + " | ".join(self.value({**schema, "type": k}, depth + 1, where) for k in kind) + ")"
         if kind == "integer":
-            return f"({_INTEGER})"
+            return self.r.add("integer", _integer(schema, where))
         if kind == "number":
             return f"({_NUMBER})"
         if kind == "boolean":
@@ -144,15 +207,15 @@ class _ToolGrammar:
         if kind == "null":
             return '"null"'
         if kind == "object":
-            return self.properties(schema, depth + 1)
+            return self.properties(schema, depth + 1, where)
         if kind == "array" or (kind is None and "items" in schema):
-            item = self.r.add("item", f"{self.tag('<item>')} {self.value(schema.get('items'), depth + 1)} "
+            item = self.r.add("item", f"{self.tag('<item>')} {self.value(schema.get('items'), depth + 1, where + '[]')} "
                                       f"{self.tag('</item>')} {_WS}")
             least = schema.get("minItems")
             return f"({_WS} {item}+)" if isinstance(least, int) and least >= 1 else f"({_WS} {item}*)"
         return self.free
 
-    def properties(self, schema: dict, depth: int) -> str:
+    def properties(self, schema: dict, depth: int, where: str) -> str:
         """An object's properties as elements, in schema order; required ones always."""
         properties = schema.get("properties")
         if not isinstance(properties, dict) or not properties:
@@ -160,13 +223,13 @@ class _ToolGrammar:
         required = schema.get("required") if isinstance(schema.get("required"), list) else []
         parts = []
         for name, sub in properties.items():
-            element = self.r.add("arg", f"{self.tag('<' + name + '>')} {self.value(sub, depth)} "
+            element = self.r.add("arg", f"{self.tag('<' + name + '>')} {self.value(sub, depth, where + '.' + name)} "
                                         f"{self.tag('</' + name + '>')} {_WS}")
             parts.append(element if name in required else element + "?")
         return f"({_WS} {' '.join(parts)})"
 
     def invoke(self, name: str, parameters) -> str:
-        arguments = self.properties(parameters, 1) if isinstance(parameters, dict) else self.untyped_object()
+        arguments = self.properties(parameters, 1, name) if isinstance(parameters, dict) else self.untyped_object()
         header = self.tag(f'<invoke name="{name}">')
         return self.r.add("invoke", f"{header} {arguments} "
                                     f"{self.tag('</invoke>')} {_WS}")

@@ -91,10 +91,10 @@ def parse_constraint(spec: StructuredOutputsParams):
             grammar = xgr.Grammar.from_ebnf(spec.grammar)
     except Exception as e:      # xgrammar's parse errors are RuntimeErrors of several kinds
         detail = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip().splitlines()[0])   # no C++ source path
-        raise ValueError(f"structured_outputs.{_constraint_name(spec)} is not valid: {detail[:300]}") from None
+        raise ValueError(f"{spec.field_name} is not valid: {detail[:300]}") from None
     size = len(str(grammar))
     if size > MAX_GRAMMAR_CHARS:
-        raise ValueError(f"structured_outputs.{_constraint_name(spec)} is too large to compile: its grammar "
+        raise ValueError(f"{spec.field_name} is too large to compile: its grammar "
                          f"has {size} characters, the limit is {MAX_GRAMMAR_CHARS}")
     return grammar
 
@@ -109,10 +109,10 @@ def _compile(spec: StructuredOutputsParams, tokenizer_dir: str, vocab_size: int,
     try:
         grammar = compiler.compile_grammar(grammar)
     except Exception as e:
-        raise ValueError(f"structured_outputs.{_constraint_name(spec)} could not be compiled: "
+        raise ValueError(f"{spec.field_name} could not be compiled: "
                          f"{str(e).strip()[:300]}") from None
     if not _allows_a_first_token(grammar, vocab_size):
-        raise ValueError(f"structured_outputs.{_constraint_name(spec)} matches no output: not even its "
+        raise ValueError(f"{spec.field_name} matches no output: not even its "
                          f"first token can be sampled")
     with _CACHE_LOCK:
         if len(_CACHE) > 256:
@@ -229,12 +229,6 @@ _REGEX_META = frozenset("\\^$.|?*+()[]{}-/")
 def _regex_literal(text: str) -> str:
     """A regex matching exactly `text` in xgrammar's dialect."""
     return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
-
-
-def _constraint_name(spec: StructuredOutputsParams) -> str:
-    """The one constraint field the request set (json, regex, choice, grammar or json_object)."""
-    return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                if getattr(spec, k) not in (None, False))
 
 
 def _allows_a_first_token(grammar, vocab_size: int) -> bool:

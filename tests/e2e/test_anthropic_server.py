@@ -207,6 +207,28 @@ def test_three_turn_tool_loop_keeps_thinking(scripted, scripted_server):
     assert f"{NS}<city>Paris{NS}</city>" in rendered          # tool_use input rendered back
 
 
+def test_tool_loop_takes_back_what_the_server_wrote(scripted, scripted_server):
+    """A tool_use input holding an integer past 64 bits (the model wrote it; no schema bound
+    stops an unconstrained call) goes back verbatim in the next turn, to create and to
+    count_tokens; a tool schema may hold such integers too."""
+    big = 10 ** 80
+    call = CALL.replace("<days>3", f"<days>{big}")
+    tool = {**WEATHER, "input_schema": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer", "maximum": 10 ** 30}}}}
+    client = scripted(call, "Done.")
+    out = client.messages.create(model=MODEL_NAME, max_tokens=300, messages=ASK, tools=[tool])
+    [use] = [b for b in out.content if b.type == "tool_use"]
+    assert use.input == {"city": "Paris", "days": big}
+    messages = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "ok"}]}]
+    again = client.messages.create(model=MODEL_NAME, max_tokens=300, messages=messages, tools=[tool])
+    assert again.content[0].text == "Done."
+    assert client.messages.count_tokens(model=MODEL_NAME, messages=messages, tools=[tool]).input_tokens > 0
+    r = httpx.post(scripted_server.url + "/v1/messages", timeout=30, json={
+        "model": MODEL_NAME, "max_tokens": big, "messages": messages, "tools": [tool]})
+    assert r.status_code == 400 and "max_tokens: integer out of the 64-bit range" in r.json()["error"]["message"]
+
+
 def test_thinking_modes_map_to_the_template(scripted_server):
     def prompt(**extra):
         r = httpx.post(scripted_server.url + "/v1/messages/render", timeout=30,
@@ -353,6 +375,18 @@ HOSTILE = [
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                  "content": [{"type": "image", "source": {}}]}]}]},
      "messages.0.content.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {
+        "type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]}]},
+     "messages.0.content.0.type: 'document' blocks (PDFs, text documents) are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}]},
+     "messages.0.content.0.content.0.type: 'document' blocks (PDFs"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_gone", "content": "x"}]}]},
+     "messages.0.content.0.tool_use_id: no tool_use with id 'toolu_gone' comes before it"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "content": "x"},
+                                                {"type": "tool_result", "tool_use_id": "toolu_b", "content": "y"}]}]},
+     "messages.1.content.1.tool_use_id: no tool_use with id 'toolu_b' comes before it"),
     ({"system": 5}, "system"),
     ({"system": [{"type": "tool_use"}]}, "system.0.type"),
     ({"tools": [{"name": "f", "input_schema": "x"}]}, "tools.0.input_schema"),
@@ -464,6 +498,25 @@ def test_live_stream_start_and_end_split_the_prompt_alike(server):
     assert end["cache_read_input_tokens"] > 0
     for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
         assert start[key] == end[key], (key, start, end)
+
+
+PIXEL = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+
+
+def test_live_text_only_model_refuses_images_in_count_tokens_too(server):
+    """count_tokens answers as create does: an image on a model without a vision tower is a
+    400 naming the block (so is /tokenize with an image part)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, {
+        "type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PIXEL}}]}]
+    client = _live(server)
+    for call in (lambda: client.messages.create(model=MODEL_NAME, max_tokens=5, messages=messages),
+                 lambda: client.messages.count_tokens(model=MODEL_NAME, messages=messages)):
+        with pytest.raises(anthropic.BadRequestError, match="messages.0.content.1: this model is served without "
+                                                            "a vision tower"):
+            call()
+    r = httpx.post(server.url + "/tokenize", timeout=30, json={"model": MODEL_NAME, "messages": [{
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}}]}]})
+    assert r.status_code == 400 and "without a vision tower" in r.json()["error"]["message"], r.text
 
 
 def test_live_max_tokens(server):

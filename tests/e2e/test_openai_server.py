@@ -335,3 +335,35 @@ def test_return_token_ids_streaming_and_not(server, route):
     streamed_prompt = [e.get("prompt_token_ids") or e["choices"][0].get("prompt_token_ids") for e in events]
     assert [p for p in streamed_prompt if p] == [prompt_ids]              # once, in the first chunk
     assert sum((e["choices"][0].get("token_ids") or [] for e in events), []) == whole["choices"][0]["token_ids"]
+
+
+def test_created_is_each_requests_own_time(client):
+    """`created` of a completion or chat completion (and of every chunk of its stream, all
+    alike) is when that request was made, not when the server started."""
+    started = client.models.list().data[0].created
+    while int(time.time()) <= started:          # a second past the start, so the two differ
+        time.sleep(0.05)
+    for stream in (False, True):
+        before = int(time.time())
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3, stream=stream)
+        text = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, stream=stream)
+        after = int(time.time())
+        for out in (chat, text):
+            stamps = {chunk.created for chunk in out} if stream else {out.created}
+            assert len(stamps) == 1, stamps
+            assert before <= stamps.pop() <= after
+
+
+def test_retrieve_model_by_id(client, server):
+    """`client.models.retrieve(id)`: the entry /v1/models lists; an unknown id is a 404 in
+    OpenAI's error shape."""
+    [listed] = client.models.list().data
+    model = client.models.retrieve(MODEL_NAME)
+    assert model.model_dump() == listed.model_dump()
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    r = httpx.get(server.url + "/v1/models/org/some-model", timeout=10)      # ids may hold slashes
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == (404, "model", "NotFoundError")
+    assert "org/some-model" in error["message"]

@@ -1,7 +1,8 @@
 """MiniMax-M3.1's `reasoning_effort` (max, xhigh, high, medium, low) through every API: Chat
 Completions' field (and chat_template_kwargs), Responses' `reasoning.effort`, Anthropic's
 `output_config.effort`, /tokenize; the template writes `<effort>LEVEL</effort>` at the end of the
-system turn; anything else is a 400 naming the field. Prompts are read back from the render
+system turn. Chat's field and Responses' take OpenAI's values (none and minimal too) alike: each
+sets the thinking mode and the level; anything else is a 400 naming the field. Prompts are read back from the render
 endpoints and from what the scripted engine received; one live-server round trip."""
 import httpx
 import pytest
@@ -26,11 +27,12 @@ def _chat_prompt(server, **body) -> str:
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_each_level_is_written_into_the_system_turn(scripted_server, level):
+    opened = "<mm:think>\n" if level in ("max", "xhigh", "high") else ""      # high and above: thinking on
     assert _chat_prompt(scripted_server, reasoning_effort=level) == \
-        f"]~!b[]~b]system\n<effort>{level}</effort>[e~[\n]~b]user\nhi[e~[\n]~b]ai\n"
-    # the same through chat_template_kwargs
+        f"]~!b[]~b]system\n<effort>{level}</effort>[e~[\n]~b]user\nhi[e~[\n]~b]ai\n{opened}"
+    # the level alone through chat_template_kwargs (the thinking mode stays the default)
     assert _chat_prompt(scripted_server, chat_template_kwargs={"reasoning_effort": level}) == \
-        _chat_prompt(scripted_server, reasoning_effort=level)
+        f"]~!b[]~b]system\n<effort>{level}</effort>[e~[\n]~b]user\nhi[e~[\n]~b]ai\n"
 
 
 def test_effort_follows_the_system_message_and_tools(scripted_server):
@@ -49,10 +51,9 @@ def test_effort_follows_the_system_message_and_tools(scripted_server):
 
 
 @pytest.mark.parametrize("body, words, param", [
-    ({"reasoning_effort": "ultra"}, "reasoning_effort must be one of ['max', 'xhigh', 'high', 'medium', 'low']",
+    ({"reasoning_effort": "ultra"},
+     "reasoning_effort must be one of ['none', 'minimal', 'low', 'medium', 'high', 'xhigh', 'max']",
      "reasoning_effort"),
-    ({"reasoning_effort": "minimal"}, "got 'minimal'", "reasoning_effort"),
-    ({"reasoning_effort": "none"}, "got 'none'", "reasoning_effort"),
     ({"reasoning_effort": "HIGH"}, "got 'HIGH'", "reasoning_effort"),
     ({"reasoning_effort": 3}, "reasoning_effort", "reasoning_effort"),
     ({"chat_template_kwargs": {"reasoning_effort": "turbo"}}, "chat_template_kwargs.reasoning_effort must be one of",
@@ -100,6 +101,33 @@ def test_responses_reasoning_effort_maps_to_the_level(scripted_server, effort, t
     else:
         assert f"]~b]system\n{tag}[e~[\n" in prompt
     assert prompt.endswith("]~b]ai\n<mm:think>\n") == opened
+
+
+OPENAI_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+@pytest.mark.parametrize("effort", OPENAI_EFFORTS)
+def test_chat_and_responses_take_the_same_efforts_alike(scripted_server, effort):
+    """OpenAI's values (its SDK's ReasoningEffort) in Chat's `reasoning_effort`, /tokenize's and
+    Responses' `reasoning.effort`: one prompt for one effort (thinking mode and M3.1 level)."""
+    scripted_server.client.script = "Fine."
+    r = _post(scripted_server, "/v1/responses", {"input": "hi", "reasoning": {"effort": effort},
+                                                 "max_output_tokens": 8})
+    assert r.status_code == 200, r.text
+    chat = _chat_prompt(scripted_server, reasoning_effort=effort)
+    assert chat == _received_prompt(scripted_server)
+    r = _post(scripted_server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "reasoning_effort": effort})
+    assert r.status_code == 200, r.text
+    assert _received_prompt(scripted_server) == chat
+    tokens = _post(scripted_server, "/tokenize", {"messages": ASK, "reasoning_effort": effort}).json()["tokens"]
+    assert tokens == scripted_server.client.tokenizer.encode(chat, add_special_tokens=False).ids
+    # an explicit thinking_mode wins over the effort's, in both
+    kwargs = {"thinking_mode": "enabled" if effort in ("none", "minimal") else "disabled"}
+    r = _post(scripted_server, "/v1/responses", {"input": "hi", "reasoning": {"effort": effort},
+                                                 "chat_template_kwargs": kwargs, "max_output_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert _chat_prompt(scripted_server, reasoning_effort=effort, chat_template_kwargs=kwargs) == \
+        _received_prompt(scripted_server)
 
 
 def test_responses_effort_outside_its_levels_is_a_400(scripted_server):
@@ -152,3 +180,16 @@ def test_live_server_generates_with_an_effort(server):
     assert low.json()["usage"]["prompt_tokens"] == base.json()["usage"]["prompt_tokens"] + tag
     bad = chat(reasoning_effort="ultra")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+
+
+@pytest.mark.parametrize("extra", [{"reasoning_effort": "high"}, {"chat_template_kwargs": {"thinking_mode": "enabled"}}])
+def test_chat_structured_output_after_forced_thinking_is_a_400_as_in_responses(scripted_server, extra):
+    """The grammar holds from the first output token: it cannot follow an opened thinking block
+    (Responses' text.format rule, on Chat's response_format too)."""
+    scripted_server.client.script = "{}"
+    body = {"messages": ASK, "max_tokens": 4, "response_format": {"type": "json_object"}}
+    r = _post(scripted_server, "/v1/chat/completions", {**body, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format"
+    assert "cannot follow forced thinking" in r.json()["error"]["message"]
+    assert _post(scripted_server, "/v1/chat/completions", {**body, "reasoning_effort": "low"}).status_code == 200

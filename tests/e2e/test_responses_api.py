@@ -242,6 +242,7 @@ HOSTILE = [
     ({"input": "hi", "tool_choice": "sometimes"}, "tool_choice"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),       # past the context
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

@@ -93,6 +93,30 @@ def test_bad_constraints_are_400(server, fields, words):
     assert chat(server, max_tokens=2).status_code == 200
 
 
+BAD_SCHEMA = {"type": 5}
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"guided_json": BAD_SCHEMA}, "guided_json"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs.json"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+     "response_format.json_schema.schema"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
+     "text.format.schema"),
+])
+def test_a_bad_schema_is_named_by_the_field_the_request_used(server, path, fields, param):
+    body = ({"input": "pick one", "max_output_tokens": 20} if path == "/v1/responses" else
+            {"prompt": "pick one", "max_tokens": 20} if path == "/v1/completions" else
+            {"messages": [{"role": "user", "content": "pick one"}], "max_tokens": 20})
+    r = httpx.post(server.url + path, json={"model": MODEL_NAME, **body, **fields}, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith(f"{param} is not valid"), error
+    assert error["param"] == param.split(".")[0]
+
+
 def test_a_grammar_dead_end_fails_only_its_request(server):
     """A grammar whose first token is allowed and then nothing: that request ends with a 400
     naming the dead end (streamed: an error event), and a request running beside it is served."""

@@ -47,3 +47,33 @@ def test_error_body_shape():
     assert error_body(400, "bad", "n") == {"error": {"message": "bad", "type": "BadRequestError",
                                                      "param": "n", "code": 400}}
     assert error_body(503, "busy")["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_json_check_exempts_free_json_from_the_64_bit_rule():
+    """Tool-call inputs and tool schemas are arbitrary JSON: integers of any size pass there
+    (the model may write them, and clients send them back), and stay refused elsewhere."""
+    from m3serve.serving.anthropic.protocol import MessagesRequest
+    from m3serve.serving.openai.protocol import APIError, TokenizeRequest, check_json
+    from m3serve.serving.openai.responses_protocol import ResponsesRequest
+    big = 10 ** 80
+    anthropic = {"messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {"n": big, "deep": [{"m": [big, -big]}]}}]}],
+        "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"n": {"maximum": big}}}}]}
+    check_json(anthropic, free_json=MessagesRequest.free_json)
+    chat = {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"n": big}}}]}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": big}}}]}
+    check_json(chat, free_json=ChatCompletionRequest.free_json)
+    check_json(chat, free_json=TokenizeRequest.free_json)
+    check_json({"input": [{"type": "function_call", "arguments": {"n": big}}],
+                "tools": [{"type": "function", "parameters": {"maximum": big}}]}, free_json=ResponsesRequest.free_json)
+    for body, free, param in (
+            ({**anthropic, "max_tokens": big}, MessagesRequest.free_json, "max_tokens"),
+            ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "input": big}]}]},
+             (), "messages.0.content.0.input"),
+            ({**chat, "seed": big}, ChatCompletionRequest.free_json, "seed"),
+            ({**chat, "stop_token_ids": [1, big]}, ChatCompletionRequest.free_json, "stop_token_ids.1"),
+            ({"input": [{"type": "function_call", "arguments": {"n": big}}]}, (), "input.0.arguments.n")):
+        with pytest.raises(APIError, match="64-bit") as info:
+            check_json(body, free_json=free)
+        assert info.value.param == param

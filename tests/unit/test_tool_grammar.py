@@ -94,3 +94,54 @@ def test_named_choice_admits_only_one_call_of_that_tool():
     assert not accepts(rendered(("get_weather", {"city": "Rome", "days": 1}), ("get_weather", {"city": "X", "days": 2})),
                        NAMED)
     assert not accepts("", NAMED) and not accepts("")
+
+
+def _integer_grammar(schema, choice=None):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["n"], "properties": {"n": schema}}}}
+    return xgr.Grammar.from_ebnf(tool_call_grammar([tool], choice or "required", "disabled"))
+
+
+def _call_n(text):
+    return f"{NS}<tool_call>\n{NS}<invoke name=\"f\">\n{NS}<n>{text}{NS}</n>\n{NS}</invoke>\n{NS}</tool_call>"
+
+
+@pytest.mark.parametrize("schema,ok,refused", [
+    # no bounds: the 64-bit range (what clients can send back), not any number of digits
+    ({"type": "integer"}, ["0", "-7", str(2**63 - 1), str(-2**63), "1" * 18],
+     [str(2**63), str(-2**63 - 1), "1" * 80, "007", "-0"]),
+    ({"type": "integer", "minimum": 1, "maximum": 10}, ["1", "5", "10"], ["0", "11", "-1", "100"]),
+    ({"type": "integer", "minimum": -3}, ["-3", "0", "999"], ["-4", "-10", "-30"]),
+    ({"type": "integer", "maximum": -20}, ["-20", "-21", "-99999"], ["-19", "0", "20"]),
+    ({"type": "integer", "minimum": 17, "maximum": 2034}, ["17", "99", "100", "999", "2034", "1999"],
+     ["16", "9", "2035", "2100", "3000", "10000"]),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5}, ["1", "4"], ["0", "5"]),
+    ({"type": "integer", "minimum": 0.5, "maximum": 2.5}, ["1", "2"], ["0", "3"]),
+    ({"type": "integer", "minimum": 0, "maximum": 10**30}, ["0", str(2**63 - 1)], ["-1", str(2**63)]),
+    ({"type": ["integer", "null"], "maximum": 3}, ["3", "null"], ["4"]),
+])
+def test_integers_keep_their_bounds_and_64_bits(schema, ok, refused):
+    grammar = _integer_grammar(schema)
+    for text in ok:
+        assert _is_grammar_accept_string(grammar, _call_n(text)), text
+    for text in refused:
+        assert not _is_grammar_accept_string(grammar, _call_n(text)), text
+
+
+def test_numbers_have_bounded_digits():
+    grammar = _integer_grammar({"type": "number"})
+    for text in ("0", "-1.5", "3.25e10", "1" * 18, "12.5E-3"):
+        assert _is_grammar_accept_string(grammar, _call_n(text)), text
+    for text in ("1" * 80, "1e999", "1." + "5" * 80):
+        assert not _is_grammar_accept_string(grammar, _call_n(text)), text
+
+
+def test_integer_bounds_no_integer_meets_are_a_named_error():
+    with pytest.raises(ValueError, match=r"f\.n: no integer is >= 5 and <= 3"):
+        _integer_grammar({"type": "integer", "minimum": 5, "maximum": 3})
+
+
+def test_draft4_exclusive_bounds():
+    grammar = _integer_grammar({"type": "integer", "minimum": 0, "exclusiveMinimum": True,
+                                "maximum": 3, "exclusiveMaximum": True})
+    assert [t for t in ("0", "1", "2", "3") if _is_grammar_accept_string(grammar, _call_n(t))] == ["1", "2"]

@@ -10,10 +10,11 @@ path (`messages.1.content.0.input: ...`). What maps where:
   whose text was left out, `thinking.display: "omitted"`, gets it back from the signature this
   server issued; a block with a foreign signature is taken as given);
   `redacted_thinking` holds no readable text and is skipped; `tool_use` → `tool_calls` (input as
-  the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it);
+  the argument object); each `tool_result` → a `tool` message (text content; `is_error` marks it;
+  its `tool_use_id` must be a tool_use of an earlier assistant turn);
 - `image` blocks of user turns (base64 or url sources) → `image_url` parts in place (the
   prompt's image markers; the pixels are fetched and decoded by the media front);
-- `document` blocks → a 400 (not supported);
+- `document` blocks → a 400 naming the block (documents are not supported, on any model);
 - server tools (a `type` other than `custom`: web search, code execution, ...) → dropped with a
   warning (they run on Anthropic's side);
 - `cache_control` on any block or tool is accepted (prefix caching is automatic);
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 # Claude Code sends roles outside Anthropic's two for context it injects; they are user turns.
 _USER_ROLES = ("user", "ctx", "msg")
-_NOT_YET = ("document",)
 _IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _TOOL_ERROR_PREFIX = "Error: "
 
@@ -77,8 +77,9 @@ def _block_type(block: dict, path: str) -> str:
     kind = block.get("type")
     if not isinstance(kind, str):
         _fail(f"{path}.type", f"must be a string naming the block type, got {_kind(kind)}")
-    if kind in _NOT_YET:
-        _fail(f"{path}.type", f"{kind!r} blocks are not supported by this server yet (vision is not enabled)")
+    if kind == "document":
+        _fail(f"{path}.type", "'document' blocks (PDFs, text documents) are not supported by this server; "
+                              "send the document's text in a text block")
     return kind
 
 
@@ -140,9 +141,10 @@ def _user_content(texts: list) -> str | list:
     return parts
 
 
-def _user_messages(content: list, path: str) -> list[dict]:
+def _user_messages(content: list, path: str, call_ids: set[str]) -> list[dict]:
     """A user turn: runs of text (and images) become user messages, each tool_result a tool
-    message, in order."""
+    message, in order. A tool_result must answer a tool_use of an earlier assistant turn
+    (`call_ids`), as Responses' function_call_output must."""
     out: list[dict] = []
     texts: list = []
     for i, block in enumerate(content):
@@ -157,7 +159,11 @@ def _user_messages(content: list, path: str) -> list[dict]:
             if texts:
                 out.append({"role": "user", "content": _user_content(texts)})
                 texts = []
-            out.append(_tool_result(block, where))
+            result = _tool_result(block, where)
+            if result["tool_call_id"] not in call_ids:
+                _fail(f"{where}.tool_use_id", f"no tool_use with id {result['tool_call_id']!r} comes before it "
+                                              "(a tool_result answers a tool_use of an earlier assistant turn)")
+            out.append(result)
         else:
             _fail(f"{where}.type", f"{kind!r} is not a user content block (expected text, image or tool_result)")
     if texts or not out:
@@ -201,7 +207,7 @@ def _assistant_message(content: list, path: str, signer: ReasoningSigner) -> dic
 
 def messages_of(system, messages: list, signer: ReasoningSigner) -> list[dict]:
     """The chat messages of `system` plus Anthropic `messages`."""
-    out = []
+    out, call_ids = [], set()
     if system is not None:
         text = _texts(system, "system")
         if text:
@@ -223,8 +229,9 @@ def messages_of(system, messages: list, signer: ReasoningSigner) -> list[dict]:
             _fail(f"{path}.content", f"must be a string or a list of content blocks, got {_kind(content)}")
         if role == "assistant":
             out.append(_assistant_message(content, f"{path}.content", signer))
+            call_ids.update(call["id"] for call in out[-1].get("tool_calls", ()))
         else:
-            out.extend(_user_messages(content, f"{path}.content"))
+            out.extend(_user_messages(content, f"{path}.content", call_ids))
     return out
 
 

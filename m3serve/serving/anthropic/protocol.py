@@ -8,7 +8,7 @@ accepted and logged at debug level.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +39,10 @@ NOT_APPLICABLE = ("service_tier", "container", "mcp_servers", "betas",
 
 class CountTokensRequest(_Body):
     """`POST /v1/messages/count_tokens`: what the prompt of a Messages request would hold."""
+
+    # check_json's paths of arbitrary JSON: tool_use inputs (a tool loop sends back what the
+    # model wrote, integers of any size included) and tool schemas
+    free_json: ClassVar[tuple] = (("messages", "*", "content", "*", "input"), ("tools", "*", "input_schema"))
 
     model: str = Field(min_length=1)
     messages: list[Any] = Field(min_length=1)

@@ -4,6 +4,7 @@ as SSE deltas or returned as one message, with `reasoning_content` (and `reasoni
 """
 from __future__ import annotations
 
+import time
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -127,6 +128,7 @@ def render_request(ctx: ServerContext, request: ChatCompletionRequest):
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, arrival_time: float,
                                  is_disconnected):
+    created = int(time.time())      # the response's (and each of its chunks')
     ctx.check_model(request.model)
     if request.top_logprobs is not None and not request.logprobs:
         raise ValueError("top_logprobs requires logprobs to be true")
@@ -138,12 +140,19 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
         ids, mm_inputs = await ctx.media.prepare(request.messages, ids, request.mm_processor_kwargs)
     if request.max_completion_tokens is not None and request.max_tokens is not None and request.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")   # checked though unused
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    max_tokens = ctx.engine.resolve_max_tokens(len(ids), max_tokens)
+    field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = ctx.engine.resolve_max_tokens(len(ids), getattr(request, field), field)
     k = (request.top_logprobs or 0) if request.logprobs else None
     params = request.sampling_params(max_tokens, k, ctx.engine.sampling_defaults)
     ctx.engine.check_fan_out(1, request.n)
-    if use_tools and tool_choice != "auto":
+    forced_tools = use_tools and tool_choice != "auto"
+    if params.structured_outputs is not None and not forced_tools and kwargs.get("thinking_mode") == "enabled":
+        # the grammar holds from the first output token: the opened thinking block would hold
+        # the constrained output and the answer would be empty (Responses' text.format rule)
+        raise ValueError(f"{params.structured_outputs.field_name}: a structured output cannot follow forced "
+                         f"thinking (thinking_mode enabled); use reasoning_effort none, minimal, low or medium, "
+                         f"or chat_template_kwargs.thinking_mode adaptive")
+    if forced_tools:
         # "required" / named: the output is constrained to the model's tool-call markup (this
         # replaces any response_format, as in vLLM); the tool parser reads it back as usual.
         params.structured_outputs = StructuredOutputsParams(
@@ -154,7 +163,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
                                                 request.cache_salt, kv, mm_inputs=mm_inputs)])
     choices = [_Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
                for _ in range(request.n)]
-    header = {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name}
+    header = {"id": request_id, "object": "chat.completion", "created": created, "model": ctx.model_name}
     if request.stream:
         return StreamingResponse(_stream({**header, "object": "chat.completion.chunk"}, request, stream, choices,
                                          ctx.stream_interval, ids),

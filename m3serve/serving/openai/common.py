@@ -37,7 +37,7 @@ class ServerContext:
     stream_interval: int = 1        # a streamed chunk waits for this many new tokens (--stream-interval)
     media: object = None            # serving.media_front.MediaFront: images and video in messages
     signer: ReasoningSigner = field(default_factory=ReasoningSigner)   # reasoning that travels via clients
-    created: int = field(default_factory=lambda: int(time.time()))
+    created: int = field(default_factory=lambda: int(time.time()))    # the model's `created` (/v1/models)
 
     def check_model(self, model: str | None) -> None:
         """A request naming another model is a 404, as in vLLM and OpenAI."""

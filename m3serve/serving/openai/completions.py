@@ -3,6 +3,7 @@ streamed as SSE chunks or returned whole, with OpenAI-shaped logprobs and usage.
 """
 from __future__ import annotations
 
+import time
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -83,6 +84,7 @@ def _joined(first: dict, second: dict) -> dict:
 
 async def create_completion(ctx: ServerContext, request: CompletionRequest, arrival_time: float,
                             is_disconnected):
+    created = int(time.time())      # the response's (and each of its chunks')
     ctx.check_model(request.model)
     if request.echo and request.logprobs is not None and request.kv_transfer_params is not None:
         raise ValueError("echo with logprobs needs the prompt computed here: not with kv_transfer_params")
@@ -106,7 +108,7 @@ async def create_completion(ctx: ServerContext, request: CompletionRequest, arri
                                            request.cache_salt, kv))
     ctx.engine.check_fan_out(len(prompts), request.n)     # after the params' own checks (n's range)
     streams = await admit(streams)
-    header = {"id": request_id, "object": "text_completion", "created": ctx.created,
+    header = {"id": request_id, "object": "text_completion", "created": created,
               "model": ctx.model_name}
     if request.stream:
         return StreamingResponse(_stream(ctx, header, request, streams, echoed),

@@ -87,9 +87,11 @@ class ServingEngine:
         if bad is not None:
             raise ValueError(f"{field} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})")
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int | None:
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None,
+                           field: str = "max_tokens") -> int | None:
         """The request's max_tokens within the context (None -> fill the context); ValueError
-        when the prompt, or the prompt plus max_tokens, does not fit."""
+        when the prompt, or the prompt plus max_tokens, does not fit (naming `field`, the
+        request's name of max_tokens)."""
         limit = self.max_total_tokens
         if num_prompt_tokens == 0:
             raise ValueError("prompt is empty: it must hold at least one token")
@@ -102,7 +104,7 @@ class ServingEngine:
             return min(limit - num_prompt_tokens, self.sampling_defaults.get("max_tokens", limit))
         if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:
             raise ValueError(
-                f"max_tokens is too large: {max_tokens} + {num_prompt_tokens} prompt tokens exceed "
+                f"{field} is too large: {max_tokens} + {num_prompt_tokens} prompt tokens exceed "
                 f"this model's maximum context length of {limit} tokens")
         return max_tokens
 

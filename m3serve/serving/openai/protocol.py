@@ -7,7 +7,7 @@ Types are checked here (a wrong type is a 400 naming the field); value ranges ar
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -51,19 +51,27 @@ def _check_int(value: int, where: tuple) -> None:
         raise APIError(400, f"{path}: integer out of the 64-bit range", path or None)
 
 
-def check_json(data, max_depth: int = MAX_JSON_DEPTH) -> None:
+def _is_free(where: tuple, free_json: tuple) -> bool:
+    return any(len(pattern) == len(where) and all(p == "*" or p == w for p, w in zip(pattern, where))
+               for pattern in free_json)
+
+
+def check_json(data, max_depth: int = MAX_JSON_DEPTH, free_json: tuple = ()) -> None:
     """Refuse what no field may hold, before the models see it (each a 400 naming its path):
     nesting deeper than `max_depth`, strings with unpaired UTF-16 surrogates (they cannot be
-    encoded back), integers outside 64 bits. Paths are spelled only for the error; a list of
-    plain integers (token ids) is checked at C speed."""
-    stack = [(data, (), 0)]
+    encoded back), integers outside 64 bits. `free_json`: paths ("*" for any key or index) of
+    arbitrary JSON (tool-call inputs and arguments, tool schemas), where integers of any size
+    pass: the model writes them and clients send them back. Paths are spelled only for the
+    error; a list of plain integers (token ids) is checked at C speed."""
+    stack = [(data, (), 0, False)]
     while stack:
-        value, where, depth = stack.pop()
+        value, where, depth, free = stack.pop()
         kind = type(value)
         if kind is str:
             _check_text(value, where, "contains")
         elif kind is int:
-            _check_int(value, where)
+            if not free:
+                _check_int(value, where)
         elif kind is list or kind is dict:
             if depth >= max_depth:
                 path = _path(where)
@@ -71,13 +79,20 @@ def check_json(data, max_depth: int = MAX_JSON_DEPTH) -> None:
             if kind is dict:
                 for key, item in value.items():
                     _check_text(key, where, "a key contains")
-                    stack.append((item, where + (key,), depth + 1))
+                    inner = where + (key,)
+                    stack.append((item, inner, depth + 1, free or (bool(free_json) and _is_free(inner, free_json))))
             elif value and all(type(v) is int for v in value):
-                if min(value) < -_INT64 or max(value) >= _INT64:
+                if not free and (min(value) < -_INT64 or max(value) >= _INT64):
                     index = next(i for i, v in enumerate(value) if not -_INT64 <= v < _INT64)
                     _check_int(value[index], where + (index,))
             else:
-                stack.extend((item, where + (i,), depth + 1) for i, item in enumerate(value))
+                stack.extend((item, where + (i,), depth + 1, free) for i, item in enumerate(value))
+
+
+# Paths of arbitrary JSON in chat-form requests (check_json's `free_json`): tool-call arguments
+# given as objects, and tool schemas.
+CHAT_FREE_JSON = (("messages", "*", "tool_calls", "*", "function", "arguments"),
+                  ("tools", "*", "function", "parameters"))
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -154,6 +169,7 @@ class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions (OpenAI names plus vLLM extras)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    free_json: ClassVar[tuple] = ()                 # check_json's: paths of arbitrary JSON
 
     model: str | None = None
     n: int = 1
@@ -196,16 +212,18 @@ class _SamplingRequest(_Strict):
                 raise ValueError("response_format.type is required: text, json_object or json_schema")
             kind = fmt["type"]
             if kind == "json_object":
-                given["response_format"] = {"json_object": True}
+                given["response_format"] = {"json_object": True, "source": "response_format"}
             elif kind == "json_schema":
                 spec = fmt.get("json_schema")
                 schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise ValueError("response_format.json_schema.schema is required: a JSON schema object")
-                given["response_format"] = {"json": schema}
+                given["response_format"] = {"json": schema, "source": "response_format.json_schema.schema"}
             elif kind != "text":
                 raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
         if self.structured_outputs is not None:
+            if "source" in self.structured_outputs:
+                raise ValueError("structured_outputs: unexpected key 'source'")
             given["structured_outputs"] = dict(self.structured_outputs)
         for name, field in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
                             ("grammar", "guided_grammar")):
@@ -213,7 +231,7 @@ class _SamplingRequest(_Strict):
             # which a memory-growth check would read as growth
             value = getattr(self, field)
             if value is not None:
-                given[field] = {name: value}
+                given[field] = {name: value, "source": field}
         if not given:
             return None
         if len(given) > 1:
@@ -272,6 +290,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    free_json: ClassVar[tuple] = CHAT_FREE_JSON
     messages: list[dict[str, Any]] = Field(min_length=1)
     mm_processor_kwargs: dict[str, Any] | None = None   # per-request image / video processor options
     max_tokens: int | None = None
@@ -283,8 +302,8 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    # MiniMax-M3.1's level (max, xhigh, high, medium, low), given to the chat template as
-    # `reasoning_effort`; checked when the prompt is rendered
+    # OpenAI's effort (none, minimal, low, medium, high, xhigh, max): M3's thinking_mode, and
+    # for low..max MiniMax-M3.1's level (chat_template.template_kwargs); checked when rendered
     reasoning_effort: str | None = None
 
 
@@ -292,6 +311,7 @@ class TokenizeRequest(_Strict):
     """`/tokenize`: a prompt, or chat messages rendered with the chat template."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    free_json: ClassVar[tuple] = CHAT_FREE_JSON
 
     model: str | None = None
     prompt: str | None = None

@@ -18,11 +18,11 @@ from pydantic import ValidationError
 
 from m3serve.core.errors import EngineDeadError, RequestFailed
 from m3serve.sampling_params import StructuredOutputsParams
-from m3serve.serving.chat_template import REASONING_EFFORTS
+from m3serve.serving.chat_template import EFFORT_TO_THINKING_MODE, REASONING_EFFORTS
 from m3serve.serving.openai.chat import _Choice, render_request
 from m3serve.serving.openai.common import ServerContext, admit, collect, internal_error, merge
 from m3serve.serving.openai.protocol import APIError, ChatCompletionRequest, validation_message
-from m3serve.serving.openai.responses_input import (EFFORT_TO_THINKING_MODE, ResponseStore,
+from m3serve.serving.openai.responses_input import (ResponseStore,
                                                     chat_tool_choice, chat_tools, input_messages,
                                                     output_messages, response_format)
 from m3serve.serving.openai.responses_protocol import KNOWN_INCLUDES, ResponsesRequest
@@ -251,8 +251,11 @@ class ResponsesAPI:
         mm_inputs = None
         if ctx.media is not None:
             ids, mm_inputs = await ctx.media.prepare(chat.messages, ids)
-        max_tokens = ctx.engine.resolve_max_tokens(len(ids), chat.max_tokens)
+        max_tokens = ctx.engine.resolve_max_tokens(len(ids), chat.max_tokens, "max_output_tokens")
         params = chat.sampling_params(max_tokens, None, ctx.engine.sampling_defaults)
+        if params.structured_outputs is not None:       # errors name the field this request used
+            params.structured_outputs.source = ("text.format.schema" if params.structured_outputs.json is not None
+                                                else "text.format")
         if use_tools and tool_choice != "auto":
             params.structured_outputs = StructuredOutputsParams(
                 grammar=tool_call_grammar(tools, tool_choice, kwargs.get("thinking_mode")))

@@ -19,12 +19,6 @@ from m3serve.serving.signing import ReasoningSigner
 
 logger = logging.getLogger(__name__)
 
-# reasoning.effort -> M3's chat-template thinking_mode. M3 has no graded effort: the lowest
-# levels turn thinking off, the middle ones let the model decide (M3's own default), the highest
-# ones always think.
-EFFORT_TO_THINKING_MODE = {"none": "disabled", "minimal": "disabled", "low": "adaptive", "medium": "adaptive",
-                           "high": "enabled", "xhigh": "enabled", "max": "enabled"}
-
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")

@@ -6,7 +6,7 @@ Only the top level is typed here (a wrong type is a 400 naming the field); `inpu
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,6 +35,9 @@ class TextConfig(_Strict):
 class ResponsesRequest(_Strict):
     """OpenAI's fields, plus vLLM's extras that m3serve's chat endpoint also takes
     (top_k, seed, chat_template_kwargs, cache_salt)."""
+
+    # check_json's paths of arbitrary JSON: function-call arguments and tool schemas
+    free_json: ClassVar[tuple] = (("input", "*", "arguments"), ("tools", "*", "parameters"))
 
     model: str | None = None
     input: str | list[Any] | None = None

@@ -1,16 +1,24 @@
-"""`GET /v1/models`, `POST /tokenize` and `POST /detokenize` (vLLM's shapes)."""
+"""`GET /v1/models` (and `/v1/models/{id}`), `POST /tokenize` and `POST /detokenize` (vLLM's shapes)."""
 from __future__ import annotations
 
 from m3serve.serving.chat_template import render_chat, template_kwargs
 from m3serve.serving.openai.common import ServerContext
 from m3serve.version import package_version
-from m3serve.serving.openai.protocol import DetokenizeRequest, TokenizeRequest
+from m3serve.serving.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest
 
 
 def list_models(ctx: ServerContext) -> dict:
     return {"object": "list", "data": [{
         "id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "m3serve",
         "root": ctx.model_root, "parent": None, "max_model_len": ctx.engine.max_model_len}]}
+
+
+def retrieve_model(ctx: ServerContext, model_id: str) -> dict:
+    """`GET /v1/models/{id}`: the entry of /v1/models with that id; APIError 404 for another."""
+    for model in list_models(ctx)["data"]:
+        if model["id"] == model_id:
+            return model
+    raise APIError(404, f"The model `{model_id}` does not exist.", "model")
 
 
 def tokenize(ctx: ServerContext, request: TokenizeRequest) -> dict:
