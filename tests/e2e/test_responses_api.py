@@ -109,6 +109,12 @@ def test_namespace_tools_are_flattened_and_hosted_tools_dropped(scripted, respon
              {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"}]
     second = client.responses.create(model=MODEL_NAME, input=items, tools=CODEX_TOOLS)
     assert "22 C" in last_prompt(responses_server) and second.output_text == "It is sunny in Paris."
+    # a member's schema is arbitrary JSON, as a function's is: no 64-bit rule inside it
+    huge = [{**CODEX_TOOLS[0], "tools": [{"type": "function", "name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 10 ** 30}}}}]}]
+    r = httpx.post(responses_server.url + "/v1/responses", timeout=30,
+                   json={"model": MODEL_NAME, "input": "count", "tools": huge})
+    assert r.status_code == 200, r.text
 
 
 def test_reasoning_summary_is_streamed_when_asked(scripted):

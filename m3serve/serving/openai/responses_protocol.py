@@ -37,7 +37,8 @@ class ResponsesRequest(_Strict):
     (top_k, seed, chat_template_kwargs, cache_salt)."""
 
     # check_json's paths of arbitrary JSON: function-call arguments and tool schemas
-    free_json: ClassVar[tuple] = (("input", "*", "arguments"), ("tools", "*", "parameters"))
+    free_json: ClassVar[tuple] = (("input", "*", "arguments"), ("tools", "*", "parameters"),
+                                  ("tools", "*", "tools", "*", "parameters"))     # namespace members
 
     model: str | None = None
     input: str | list[Any] | None = None
