@@ -35,6 +35,18 @@ def debug_tracemalloc_frames() -> int:
 # (serving/steer.py), for end-to-end tests of real agent clients against random weights.
 TEST_STEER = os.environ.get("M3SERVE_TEST_STEER") or None
 
+def cpu_exact_positions() -> int:
+    """M3SERVE_CPU_EXACT_POSITIONS (default 4096): on CPU, attention and the MSA top-k of query
+    tokens at positions below this run in fp64, bit-identical to the reference ops; from it on,
+    in fp32 (flash attention, fp32 index scores), the speed long prompts need."""
+    value = os.environ.get("M3SERVE_CPU_EXACT_POSITIONS", "4096") or "4096"
+    if not value.isdigit():
+        raise ValueError(f"M3SERVE_CPU_EXACT_POSITIONS must be a token position (>= 0), got {value!r}")
+    return int(value)
+
+
+CPU_EXACT_POSITIONS = cpu_exact_positions()
+
 # Where the embedded tiny model is built.
 CACHE_DIR = os.environ.get("M3SERVE_CACHE", str(Path.home() / ".cache" / "m3serve"))
 

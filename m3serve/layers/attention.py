@@ -1,6 +1,6 @@
 """The attention module of MiniMax-M3 (dense layers and MSA sparse layers: indexer selection +
 block-restricted attention) over the paged caches; per call `layers/dispatch.py` picks the Triton
-kernels or their PyTorch references (`kernels/ref/`, the CPU path: one reference per op).
+kernels, the CPU path (`layers/cpu_attention.py`) or the PyTorch references (`kernels/ref/`).
 
 Cache layouts (one block = one page of `block_size` tokens, block ids shared by both groups):
   main cache  kv_cache    [2, num_blocks, block_size, num_kv_heads, head_dim]  (K plane, V plane)
@@ -19,7 +19,8 @@ from m3serve.kernels.ref.indexer import index_topk_ref
 from m3serve.kernels.ref.paged_attention import paged_attention_ref
 from m3serve.layers import probes
 from m3serve.layers.attention_metadata import AttentionMetadata, write_cache_ref
-from m3serve.layers.dispatch import use_triton
+from m3serve.layers.cpu_attention import attention_cpu, index_topk_cpu
+from m3serve.layers.dispatch import select
 from m3serve.layers.linear import QKVParallelLinear, RowParallelLinear, kv_head_range
 from m3serve.layers.norm import RMSNorm, gemma_rms_norm
 from m3serve.layers.rotary import apply_rotary
@@ -59,13 +60,16 @@ class Attention(nn.Module):
         q = parts[0].view(T, self.num_heads, D)
         k = parts[1].view(T, self.num_kv_heads, D)
         v = parts[2].view(T, self.num_kv_heads, D)
-        if use_triton("attention", x):
+        path = select("attention", x, has_cpu_path=True)
+        if path == "triton":
             o = self._forward_triton(q, k, v, parts, cos, sin, meta)
         else:
-            o = self._forward_reference(q, k, v, parts, cos, sin, meta)
+            o = self._forward_reference(q, k, v, parts, cos, sin, meta, cpu_path=path == "cpu")
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
-    def _forward_reference(self, q, k, v, parts, cos, sin, meta):
+    def _forward_reference(self, q, k, v, parts, cos, sin, meta, cpu_path: bool = False):
+        """The reference ops, or with `cpu_path` the CPU path of the attention and top-k ops
+        (`layers/cpu_attention.py`, the same results)."""
         eps = self.cfg.rms_norm_eps
         q = apply_rotary(gemma_rms_norm(q, self.q_norm.weight, eps), cos, sin)
         k = apply_rotary(gemma_rms_norm(k, self.k_norm.weight, eps), cos, sin)
@@ -73,9 +77,12 @@ class Attention(nn.Module):
         write_cache_ref(self.kv_cache[1], v, meta.slot_mapping, self.v_scale)
         block_ids = None
         if self.is_sparse:
-            block_ids = self.indexer(parts[3], parts[4], cos, sin, self.index_cache, meta)
+            block_ids = self.indexer(parts[3], parts[4], cos, sin, self.index_cache, meta, cpu_path)
             if probes.active is not None:
                 probes.active.record(probes.SPARSE_BLOCKS, self.layer_id, block_ids)
+        if cpu_path:
+            return attention_cpu(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                 self.scale, block_ids=block_ids, k_scale=self.k_scale, v_scale=self.v_scale)
         return paged_attention_ref(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                    self.scale, block_ids=block_ids, max_query_len=meta.max_query_len,
                                    max_seq_len=meta.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale)
@@ -121,12 +128,17 @@ class Indexer(nn.Module):
         self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(self, iq: torch.Tensor, ik: torch.Tensor, cos, sin, index_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """iq: [T, Hi_local * Di]; ik: [T, Di] -> block ids [T, Hi_local, topk] int32 (-1 padded)."""
+                meta: AttentionMetadata, cpu_path: bool = False) -> torch.Tensor:
+        """iq: [T, Hi_local * Di]; ik: [T, Di] -> block ids [T, Hi_local, topk] int32 (-1 padded);
+        the top-k by its reference, or with `cpu_path` by the CPU path."""
         cfg, T, Di = self.cfg, iq.shape[0], self.cfg.index_head_dim
         iq = apply_rotary(gemma_rms_norm(iq.view(T, -1, Di), self.q_norm.weight, cfg.rms_norm_eps), cos, sin)
         ik = apply_rotary(gemma_rms_norm(ik.view(T, 1, Di), self.k_norm.weight, cfg.rms_norm_eps), cos, sin)
         write_cache_ref(index_cache, ik[:, 0], meta.slot_mapping)
+        if cpu_path:
+            return index_topk_cpu(iq, index_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                  block_size=meta.block_size, topk=cfg.index_topk_blocks,
+                                  local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks)
         return index_topk_ref(iq, index_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                               block_size=meta.block_size, topk=cfg.index_topk_blocks,
                               local_blocks=cfg.index_local_blocks, init_blocks=cfg.index_init_blocks,

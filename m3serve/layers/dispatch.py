@@ -1,8 +1,12 @@
-"""The one place that decides, per op, between a Triton kernel and its PyTorch reference, and
-records which path actually ran (configured != eligible != executed).
+"""The one place that decides, per op, between a Triton kernel, its PyTorch reference and (for
+the ops that have one) a CPU path, and records which path actually ran (configured != eligible
+!= executed).
 
-Triton runs on CUDA tensors unless M3SERVE_FORCE_REFERENCE_OPS=1; the reference ops run on CPU.
-`executed` counts (op, path) pairs as Python runs them (CUDA-graph replays are not recounted).
+Triton runs on CUDA tensors unless M3SERVE_FORCE_REFERENCE_OPS=1; on CPU an op's CPU path runs
+(`layers/cpu_attention.py`: the reference's fp64 math without the work that cannot change a
+result), else its reference. M3SERVE_FORCE_REFERENCE_OPS=1 or `reference_ops()` runs the
+references everywhere. `executed` counts (op, path) pairs as Python runs them (CUDA-graph
+replays are not recounted).
 """
 from __future__ import annotations
 
@@ -28,10 +32,21 @@ def reference_ops():
         _forced_reference = before
 
 
+def select(op: str, x: torch.Tensor, has_cpu_path: bool = False) -> str:
+    """The path `op` takes on `x`'s device: "triton", "cpu" (only where `has_cpu_path`) or
+    "reference"; recorded in `executed`."""
+    if envs.FORCE_REFERENCE_OPS or _forced_reference:
+        path = "reference"
+    elif x.is_cuda:
+        path = "triton"
+    else:
+        path = "cpu" if has_cpu_path and x.device.type == "cpu" else "reference"
+    executed[(op, path)] += 1
+    return path
+
+
 def use_triton(op: str, x: torch.Tensor) -> bool:
-    triton_ok = x.is_cuda and not envs.FORCE_REFERENCE_OPS and not _forced_reference
-    executed[(op, "triton" if triton_ok else "reference")] += 1
-    return triton_ok
+    return select(op, x) == "triton"
 
 
 def summary() -> dict[str, str]:

@@ -35,7 +35,7 @@ def tiny_config_dict(vocab_size: int = TINY_VOCAB, bos_token_id: int | None = No
         "hidden_size": 64, "intermediate_size": 32, "dense_intermediate_size": 96,
         "shared_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": vocab_size,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "use_gemma_norm": True,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "use_gemma_norm": True,
         "attention_output_gate": False, "use_qk_norm": True, "qk_norm_type": "per_head",
         "rope_theta": 5000000, "rotary_dim": 16, "partial_rotary_factor": 0.5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},

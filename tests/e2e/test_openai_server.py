@@ -41,7 +41,7 @@ def _offline_text(offline, prompt, **params) -> tuple[str, str]:
 def test_models_lists_the_served_name(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
-    assert models[0].model_extra["max_model_len"] == 4096
+    assert models[0].model_extra["max_model_len"] == 131072
 
 
 def test_greedy_completion_equals_offline_llm(client, offline):

@@ -44,7 +44,7 @@ BAD_REQUESTS = [
     (C, {"prompt": "hi", "echo": True, "logprobs": 1, "kv_transfer_params": {"do_remote_decode": True}}, 400,
      "echo with logprobs needs the prompt computed here", "echo"),
     (C, {"prompt": ""}, 400, "prompt is empty", "prompt"),
-    (C, {"prompt": [1] * 5000}, 400, "prompt is too long", "prompt"),
+    (C, {"prompt": [1] * 131_072}, 400, "prompt is too long", "prompt"),
     (C, {"prompt": [999999]}, 400, "outside the vocabulary", "prompt"),
     (C, {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4", "model"),
     (CH, {"messages": []}, 400, "messages", "messages"),

@@ -159,7 +159,7 @@ def test_warm_up_forwards_touch_only_the_null_page(engines):
     assert all(sum(q) <= 300 for q, _ in shapes)
     regime = min(16 * cfg.num_local_experts // cfg.num_experts_per_tok, 300)
     assert ([regime], [regime]) in shapes
-    context = runner.buffers.max_blocks * runner.block_size            # 4096 for the tiny model
+    context = runner.buffers.max_blocks * runner.block_size            # 131072 for the tiny model
     assert ([16], [context]) in shapes                                 # a wider top-k bucket
     runner.warm_up(shapes)
     assert all(torch.equal(a, b) for a, b in zip(before, blocks))

@@ -13,7 +13,7 @@ from m3serve.model.tiny import make_tiny
 # sha256 of make_tiny(dir, seed=0). Change them only on purpose: a new value is a new default model.
 PINNED = {
     "chat_template.jinja": "57462af8001049cbda3dd9f8bc0cda648465304d7d104865fbdb51ec1a026407",
-    "config.json": "53b6c5264a741be1afd9f68550c94a4a102c86eb539ec7af934db5b4aa2ba93c",
+    "config.json": "1242e34bf67cee16a6f6ba6ae47517f8a9d55831a2822f26c8ef471e924bb833",
     "generation_config.json": "5aba2b1670757fe92c8875bf2ba18e681feec405dcf77226f7f9c086075489b2",
     "model.safetensors": "ac48e1d1b6f1cb04d97f8ed189924ec52fa25a41cf7b423b226447764e2f3208",
     "tokenizer.json": "bf0aef49926c0c27267b63a9f4e4df3518d22119dc1fa0ff54c2edf7ea4cf6ed",
