@@ -40,6 +40,21 @@ def _timed(fn, device, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def _profile(encoder, item, device) -> None:
+    """Print the operators and kernels of one forward, by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    pv = item.pixel_values.to(device)
+    for _ in range(2):
+        encoder(pv, item.grids)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        encoder(pv, item.grids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30))
+
+
 def main(argv=None) -> None:
     from m3serve.model.known_configs import __path__ as known
     from m3serve.model.vision import VisionEncoder, parse_vision_config
@@ -48,6 +63,8 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the report: torch.profiler's table of one 672² forward (batch 1)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     raw = json.loads((__import__("pathlib").Path(known[0]) / "MiniMax-M3.json").read_text())
@@ -59,6 +76,9 @@ def main(argv=None) -> None:
     fast.load_state_dict(ref.state_dict())
     ref, fast = ref.to(device).eval(), fast.to(device).eval()
     rng = np.random.default_rng(0)
+    if args.profile:
+        _profile(fast, preprocess_image(rng.integers(0, 256, (672, 672, 3), dtype=np.uint8)), device)
+        return
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "layers": args.layers, "params": sum(p.numel() for p in ref.parameters())}
     for name, (w, h) in {"672x672": (672, 672), "1920x1080": (1920, 1080)}.items():
