@@ -1,11 +1,16 @@
-"""Test helpers for the media fetcher's network rules: a guard that keeps this process off every
+"""Network helpers of the media-fetch and TLS tests: a guard that keeps this process off every
 network but loopback (connects elsewhere are recorded and refused before any packet; name
-lookups other than `localhost` and literals are answered from a table, never from DNS), and a
-loopback HTTP listener that counts the connections it accepts."""
+lookups other than `localhost` and literals are answered from a table, never from DNS), a
+loopback HTTP listener that counts the connections it accepts, and self-signed certificates."""
 import http.server
 import ipaddress
+import shutil
 import socket
+import subprocess
 import threading
+from pathlib import Path
+
+import pytest
 
 _real_connect = socket.socket.connect
 _real_connect_ex = socket.socket.connect_ex
@@ -148,3 +153,16 @@ class CountingListener:
         for s in self.servers:
             s.shutdown()
             s.server_close()
+
+
+def self_signed(directory: Path, name: str, ip: str | None = None) -> tuple[Path, Path]:
+    """(certificate, key) PEM files for DNS name `name` (and `ip`), self-signed so that the
+    certificate is its own CA; made with the openssl command (skips the test without it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    key, cert = directory / f"{name}.key", directory / f"{name}.pem"
+    alt = f"DNS:{name}" + (f",IP:{ip}" if ip else "")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "2", "-subj", f"/CN={name}", "-addext", f"subjectAltName={alt}",
+                    "-addext", "basicConstraints=critical,CA:TRUE"], check=True, capture_output=True)
+    return cert, key

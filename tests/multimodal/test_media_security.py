@@ -18,7 +18,7 @@ from m3serve.multimodal.media import MediaPolicy, decode_video, load_bytes
 from m3serve.multimodal.parts import check_upscale
 from m3serve.multimodal.processor import ProcessorOptions
 from media_samples import png_bytes
-from netguard import CountingListener, NetGuard
+from netguard import CountingListener, NetGuard, self_signed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGE = png_bytes(32, 24)
@@ -182,26 +182,13 @@ def test_redirects_are_not_followed(guard):
         target.close()
 
 
-def _self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
-    """A certificate for DNS name `name` (its own CA) and its key, made with the openssl CLI."""
-    import shutil
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command")
-    key, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(cert), "-days", "2", "-subj", f"/CN={name}", "-addext",
-                    f"subjectAltName=DNS:{name}", "-addext", "basicConstraints=critical,CA:TRUE"],
-                   check=True, capture_output=True)
-    return cert, key
-
-
 def test_https_keeps_the_hostname_for_sni_and_certificate(guard, tmp_path, monkeypatch):
     """Connected to the checked IP, TLS still names the URL's host: the server sees SNI
     media.test and the certificate for media.test verifies; the same server by IP does not."""
     import http.server
     import ssl
     import threading
-    cert, key = _self_signed(tmp_path, "media.test")
+    cert, key = self_signed(tmp_path, "media.test")
     seen = []
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key)
