@@ -1,11 +1,12 @@
 """Media references of chat messages -> decoded pixels, within bounded bytes, pixels and time.
 
-A reference is a `data:` URL (base64), an `http(s)://` URL (fetched with a size cap, a timeout, a
-content-type check and an optional domain allow-list), or a `file://` URL under the one local
-directory the server allows. Images decode with Pillow (an optional dependency) after their
-header passes the pixel bound, so a decompression bomb is refused before it is expanded; videos
-decode with PyAV (optional). Every failure is a ValueError saying what was wrong; callers prefix
-where the part was (`messages[0].content[1]`).
+A reference is a `data:` URL (base64), an `http(s)://` URL (fetched by `fetch.py`: public
+addresses only unless opted in, a size cap, a timeout, a content-type check and an optional
+domain allow-list), or a `file://` URL under the one local directory the server allows. Images
+decode with Pillow (an optional dependency) after their header passes the pixel bound, so a
+decompression bomb is refused before it is expanded; videos decode with PyAV (optional), keeping
+only the frames that will be sampled, within a bound on their decoded bytes. Every failure is a
+ValueError saying what was wrong; callers prefix where the part was (`messages[0].content[1]`).
 
 Blocking: run these off the event loop.
 """
@@ -23,6 +24,10 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+# 16 Mi pixels (4096 x 4096): a 12 to 16 MP camera photo passes; its RGB decode is 48 MiB
+DEFAULT_MAX_IMAGE_PIXELS = 16 << 20
+# the sampled frames of a video, as RGB: 32 frames of 3840 x 2160 fit
+DEFAULT_MAX_VIDEO_DECODED_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -30,11 +35,21 @@ class MediaPolicy:
     """Where media may come from and how big it may be (vLLM's flag names where they exist)."""
     allowed_local_media_path: str | None = None       # file:// only under this directory
     allowed_media_domains: tuple[str, ...] | None = None   # http(s) hosts; None = any
+    allow_private_media_addresses: bool = False       # http(s) hosts may resolve to non-public addresses
     fetch_timeout_s: float = 10.0                     # per URL (VLLM_IMAGE_FETCH_TIMEOUT's role)
     max_image_bytes: int = 20 << 20                   # encoded size of one image
     max_video_bytes: int = 200 << 20
-    max_image_pixels: int = 64 << 20                  # decoded width x height (a bomb is larger)
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # decoded width x height of an image or a frame
     max_video_frames: int = 32                        # frames sampled from a video file
+    max_video_total_frames: int = 4096                # frames a video file may have (decode time)
+    max_video_decoded_bytes: int = DEFAULT_MAX_VIDEO_DECODED_BYTES  # RGB bytes of the sampled frames
+
+    def __post_init__(self):
+        for name in ("max_image_bytes", "max_video_bytes", "max_image_pixels", "max_video_frames",
+                     "max_video_total_frames", "max_video_decoded_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     @classmethod
     def from_flags(cls, allowed_local_media_path: str | None = None, allowed_media_domains=None,
@@ -92,35 +107,9 @@ def _file_url(url: str, modality: str, policy: MediaPolicy) -> bytes:
 
 
 def _http_url(url: str, modality: str, policy: MediaPolicy) -> bytes:
-    import httpx
-    host = (urlparse(url).hostname or "").lower()
-    if not host:
-        raise ValueError("URL has no host")
-    if policy.allowed_media_domains is not None and host not in policy.allowed_media_domains:
-        raise ValueError(f"media host {host!r} is not in --allowed-media-domains")
-    limit = _limit(modality, policy)
-    try:
-        # no redirects: a redirect could leave the allowed domains
-        with httpx.Client(timeout=policy.fetch_timeout_s, follow_redirects=False) as client:
-            with client.stream("GET", url) as r:
-                if r.status_code != 200:
-                    raise ValueError(f"fetching the URL answered HTTP {r.status_code}")
-                ctype = r.headers.get("content-type", "").split(";")[0].strip().lower()
-                if ctype and not ctype.startswith(f"{modality}/") and ctype != "application/octet-stream":
-                    raise ValueError(f"the URL's content type {ctype!r} is not an {modality} type")
-                declared = r.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > limit:
-                    raise ValueError(f"{modality} is larger than {limit} bytes")
-                data = bytearray()
-                for chunk in r.iter_bytes():
-                    data += chunk
-                    if len(data) > limit:
-                        raise ValueError(f"{modality} is larger than {limit} bytes")
-                return bytes(data)
-    except httpx.TimeoutException:
-        raise ValueError(f"fetching the URL took longer than {policy.fetch_timeout_s} s") from None
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot fetch the URL ({type(e).__name__}: {e})") from None
+    from m3serve.multimodal.fetch import fetch
+    return fetch(url, modality, _limit(modality, policy), policy.fetch_timeout_s, policy.allowed_media_domains,
+                 policy.allow_private_media_addresses)
 
 
 def load_bytes(url: str, modality: str, policy: MediaPolicy) -> bytes:
@@ -176,35 +165,97 @@ def decode_image(data: bytes, policy: MediaPolicy = MediaPolicy()):
     return image
 
 
+def sample_indices(num_frames: int, num_kept: int) -> list[int]:
+    """The frame indices kept from `num_frames`: at most `num_kept`, evenly spread, first and last
+    included."""
+    return np.unique(np.linspace(0, num_frames - 1, min(num_frames, num_kept)).round().astype(int)).tolist()
+
+
+def _count_frames(data: bytes, policy: MediaPolicy) -> tuple[int, int, int]:
+    """(frames, width, height) of the first video stream: the size from its header, the frames
+    counted from its packets (demuxed, not decoded)."""
+    import av
+    with av.open(io.BytesIO(data)) as container:
+        if not container.streams.video:
+            raise ValueError("the file has no video stream")
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_frame_size(width, height, policy)
+        count = 0
+        for packet in container.demux(stream):
+            if packet.size:
+                count += 1
+                if count > policy.max_video_total_frames:
+                    raise ValueError(f"video has more than {policy.max_video_total_frames} frames")
+    return count, width, height
+
+
+def _check_decoded_bytes(num_kept: int, width: int, height: int, policy: MediaPolicy) -> None:
+    size = num_kept * width * height * 3
+    if size > policy.max_video_decoded_bytes:
+        raise ValueError(f"the {num_kept} sampled {width}x{height} frames would decode to {size} bytes, "
+                         f"more than {policy.max_video_decoded_bytes}")
+
+
+def _check_frame_size(width: int, height: int, policy: MediaPolicy) -> None:
+    if width * height > policy.max_image_pixels:
+        raise ValueError(f"video frames are {width}x{height}, more than {policy.max_image_pixels} pixels")
+
+
+def _decode_kept(data: bytes, keep: list[int], policy: MediaPolicy) -> tuple[np.ndarray | None, int, float | None]:
+    """Decode up to the last kept frame, holding only the kept ones: (frames [len(keep), H, W, 3]
+    or None when the stream ended first, frames decoded, the stream's rate)."""
+    import av
+    wanted = set(keep)
+    out = None
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate) if stream.average_rate else None
+        index = 0
+        for frame in container.decode(stream):
+            _check_frame_size(frame.width, frame.height, policy)
+            if index in wanted:
+                if out is None:              # the header's size may differ from the frames'
+                    _check_decoded_bytes(len(keep), frame.width, frame.height, policy)
+                    out = np.empty((len(keep), frame.height, frame.width, 3), np.uint8)
+                elif (frame.height, frame.width) != out.shape[1:3]:
+                    raise ValueError("video frames differ in size")
+                out[keep.index(index)] = frame.to_ndarray(format="rgb24")
+            index += 1
+            if index > keep[-1]:
+                return out, index, rate
+            if index > policy.max_video_total_frames:
+                raise ValueError(f"video has more than {policy.max_video_total_frames} frames")
+    return None, index, rate
+
+
 def decode_video(data: bytes, policy: MediaPolicy = MediaPolicy()) -> tuple[np.ndarray, float | None]:
     """Encoded video bytes -> (frames [T, H, W, 3] uint8, frames per second of the returned
-    frames or None): at most `max_video_frames`, sampled evenly. Needs PyAV."""
+    frames or None): at most `max_video_frames`, sampled evenly. The frame count comes from the
+    packets, so decoding keeps only the sampled frames (within `max_video_decoded_bytes`) and
+    stops after the last one. Needs PyAV."""
     try:
         import av
     except ImportError:
         raise ValueError("video files need PyAV on the server: pip install 'm3serve[video]'") from None
     try:
-        with av.open(io.BytesIO(data)) as container:
-            if not container.streams.video:
-                raise ValueError("the file has no video stream")
-            stream = container.streams.video[0]
-            frames = []
-            for frame in container.decode(stream):
-                if frame.width * frame.height > policy.max_image_pixels:
-                    raise ValueError(f"video frames are {frame.width}x{frame.height}, more than "
-                                     f"{policy.max_image_pixels} pixels")
-                frames.append(frame.to_ndarray(format="rgb24"))
-                if len(frames) > 4096:
-                    raise ValueError("video has more than 4096 frames")
-            rate = float(stream.average_rate) if stream.average_rate else None
+        num_frames, width, height = _count_frames(data, policy)
+        frames = None
+        if num_frames:
+            keep = sample_indices(num_frames, policy.max_video_frames)
+            _check_decoded_bytes(len(keep), width, height, policy)
+            frames, decoded, rate = _decode_kept(data, keep, policy)
+            if frames is None and decoded:      # fewer frames than packets: sample what there is
+                num_frames = decoded
+                keep = sample_indices(num_frames, policy.max_video_frames)
+                frames, _, rate = _decode_kept(data, keep, policy)
     except av.FFmpegError as e:            # some of these are ValueErrors too: say what failed
         raise ValueError(f"cannot decode the video ({type(e).__name__}: {e})") from None
     except ValueError:
         raise
     except Exception as e:
         raise ValueError(f"cannot decode the video ({type(e).__name__}: {e})") from None
-    if not frames:
+    if frames is None:
         raise ValueError("video has no frames")
-    keep = np.unique(np.linspace(0, len(frames) - 1, min(len(frames), policy.max_video_frames)).round().astype(int))
-    fps = rate * len(keep) / len(frames) if rate else None
-    return np.stack([frames[i] for i in keep]), fps
+    fps = rate * len(keep) / num_frames if rate else None
+    return frames, fps

@@ -61,6 +61,16 @@ def collect_media_parts(messages) -> list[MediaPart]:
     return parts
 
 
+def check_upscale(options, policy: MediaPolicy) -> None:
+    """The processor enlarges a small image to `min_pixels` (a video frame to
+    `video_min_pixels`): neither may exceed the decode bound, or a tiny file would expand past it."""
+    for name in ("min_pixels", "video_min_pixels"):
+        value = getattr(options, name)
+        if value > policy.max_image_pixels:
+            raise ValueError(f"mm_processor_kwargs.{name}: {value} is more than the server's "
+                             f"--max-image-pixels ({policy.max_image_pixels})")
+
+
 def resolve_parts(parts: list[MediaPart], policy: MediaPolicy, options, limits: dict[str, int]) -> list:
     """Fetch, decode and preprocess every part into `processor.VisionItem`s (blocking: call off
     the event loop). Errors are ValueErrors naming the part."""
@@ -69,6 +79,7 @@ def resolve_parts(parts: list[MediaPart], policy: MediaPolicy, options, limits: 
     for p in parts:
         counts[p.modality] = counts.get(p.modality, 0) + 1
     check_limits(counts, limits)
+    check_upscale(options, policy)
     items = []
     for p in parts:
         try:

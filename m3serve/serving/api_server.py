@@ -139,7 +139,11 @@ def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
     engine = getattr(client, "config", None)
     model = getattr(engine, "model", None)
     limits = getattr(model, "limit_mm_per_prompt", None) or dict(DEFAULT_MM_LIMITS)
-    policy = MediaPolicy.from_flags(config.allowed_local_media_path, config.allowed_media_domains)
+    policy = MediaPolicy.from_flags(config.allowed_local_media_path, config.allowed_media_domains,
+                                    allow_private_media_addresses=config.allow_private_media_addresses,
+                                    max_image_pixels=config.max_image_pixels,
+                                    max_video_decoded_bytes=config.max_video_decoded_bytes,
+                                    max_video_total_frames=config.max_video_total_frames)
     info = getattr(client, "info", None)
     return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None),
                       refusal=getattr(info, "media_refusal", ""))
@@ -416,7 +420,7 @@ def run_server(args) -> None:
     app = build_app(client, load_tokenizer(model_dir), model_dir, server, name, engine.kv_transfer, defaults)
     raise_fd_limit(engine.scheduler.max_num_seqs, engine.scheduler.max_waiting_requests)
     uv = DrainingServer(uvicorn.Config(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
-                                       timeout_graceful_shutdown=5), app.state.drain)
+                                       timeout_graceful_shutdown=5, **server.uvicorn_ssl_kwargs()), app.state.drain)
     uv.run(sockets=[sock])
     if uv.drain.forced:
         raise SystemExit(1)

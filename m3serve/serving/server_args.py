@@ -1,12 +1,16 @@
 """Flags of `m3serve serve` that belong to the API server rather than the engine (vLLM names):
-host/port, API key, served model name, chat template and its default kwargs, parsers, limits.
+host/port, TLS, API key, served model name, chat template and its default kwargs, parsers,
+limits, and where media may come from and how large it may decode.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import ssl
 from dataclasses import dataclass, field
 
+from m3serve.multimodal.media import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_DECODED_BYTES
 from m3serve.serving.chat_template import THINKING_MODES, check_reasoning_effort
 from m3serve.serving.reasoning import get_reasoning_parser
 from m3serve.serving.tool_parser import get_tool_parser
@@ -50,6 +54,14 @@ class ServerConfig:
     responses_signing_key: str | None = None  # HMAC key of reasoning blobs (None: random per process)
     allowed_local_media_path: str | None = None   # file:// media only under this directory
     allowed_media_domains: str | None = None      # comma-separated hosts http(s) media may come from
+    allow_private_media_addresses: bool = False   # http(s) media hosts may resolve to non-public addresses
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS              # decoded width x height (images, frames)
+    max_video_decoded_bytes: int = DEFAULT_MAX_VIDEO_DECODED_BYTES  # RGB bytes of a video's sampled frames
+    max_video_total_frames: int = 4096            # frames a video file may have
+    ssl_keyfile: str | None = None                # TLS: the server's private key (PEM)
+    ssl_certfile: str | None = None               # TLS: the server's certificate chain (PEM)
+    ssl_ca_certs: str | None = None               # TLS: CA certificates that client certificates chain to
+    ssl_cert_reqs: int = int(ssl.CERT_NONE)       # TLS: 0 no client certificate, 1 optional, 2 required
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -78,6 +90,50 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if self.max_request_body_bytes <= 0:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        for name in ("max_image_pixels", "max_video_decoded_bytes", "max_video_total_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together (TLS needs both)")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile),
+                           ("--ssl-ca-certs", self.ssl_ca_certs)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path!r} is not a readable file")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got {self.ssl_cert_reqs}")
+        if self.ssl_certfile is None and (self.ssl_ca_certs is not None or self.ssl_cert_reqs):
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CAs client certificates chain to)")
+        if self.ssl_certfile is not None:
+            try:
+                ssl_context(self)
+            except (ssl.SSLError, OSError) as e:
+                raise ValueError(f"cannot load the TLS certificate and key: {e}") from None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+    def uvicorn_ssl_kwargs(self) -> dict:
+        """uvicorn.Config's TLS arguments (empty without TLS)."""
+        if self.ssl_certfile is None:
+            return {}
+        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile,
+                "ssl_ca_certs": self.ssl_ca_certs, "ssl_cert_reqs": self.ssl_cert_reqs}
+
+
+def ssl_context(config: ServerConfig) -> ssl.SSLContext:
+    """The server's TLS context as uvicorn builds it from the same arguments (TLS 1.2 or newer)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    ctx.verify_mode = ssl.VerifyMode(config.ssl_cert_reqs)
+    if config.ssl_ca_certs:
+        ctx.load_verify_locations(config.ssl_ca_certs)
+    return ctx
 
 
 def _json_object(text: str) -> dict:
@@ -133,7 +189,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                        help="images / videos may be file:// URLs under this directory (default: none)")
     group.add_argument("--allowed-media-domains", default=None, metavar="HOSTS",
-                       help="comma-separated hosts http(s) image / video URLs may name (default: any)")
+                       help="comma-separated hosts http(s) image / video URLs may name (default: any "
+                            "host at a public address)")
+    group.add_argument("--allow-private-media-addresses", action="store_true",
+                       help="let http(s) image / video URLs reach hosts at loopback, private, link-local "
+                            "and other non-public addresses (default: refused, so that a request cannot "
+                            "make the server connect into its own network); pair it with "
+                            "--allowed-media-domains")
+    group.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                       help=f"images and video frames wider x higher than N pixels are refused from their "
+                            f"header, before decoding (default {DEFAULT_MAX_IMAGE_PIXELS})")
+    group.add_argument("--max-video-decoded-bytes", type=int, default=DEFAULT_MAX_VIDEO_DECODED_BYTES,
+                       metavar="N", help=f"a video whose sampled frames decode to more than N bytes of RGB is "
+                                         f"refused (default {DEFAULT_MAX_VIDEO_DECODED_BYTES})")
+    group.add_argument("--max-video-total-frames", type=int, default=4096, metavar="N",
+                       help="a video file of more than N frames is refused (default 4096)")
+    group.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="TLS: the server's private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                       help="TLS: the server's certificate chain (PEM); with --ssl-keyfile the server speaks HTTPS")
+    group.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                       help="TLS: CA certificates (PEM) that client certificates must chain to")
+    group.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=(0, 1, 2),
+                       help="TLS: whether a client certificate is required: 0 no (default), 1 optional, "
+                            "2 required (Python's ssl.CERT_* values)")
     group.add_argument("--metric-names", choices=METRIC_NAMES, default="both",
                        help="/metrics names: m3serve:*, vLLM's vllm:* (for dashboards and alerts built "
                             "for vLLM), or both (default)")
@@ -157,7 +235,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         disable_fastapi_docs=args.disable_fastapi_docs, metric_names=args.metric_names,
         stream_interval=args.stream_interval, enable_response_store=args.enable_response_store,
         responses_signing_key=args.responses_signing_key,
-        allowed_local_media_path=args.allowed_local_media_path, allowed_media_domains=args.allowed_media_domains)
+        allowed_local_media_path=args.allowed_local_media_path, allowed_media_domains=args.allowed_media_domains,
+        allow_private_media_addresses=args.allow_private_media_addresses, max_image_pixels=args.max_image_pixels,
+        max_video_decoded_bytes=args.max_video_decoded_bytes, max_video_total_frames=args.max_video_total_frames,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 def not_applicable_given(args: argparse.Namespace) -> list[str]:

@@ -3,6 +3,7 @@ an in-process app whose engine is a scripted stand-in emitting the tokens of a g
 """
 import asyncio
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -24,9 +25,11 @@ class LiveServer:
     """A `python -m m3serve serve` child process; `url` is its base URL."""
 
     def __init__(self, model_dir: Path, *flags: str, log_path: Path, env: dict | None = None,
-                 wait: bool = True, preexec_fn=None):
+                 wait: bool = True, preexec_fn=None, tls_ca: Path | None = None):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # with TLS flags: trust the CA its certificate chains to
+        self.verify = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca else True
+        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         path = os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
         env = {**os.environ, "PYTHONPATH": path, **(env or {})}
@@ -57,7 +60,7 @@ class LiveServer:
         deadline = time.time() + 180
         while True:
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/ready", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -161,11 +164,11 @@ class InProcessServer:
         tokenizer = load_tokenizer(model_dir)
         self.client = ScriptedEngineClient(tokenizer, tokenizer.get_vocab_size(), eos_token_id=None)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(self.client, tokenizer, model_dir, ServerConfig(port=self.port, **server_flags),
-                        MODEL_NAME)
+        config = ServerConfig(port=self.port, **server_flags)
+        self.url = f"{config.scheme}://127.0.0.1:{self.port}"
+        app = build_app(self.client, tokenizer, model_dir, config, MODEL_NAME)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                     log_level="warning"))
+                                                     log_level="warning", **config.uvicorn_ssl_kwargs()))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         deadline = time.time() + 30

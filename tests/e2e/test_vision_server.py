@@ -54,7 +54,7 @@ def media_dir(tmp_path_factory):
 def vision_server(tiny_vision_dir, media_dir, tmp_path_factory):
     srv = LiveServer(tiny_vision_dir, "--dtype", "float32", "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
                      "--allowed-local-media-path", str(media_dir), "--allowed-media-domains", "127.0.0.1",
-                     log_path=tmp_path_factory.mktemp("logs") / "vision.log")
+                     "--allow-private-media-addresses", log_path=tmp_path_factory.mktemp("logs") / "vision.log")
     yield srv
     srv.stop()
     assert "Traceback" not in srv.log_path.read_text()

@@ -82,17 +82,21 @@ def media_server():
 
 
 def test_http_urls(media_server):
+    """The local server is at a loopback address: reachable only with the opt-in."""
     url, body = media_server
-    assert load_bytes(url + "/a.png", "image", MediaPolicy()) == body
+    local = MediaPolicy(allow_private_media_addresses=True)
+    assert load_bytes(url + "/a.png", "image", local) == body
+    with pytest.raises(ValueError, match="not allowed: it does not resolve to a public address"):
+        load_bytes(url + "/a.png", "image", MediaPolicy())
     with pytest.raises(ValueError, match="'text/plain' is not an image"):
-        load_bytes(url + "/text", "image", MediaPolicy())
+        load_bytes(url + "/text", "image", local)
     with pytest.raises(ValueError, match="larger than"):
-        load_bytes(url + "/big", "image", MediaPolicy())
+        load_bytes(url + "/big", "image", local)
     with pytest.raises(ValueError, match="HTTP 404"):
-        load_bytes(url + "/missing", "image", MediaPolicy())
+        load_bytes(url + "/missing", "image", local)
     with pytest.raises(ValueError, match="longer than 0.5 s"):
-        load_bytes(url + "/slow", "image", MediaPolicy(fetch_timeout_s=0.5))
+        load_bytes(url + "/slow", "image", MediaPolicy(fetch_timeout_s=0.5, allow_private_media_addresses=True))
     with pytest.raises(ValueError, match="not in --allowed-media-domains"):
         load_bytes(url + "/a.png", "image", MediaPolicy.from_flags(allowed_media_domains="example.com"))
     with pytest.raises(ValueError, match="cannot fetch"):
-        load_bytes("http://127.0.0.1:1/a.png", "image", MediaPolicy())
+        load_bytes("http://127.0.0.1:1/a.png", "image", local)
