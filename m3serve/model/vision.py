@@ -141,21 +141,49 @@ class _Attention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.q_proj, self.k_proj = _linear(D, D, dtype), _linear(D, D, dtype)
         self.v_proj, self.out_proj = _linear(D, D, dtype), _linear(D, D, dtype)
+        self._qkv: tuple[torch.Tensor, torch.Tensor] | None = None     # ([3D, D], [3D]) behind q/k/v
+
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One [3D, D] weight (and [3D] bias) whose thirds are q_proj's, k_proj's and v_proj's own
+        storage, so the three products run as one and a later load or copy into the parameters
+        updates it; built again if the parameters were replaced (moved to another device)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self._qkv is None or self.q_proj.weight.data_ptr() != self._qkv[0].data_ptr() or \
+                self.v_proj.bias.data_ptr() != self._qkv[1][2 * self.q_proj.bias.numel():].data_ptr():
+            weight = torch.cat([p.weight.data for p in projections])
+            bias = torch.cat([p.bias.data for p in projections])
+            for i, p in enumerate(projections):
+                rows = slice(i * p.weight.shape[0], (i + 1) * p.weight.shape[0])
+                p.weight.data, p.bias.data = weight[rows], bias[rows]
+            self._qkv = (weight, bias)
+        return self._qkv
 
     def forward(self, x, cos, sin, seqlens: list[int]):
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = F.linear(x, *self._fused_qkv()).view(n, 3, self.num_heads, self.head_dim)
+        q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
+        v = qkv[:, 2]
         outs, start = [], 0
-        for length in seqlens:           # bidirectional attention inside each image / segment
-            sl = slice(start, start + length)
-            o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
-                                               v[sl].transpose(0, 1))      # [heads, len, hd]
-            outs.append(o.transpose(0, 1).reshape(length, -1))
-            start += length
-        return self.out_proj(torch.cat(outs))
+        for length, count in _runs(seqlens):
+            # bidirectional attention inside each image / segment; equal lengths in one batched
+            # call of 4-D inputs [segments, heads, length, head_dim] (3-D inputs get no fused kernel)
+            sl = slice(start, start + length * count)
+            batch = [t[sl].view(count, length, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)]
+            o = F.scaled_dot_product_attention(*batch)                              # [count, heads, length, hd]
+            outs.append(o.transpose(1, 2).reshape(length * count, -1))
+            start += length * count
+        return self.out_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+
+def _runs(seqlens: list[int]) -> list[tuple[int, int]]:
+    """Consecutive equal lengths as (length, count): [4, 4, 4, 9] -> [(4, 3), (9, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for length in seqlens:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
 
 
 class _MLP(nn.Module):
