@@ -45,7 +45,8 @@ def test_mp_backend_at_one_rank(tiny_dir, reference):
         assert run(llm) == reference
         # admissions are pipelined: a refused request in a batch still raises, nothing stays
         with pytest.raises(ValueError, match="exceeds max_model_len"):
-            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7] * 5000}],
+            too_long = [7] * (llm.engine.model_config.max_position_embeddings + 1)
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": too_long}],
                          SamplingParams(max_tokens=4), use_tqdm=False)
         check_ranks(llm.engine.engine_states(), 1, 1, False)
     finally:

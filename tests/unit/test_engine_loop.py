@@ -66,7 +66,7 @@ def test_step_exception_fails_only_its_requests(loop, monkeypatch):
 
 
 def test_invalid_request_is_refused_atomically(loop):
-    result = loop.add(_add("long", 2, prompt=[1] * 5000))
+    result = loop.add(_add("long", 2, prompt=[1] * (loop.core.max_model_len + 1)))
     assert result.kind == "invalid" and "max_model_len" in result.message
     duplicate = AddRequests("dup", [_add("d").requests[0], _add("d").requests[0]])
     result = loop.add(duplicate)
