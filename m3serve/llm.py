@@ -86,7 +86,7 @@ class LLMEngine:
         items = process_multi_modal_data(prompt["multi_modal_data"], options,
                                          self.config.model.limit_mm_per_prompt)
         marker_ids = media_token_ids(self.tokenizer.token_to_id)
-        expanded = expand_prompt(ids, items, marker_ids, lambda text: self.tokenizer.encode(text).ids)
+        expanded = expand_prompt(ids, items, marker_ids, self.tokenizer)
         if len(expanded) > (self.config.model.max_model_len or self.model_config.max_position_embeddings):
             raise ValueError(f"the prompt with its images and videos is {len(expanded)} tokens, longer "
                              f"than the model's context")

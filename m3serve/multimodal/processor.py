@@ -241,18 +241,20 @@ def preprocess_video(frames, options: ProcessorOptions = ProcessorOptions(),
     return VisionItem("video", patches, grids, t * h * w // (MERGE_SIZE ** 2), digest, timestamps)
 
 
-def placeholder_token_ids(item: VisionItem, ids: dict[str, int], encode_text=None) -> list[int]:
-    """The prompt span an item expands to: per image (or per temporal patch of a video, after an
-    optional `]<]{seconds:.1f} seconds[>[` marker) start-of-image, the placeholder repeated, and
-    end-of-image. ids: token ids of "image", "video", "image_start", "image_end"; encode_text
-    tokenizes a timestamp marker (needed only for videos with timestamps)."""
+def placeholder_parts(item: VisionItem, ids: dict[str, int]) -> list[str | list[int]]:
+    """The prompt span an item expands to, in the order transformers' processor writes it: per
+    image (or per temporal patch of a video, after a `]<]{seconds:.1f} seconds[>[` marker when the
+    frame rate is known) start-of-image, the placeholder repeated, and end-of-image. The
+    timestamp markers are plain text (str parts): they are tokenized together with the text
+    before them, which `inputs.expand_prompt` does. ids: token ids of "image", "video",
+    "image_start", "image_end"."""
     start, end = ids["image_start"], ids["image_end"]
     if item.modality == "image":
-        return [start] + [ids["image"]] * item.num_tokens + [end]
-    out: list[int] = []
+        return [[start] + [ids["image"]] * item.num_tokens + [end]]
+    out: list[str | list[int]] = []
     span = [start] + [ids["video"]] * item.tokens_per_frame + [end]
     for i in range(item.num_temporal_patches):
         if item.timestamps is not None:
-            out += encode_text(f"]<]{item.timestamps[i]:.1f} seconds[>[")
-        out += span
+            out.append(f"]<]{item.timestamps[i]:.1f} seconds[>[")
+        out.append(span)
     return out

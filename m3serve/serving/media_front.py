@@ -37,7 +37,7 @@ class MediaFront:
         from m3serve.multimodal.parts import resolve_parts
         items = resolve_parts(parts, self.policy, self.options(request_kwargs), self.limits)
         marker_ids = media_token_ids(self.tokenizer.token_to_id)
-        expanded = expand_prompt(ids, items, marker_ids, lambda text: self.tokenizer.encode(text).ids)
+        expanded = expand_prompt(ids, items, marker_ids, self.tokenizer)
         return expanded, [to_engine_input(x) for x in items]
 
     async def prepare(self, messages, ids: list[int], request_kwargs: dict | None = None):
