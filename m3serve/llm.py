@@ -53,7 +53,10 @@ class LLMEngine:
             self.core = self.front = EngineCore(config, executor)
         self.eos_token_id = self.model_config.eos_token_id
         from m3serve.multimodal.processor import ProcessorOptions
-        self.mm_options = ProcessorOptions.from_kwargs(config.model.mm_processor_kwargs)
+        from m3serve.multimodal.processor_config import load_processor_settings
+        # the checkpoint's processor configuration, --mm-processor-kwargs on top
+        self.mm_options = ProcessorOptions.from_kwargs(
+            config.model.mm_processor_kwargs, ProcessorOptions(**load_processor_settings(self.model_dir)))
         self.states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
 

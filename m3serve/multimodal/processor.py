@@ -20,21 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-PATCH_SIZE = 14
-MERGE_SIZE = 2
-TEMPORAL_PATCH_SIZE = 2
-FACTOR = PATCH_SIZE * MERGE_SIZE             # sides are multiples of 28
-PATCH_DIM = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE   # 1176 values per patch
-
-IMAGE_MIN_PIXELS = 4 * 28 * 28               # 3,136
-IMAGE_MAX_PIXELS = 672 * 672                 # 451,584 (vLLM's default bound)
-VIDEO_MIN_PIXELS = 4 * 28 * 28
-VIDEO_MAX_PIXELS = 768 * 28 * 28             # 602,112 per frame
-SEGMENT_MAX_FRAMES = 4                       # temporal patches per attention segment
-MAX_ASPECT_RATIO = 200
-
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from m3serve.multimodal.processor_config import (  # noqa: F401  (the geometry and defaults live there)
+    CLIP_MEAN, CLIP_STD, FACTOR, IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, MAX_ASPECT_RATIO, MERGE_SIZE, PATCH_DIM,
+    PATCH_SIZE, SEGMENT_MAX_FRAMES, TEMPORAL_PATCH_SIZE, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS)
 
 
 @dataclass(frozen=True)
