@@ -53,7 +53,10 @@ class LLMEngine:
             self.core = self.front = EngineCore(config, executor)
         self.eos_token_id = self.model_config.eos_token_id
         from m3serve.multimodal.processor import ProcessorOptions
-        self.mm_options = ProcessorOptions.from_kwargs(config.model.mm_processor_kwargs)
+        from m3serve.multimodal.processor_config import load_processor_settings
+        # the checkpoint's processor configuration, --mm-processor-kwargs on top
+        self.mm_options = ProcessorOptions.from_kwargs(
+            config.model.mm_processor_kwargs, ProcessorOptions(**load_processor_settings(self.model_dir)))
         self.states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[RequestState, int]] = {}
 
@@ -86,7 +89,7 @@ class LLMEngine:
         items = process_multi_modal_data(prompt["multi_modal_data"], options,
                                          self.config.model.limit_mm_per_prompt)
         marker_ids = media_token_ids(self.tokenizer.token_to_id)
-        expanded = expand_prompt(ids, items, marker_ids, lambda text: self.tokenizer.encode(text).ids)
+        expanded = expand_prompt(ids, items, marker_ids, self.tokenizer)
         if len(expanded) > (self.config.model.max_model_len or self.model_config.max_position_embeddings):
             raise ValueError(f"the prompt with its images and videos is {len(expanded)} tokens, longer "
                              f"than the model's context")

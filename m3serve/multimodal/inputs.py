@@ -3,7 +3,9 @@ preprocessed, the prompt's `]<]image[>[` / `]<]video[>[` markers expanded into p
 and where each item's placeholders sit in the prompt.
 
 Items of one modality fill that modality's markers in order (images and videos are counted
-separately, as transformers scatters them). Mismatched counts are a ValueError naming them.
+separately, as transformers scatters them). Mismatched counts are a ValueError naming them. The
+ids equal those of transformers' processor, which writes the expansions into the text and
+tokenizes it whole: a video's timestamp markers are text, tokenized with the text before them.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 import torch
 
 from m3serve.multimodal.markers import MARKERS, MODALITIES, SPAN_MARKERS, check_limits
-from m3serve.multimodal.processor import (ProcessorOptions, VisionItem, placeholder_token_ids,
+from m3serve.multimodal.processor import (ProcessorOptions, VisionItem, placeholder_parts,
                                           preprocess_image, preprocess_video)
 from m3serve.protocol import MultiModalInput
 
@@ -70,9 +72,14 @@ def process_multi_modal_data(data: dict, options: ProcessorOptions, limits: dict
 
 
 def expand_prompt(prompt_ids: Sequence[int], items: Sequence[VisionItem], ids: dict[str, int],
-                  encode_text: Callable[[str], list[int]] | None = None) -> list[int]:
+                  tokenizer=None) -> list[int]:
     """Replace the k-th image (video) marker of the prompt by the k-th image's (video's)
-    placeholder span. The number of markers of each modality must equal its items."""
+    placeholder span. The number of markers of each modality must equal its items.
+
+    A timestamp marker is text: the tokenizer (a `tokenizers.Tokenizer`, needed only for videos
+    with timestamps) re-tokenizes it together with the text since the last added token before
+    it, the segment the reference's tokenizer sees, so a merge across the marker's boundary
+    gives the reference's ids."""
     queues = {m: [x for x in items if x.modality == m] for m in MODALITIES}
     counts = {m: sum(1 for t in prompt_ids if t == ids[m]) for m in MODALITIES}
     for m in MODALITIES:
@@ -82,12 +89,30 @@ def expand_prompt(prompt_ids: Sequence[int], items: Sequence[VisionItem], ids: d
     out: list[int] = []
     taken = {m: 0 for m in MODALITIES}
     by_id = {ids[m]: m for m in MODALITIES}
+    added: set[int] | None = None
     for token in prompt_ids:
         m = by_id.get(token)
         if m is None:
             out.append(token)
             continue
-        out += placeholder_token_ids(queues[m][taken[m]], ids, encode_text)
+        for part in placeholder_parts(queues[m][taken[m]], ids):
+            if not isinstance(part, str):
+                out += part
+                continue
+            if tokenizer is None:
+                raise ValueError("a video with timestamps needs the tokenizer to expand its markers")
+            if added is None:
+                added = set(tokenizer.get_added_tokens_decoder())
+            start = len(out)
+            while start > 0 and out[start - 1] not in added:
+                start -= 1
+            text = tokenizer.decode(out[start:], skip_special_tokens=False) + part
+            segment = tokenizer.encode(text, add_special_tokens=False).ids
+            if any(t in added for t in segment):
+                # the ids before the marker spell an added token (given as plain pieces)
+                raise ValueError(f"the prompt's text before a {MARKERS['video']} marker re-tokenizes "
+                                 f"to a special token")
+            out[start:] = segment
         taken[m] += 1
     return out
 

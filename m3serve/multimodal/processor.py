@@ -20,21 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-PATCH_SIZE = 14
-MERGE_SIZE = 2
-TEMPORAL_PATCH_SIZE = 2
-FACTOR = PATCH_SIZE * MERGE_SIZE             # sides are multiples of 28
-PATCH_DIM = 3 * TEMPORAL_PATCH_SIZE * PATCH_SIZE * PATCH_SIZE   # 1176 values per patch
-
-IMAGE_MIN_PIXELS = 4 * 28 * 28               # 3,136
-IMAGE_MAX_PIXELS = 672 * 672                 # 451,584 (vLLM's default bound)
-VIDEO_MIN_PIXELS = 4 * 28 * 28
-VIDEO_MAX_PIXELS = 768 * 28 * 28             # 602,112 per frame
-SEGMENT_MAX_FRAMES = 4                       # temporal patches per attention segment
-MAX_ASPECT_RATIO = 200
-
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from m3serve.multimodal.processor_config import (  # noqa: F401  (the geometry and defaults live there)
+    CLIP_MEAN, CLIP_STD, FACTOR, IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, MAX_ASPECT_RATIO, MERGE_SIZE, PATCH_DIM,
+    PATCH_SIZE, SEGMENT_MAX_FRAMES, TEMPORAL_PATCH_SIZE, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS)
 
 
 @dataclass(frozen=True)
@@ -241,18 +229,20 @@ def preprocess_video(frames, options: ProcessorOptions = ProcessorOptions(),
     return VisionItem("video", patches, grids, t * h * w // (MERGE_SIZE ** 2), digest, timestamps)
 
 
-def placeholder_token_ids(item: VisionItem, ids: dict[str, int], encode_text=None) -> list[int]:
-    """The prompt span an item expands to: per image (or per temporal patch of a video, after an
-    optional `]<]{seconds:.1f} seconds[>[` marker) start-of-image, the placeholder repeated, and
-    end-of-image. ids: token ids of "image", "video", "image_start", "image_end"; encode_text
-    tokenizes a timestamp marker (needed only for videos with timestamps)."""
+def placeholder_parts(item: VisionItem, ids: dict[str, int]) -> list[str | list[int]]:
+    """The prompt span an item expands to, in the order transformers' processor writes it: per
+    image (or per temporal patch of a video, after a `]<]{seconds:.1f} seconds[>[` marker when the
+    frame rate is known) start-of-image, the placeholder repeated, and end-of-image. The
+    timestamp markers are plain text (str parts): they are tokenized together with the text
+    before them, which `inputs.expand_prompt` does. ids: token ids of "image", "video",
+    "image_start", "image_end"."""
     start, end = ids["image_start"], ids["image_end"]
     if item.modality == "image":
-        return [start] + [ids["image"]] * item.num_tokens + [end]
-    out: list[int] = []
+        return [[start] + [ids["image"]] * item.num_tokens + [end]]
+    out: list[str | list[int]] = []
     span = [start] + [ids["video"]] * item.tokens_per_frame + [end]
     for i in range(item.num_temporal_patches):
         if item.timestamps is not None:
-            out += encode_text(f"]<]{item.timestamps[i]:.1f} seconds[>[")
-        out += span
+            out.append(f"]<]{item.timestamps[i]:.1f} seconds[>[")
+        out.append(span)
     return out

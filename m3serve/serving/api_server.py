@@ -132,7 +132,7 @@ def _log_unknown_fields(kind: str, names: list[str]) -> None:
     logger.log(level, "ignoring unknown request fields of %s: %s", kind, names)
 
 
-def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
+def _media_front(client, tokenizer: Tokenizer, config: ServerConfig, processor_settings: dict | None = None):
     from m3serve.config import DEFAULT_MM_LIMITS
     from m3serve.multimodal.media import MediaPolicy
     from m3serve.serving.media_front import MediaFront
@@ -146,7 +146,7 @@ def _media_front(client, tokenizer: Tokenizer, config: ServerConfig):
                                     max_video_total_frames=config.max_video_total_frames)
     info = getattr(client, "info", None)
     return MediaFront(tokenizer, policy, limits, getattr(model, "mm_processor_kwargs", None),
-                      refusal=getattr(info, "media_refusal", ""))
+                      refusal=getattr(info, "media_refusal", ""), base_settings=processor_settings)
 
 
 def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: ServerConfig,
@@ -158,6 +158,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     metrics = ServerMetrics(model_name)
     template = (Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template
                 else load_chat_template(model_dir))
+    from m3serve.multimodal.processor_config import load_processor_settings
+    processor_settings = load_processor_settings(model_dir)   # refused here, before the engine starts
     holder: dict[str, ServerContext] = {}
 
     @asynccontextmanager
@@ -175,7 +177,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             reasoning_parser=config.reasoning_parser, tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             kv_transfer=kv_transfer if kv_transfer is not None and kv_transfer.enabled else None,
-            stream_interval=config.stream_interval, media=_media_front(client, tokenizer, config), signer=signer)
+            stream_interval=config.stream_interval, signer=signer,
+            media=_media_front(client, tokenizer, config, processor_settings))
         if getattr(client, "config", None) is not None:
             logger.info(describe_engine(client.config, client.info))
         logger.info("serving %s (%s)", model_name, model_dir)

@@ -18,10 +18,12 @@ from m3serve.multimodal.parts import MediaPart, collect_media_parts
 
 class MediaFront:
     def __init__(self, tokenizer, policy: MediaPolicy, limits: dict[str, int],
-                 processor_kwargs: dict | None = None, max_workers: int = 4, refusal: str = ""):
+                 processor_kwargs: dict | None = None, max_workers: int = 4, refusal: str = "",
+                 base_settings: dict | None = None):
         self.tokenizer, self.policy, self.limits = tokenizer, policy, limits
         self.refusal = refusal          # the engine's reason to refuse media ("": accepted)
         self.processor_kwargs = processor_kwargs
+        self.base_settings = base_settings  # the checkpoint's processor configuration (None: defaults)
         self._options = None
         self._markers = tuple(i for i in (tokenizer.token_to_id(m) for m in MARKERS.values()) if i is not None)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="m3serve-media")
@@ -29,7 +31,8 @@ class MediaFront:
     def options(self, request_kwargs: dict | None):
         from m3serve.multimodal.processor import ProcessorOptions
         if self._options is None:
-            self._options = ProcessorOptions.from_kwargs(self.processor_kwargs)
+            base = ProcessorOptions(**self.base_settings) if self.base_settings else None
+            self._options = ProcessorOptions.from_kwargs(self.processor_kwargs, base)
         return ProcessorOptions.from_kwargs(request_kwargs, self._options)
 
     def _prepare(self, parts: list[MediaPart], ids: list[int], request_kwargs: dict | None):
@@ -37,7 +40,7 @@ class MediaFront:
         from m3serve.multimodal.parts import resolve_parts
         items = resolve_parts(parts, self.policy, self.options(request_kwargs), self.limits)
         marker_ids = media_token_ids(self.tokenizer.token_to_id)
-        expanded = expand_prompt(ids, items, marker_ids, lambda text: self.tokenizer.encode(text).ids)
+        expanded = expand_prompt(ids, items, marker_ids, self.tokenizer)
         return expanded, [to_engine_input(x) for x in items]
 
     async def prepare(self, messages, ids: list[int], request_kwargs: dict | None = None):

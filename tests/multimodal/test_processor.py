@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from hf_vision import hf_processors
-from m3serve.multimodal.processor import (ProcessorOptions, placeholder_token_ids, preprocess_image,
+from m3serve.multimodal.processor import (ProcessorOptions, placeholder_parts, preprocess_image,
                                           preprocess_video, smart_resize)
 
 
@@ -86,15 +86,13 @@ def test_placeholder_expansion():
     for a video, after a timestamp marker when the frame rate is known."""
     ids = {"image": 1, "video": 2, "image_start": 3, "image_end": 4}
     image = preprocess_image(random_image(100, 60, seed=1))
-    span = placeholder_token_ids(image, ids)
-    assert span == [3] + [1] * image.num_tokens + [4]
+    assert placeholder_parts(image, ids) == [[3] + [1] * image.num_tokens + [4]]
     frames = np.zeros((5, 56, 84, 3), np.uint8)
     video = preprocess_video(frames, fps=2.0)
     assert video.grids == [(3, 4, 6)] and video.timestamps == [0.0, 1.0, 2.0]
-    markers = []
-    out = placeholder_token_ids(video, ids, encode_text=lambda s: markers.append(s) or [9])
-    assert markers == ["]<]0.0 seconds[>[", "]<]1.0 seconds[>[", "]<]2.0 seconds[>["]
-    assert out == ([9, 3] + [2] * 6 + [4]) * 3
+    span = [3] + [2] * 6 + [4]
+    assert placeholder_parts(video, ids) == ["]<]0.0 seconds[>[", span, "]<]1.0 seconds[>[", span,
+                                             "]<]2.0 seconds[>[", span]
 
 
 def test_equals_recorded_transformers_outputs():
