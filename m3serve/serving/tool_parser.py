@@ -7,12 +7,24 @@ registry behind `--tool-call-parser`. Streaming and non-streaming share one stat
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import uuid
 from dataclasses import dataclass, field
 
 from m3serve.serving.reasoning import partial_suffix_len
+
+logger = logging.getLogger(__name__)
+_dropped_kinds: set[tuple[str, str]] = set()
+
+
+def warn_dropped_tool(api: str, kind: str, why: str) -> None:
+    """A request's tool of a kind that runs elsewhere (a hosted or server tool) is left out of the
+    prompt: warned once per API and kind, since clients send the same tools on every request."""
+    if (api, kind) not in _dropped_kinds and len(_dropped_kinds) < 256:
+        _dropped_kinds.add((api, kind))
+        logger.warning("%s: dropping tools of type %r: %s (the model is not told about them)", api, kind, why)
 
 NAMESPACE = "]<]minimax[>["
 TOOL_CALL_START = NAMESPACE + "<tool_call>"

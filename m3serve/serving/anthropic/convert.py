@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from m3serve.serving.chat_template import REASONING_EFFORTS
 from m3serve.serving.signing import ReasoningSigner
+from m3serve.serving.tool_parser import warn_dropped_tool
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +248,8 @@ def tools_of(tools: list | None) -> list[dict] | None:
         if kind not in (None, "custom"):
             if not isinstance(kind, str):
                 _fail(f"{path}.type", f"must be a string, got {_kind(kind)}")
-            _dropped_tool_warning(kind)
+            warn_dropped_tool("messages", kind, "server tools do not run here, only client tools "
+                                                "with an input_schema")
             continue
         name = _string(tool, "name", path)
         if not name:
@@ -271,18 +273,6 @@ def tools_of(tools: list | None) -> list[dict] | None:
             function["description"] = description
         out.append({"type": "function", "function": function})
     return out or None
-
-
-_warned_tools: set[str] = set()
-
-
-def _dropped_tool_warning(kind: str) -> None:
-    """Anthropic's server tools (web search, code execution, ...) run on Anthropic's side: they
-    are left out of the prompt, with one warning per type (clients send them on every request)."""
-    if kind not in _warned_tools and len(_warned_tools) < 256:
-        _warned_tools.add(kind)
-        logger.warning("messages: dropping tools of type %r: server tools do not run here, only client "
-                       "tools with an input_schema (the model is not told about them)", kind)
 
 
 def tool_choice_of(choice, tools: list[dict] | None):

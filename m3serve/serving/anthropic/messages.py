@@ -146,7 +146,6 @@ class Generation:
         async for text in self._leg(self._stream, first=True):
             yield text
         first = self._seq
-        self.num_cached_tokens = first.num_cached_tokens
         self.num_output_tokens = len(first.token_ids)
         self._finish(first)
         if self.budget is None:
@@ -246,6 +245,11 @@ async def _events(ctx: ServerContext, request: MessagesRequest, run: Generation,
     started = False
 
     def start() -> list[str]:
+        """message_start and ping, the first time only."""
+        nonlocal started
+        if started:
+            return []
+        started = True
         usage = {**run.usage(), "output_tokens": 0}
         return [_event({"type": "message_start", "message": {
             "id": message_id, "type": "message", "role": "assistant", "model": request.model, "content": [],
@@ -253,22 +257,13 @@ async def _events(ctx: ServerContext, request: MessagesRequest, run: Generation,
     try:
         async with aclosing(run.texts()) as texts:
             async for text in texts:
-                if not started:
-                    started = True
-                    for event in start():
-                        yield event
-                for event in builder.feed(text):
-                    yield _event(event)
-        if not started:
-            started = True
-            for event in start():
-                yield event
-        for event in builder.feed("", finished=True):
-            yield _event(event)
+                for event in [*start(), *map(_event, builder.feed(text))]:
+                    yield event
+        for event in [*start(), *map(_event, builder.feed("", finished=True))]:
+            yield event
     except (EngineError, ValueError) as e:
-        if not started:
-            for event in start():
-                yield event
+        for event in start():
+            yield event
         yield stream_error_event(e)
         return
     yield _event({"type": "message_delta", "delta": {"stop_reason": run.stop_reason(builder),

@@ -16,6 +16,7 @@ from typing import Any
 
 from m3serve.serving.openai.protocol import APIError
 from m3serve.serving.signing import ReasoningSigner
+from m3serve.serving.tool_parser import warn_dropped_tool
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, dict[str, s
                 out.append(function)
                 namespaces[function["function"]["name"]] = namespace
         elif kind in _HOSTED_TOOLS:
-            _dropped_tool_warning(kind)
+            warn_dropped_tool("responses", kind, "m3serve runs no hosted tools, only functions")
         else:
             raise _bad(f"{param}.type", f"{_shown(kind)} is not a tool type m3serve knows (function, "
                                         f"namespace; hosted tools such as web_search are dropped)")
@@ -281,17 +282,6 @@ def chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, dict[str, s
     if duplicate is not None:
         raise _bad("tools", f"function name {duplicate!r} appears more than once")
     return out, namespaces
-
-
-_warned_tools: set[str] = set()
-
-
-def _dropped_tool_warning(kind: str) -> None:
-    """Warn once per tool type (clients send them on every request)."""
-    if kind not in _warned_tools:
-        _warned_tools.add(kind)
-        logger.warning("responses: dropping tools of type %r: m3serve runs no hosted tools, only functions "
-                       "(the model is not told about them)", kind)
 
 
 def chat_tool_choice(tool_choice: str | dict | None):
