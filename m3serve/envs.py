@@ -35,6 +35,12 @@ def debug_tracemalloc_frames() -> int:
 # (serving/steer.py), for end-to-end tests of real agent clients against random weights.
 TEST_STEER = os.environ.get("M3SERVE_TEST_STEER") or None
 
+# The vision encoder's attention on a GPU: "varlen" (default; one flash call over all images of a
+# forward) or "runs" (one SDPA call per run of equal-sized images), for A/B measurements.
+VISION_ATTENTION = os.environ.get("M3SERVE_VISION_ATTENTION", "varlen") or "varlen"
+if VISION_ATTENTION not in ("varlen", "runs"):
+    raise ValueError(f"M3SERVE_VISION_ATTENTION must be varlen or runs, got {VISION_ATTENTION!r}")
+
 def cpu_exact_positions() -> int:
     """M3SERVE_CPU_EXACT_POSITIONS (default 4096): on CPU, attention and the MSA top-k of query
     tokens at positions below this run in fp64, bit-identical to the reference ops; from it on,

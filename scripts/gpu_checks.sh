@@ -226,3 +226,20 @@ if [ "${1:-}" = kvacc ]; then
   python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
   step kv_accuracy_L$L timeout ${TMO:-400} python scripts/kv_dtype_accuracy.py /tmp/rs$L --isl ${ISL:-4096} --steps 64 --batch 4
 fi
+# vision: the encoder bench (varlen flash attention, and the per-size SDPA calls for A/B), its
+# profile at batch 1 and 16, the GPU vision tests and the tiny checkpoint's GPU == CPU tokens
+# (mm_cpu_ref.json from `cd .whl && python ../scripts/vision_gpu_check.py cpu`). With
+# BEFORE_VISION=FILE (an older model/vision.py) the same bench on a copy of the tree using it.
+if [ "${1:-}" = vision ]; then
+  if [ -n "${BEFORE_VISION:-}" ]; then
+    rm -rf /tmp/before && mkdir -p /tmp/before && cp -r m3serve /tmp/before/ && cp "$BEFORE_VISION" /tmp/before/m3serve/model/vision.py
+    sed -i 's/VisionEncoder, _use_varlen, parse_vision_config/VisionEncoder, parse_vision_config/; s/"varlen" if _use_varlen(.*) else "runs"}/"before"}/' /tmp/before/m3serve/bench/vision.py
+    step vision_bench_before env PYTHONPATH=/tmp/before:$PYTHONPATH timeout 300 python -m m3serve.bench.vision
+  fi
+  step vision_bench timeout 300 python -m m3serve.bench.vision
+  step vision_bench_runs env M3SERVE_VISION_ATTENTION=runs timeout 300 python -m m3serve.bench.vision
+  step vision_profile_b1 timeout 200 python -m m3serve.bench.vision --profile
+  step vision_profile_b16 timeout 200 python -m m3serve.bench.vision --profile --profile-batch 16
+  step vision_gpu_tests timeout 300 python -m pytest tests/multimodal -q -m gpu -p no:cacheprovider
+  [ -f .whl/mm_cpu_ref.json ] && step vision_tokens bash -c "cd .whl && python ../scripts/vision_gpu_check.py cuda mm_cpu_ref.json"
+fi

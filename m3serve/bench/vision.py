@@ -40,15 +40,16 @@ def _timed(fn, device, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def _profile(encoder, item, device) -> None:
-    """Print the operators and kernels of one forward, by device time."""
+def _profile(encoder, items, device) -> None:
+    """Print the operators and kernels of one forward over `items`, by device time."""
     from torch.profiler import ProfilerActivity, profile
-    pv = item.pixel_values.to(device)
+    pv = torch.cat([it.pixel_values for it in items]).to(device)
+    grids = [g for it in items for g in it.grids]
     for _ in range(2):
-        encoder(pv, item.grids)
+        encoder(pv, grids)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        encoder(pv, item.grids)
+        encoder(pv, grids)
         if device.type == "cuda":
             torch.cuda.synchronize()
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
@@ -57,14 +58,16 @@ def _profile(encoder, item, device) -> None:
 
 def main(argv=None) -> None:
     from m3serve.model.known_configs import __path__ as known
-    from m3serve.model.vision import VisionEncoder, parse_vision_config
+    from m3serve.model.vision import VisionEncoder, _use_varlen, parse_vision_config
     from m3serve.multimodal.processor import preprocess_image
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", action="store_true",
-                        help="instead of the report: torch.profiler's table of one 672² forward (batch 1)")
+                        help="instead of the report: torch.profiler's table of one forward of "
+                             "--profile-batch distinct 672² images")
+    parser.add_argument("--profile-batch", type=int, default=1)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     raw = json.loads((__import__("pathlib").Path(known[0]) / "MiniMax-M3.json").read_text())
@@ -77,10 +80,12 @@ def main(argv=None) -> None:
     ref, fast = ref.to(device).eval(), fast.to(device).eval()
     rng = np.random.default_rng(0)
     if args.profile:
-        _profile(fast, preprocess_image(rng.integers(0, 256, (672, 672, 3), dtype=np.uint8)), device)
+        _profile(fast, [preprocess_image(rng.integers(0, 256, (672, 672, 3), dtype=np.uint8))
+                        for _ in range(args.profile_batch)], device)
         return
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "layers": args.layers, "params": sum(p.numel() for p in ref.parameters())}
+              "layers": args.layers, "params": sum(p.numel() for p in ref.parameters()),
+              "attention": "varlen" if _use_varlen(torch.empty(0, device=device, dtype=torch.bfloat16)) else "runs"}
     for name, (w, h) in {"672x672": (672, 672), "1920x1080": (1920, 1080)}.items():
         pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         start = time.perf_counter()
@@ -95,12 +100,23 @@ def main(argv=None) -> None:
                  "bf16_vs_fp32_max_abs_over_max": float((got - want).abs().max() / want.abs().max()),
                  "bf16_vs_fp32_cosine_min": float(cos.min()), "bf16_vs_fp32_cosine_mean": float(cos.mean()),
                  "encoder_cache_bytes": item.num_tokens * cfg.text_hidden_size * 2}
+        # 16 distinct images of this size per forward (one image repeated would flatter any cache)
+        items = [item] + [preprocess_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for _ in range(15)]
         for batch in (1, 16):
-            pvs, grids = torch.cat([pv] * batch), item.grids * batch
+            pvs = torch.cat([it.pixel_values for it in items[:batch]]).to(device)
+            grids = [g for it in items[:batch] for g in it.grids]
             seconds = _timed(lambda: fast(pvs, grids), device, args.iters)
             entry[f"images_per_s_batch{batch}"] = round(batch / seconds, 2)
             entry[f"ms_per_forward_batch{batch}"] = round(seconds * 1e3, 2)
         report[name] = entry
+    # a step's images rarely share one size: 16 of four sizes, interleaved
+    sizes = [(672, 672), (1280, 720), (800, 600), (1024, 768)] * 4
+    items = [preprocess_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    pvs = torch.cat([it.pixel_values for it in items]).to(device)
+    grids = [g for it in items for g in it.grids]
+    seconds = _timed(lambda: fast(pvs, grids), device, args.iters)
+    report["mixed16"] = {"sizes": sorted(set(sizes)), "patches": int(pvs.shape[0]),
+                         "images_per_s": round(16 / seconds, 2), "ms_per_forward": round(seconds * 1e3, 2)}
     if device.type == "cuda":
         report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     print(json.dumps(report, indent=1))

@@ -163,6 +163,11 @@ class _Attention(nn.Module):
         qkv = F.linear(x, *self._fused_qkv()).view(n, 3, self.num_heads, self.head_dim)
         q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
         v = qkv[:, 2]
+        if _use_varlen(x):
+            cu = torch.tensor([0] + seqlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
+            longest = max(seqlens)
+            o = _varlen_attn()(q, k, v.contiguous(), cu, cu, longest, longest)             # [n, heads, hd]
+            return self.out_proj(o.reshape(n, -1))
         outs, start = [], 0
         for length, count in _runs(seqlens):
             # bidirectional attention inside each image / segment; equal lengths in one batched
@@ -173,6 +178,25 @@ class _Attention(nn.Module):
             outs.append(o.transpose(1, 2).reshape(length * count, -1))
             start += length * count
         return self.out_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+
+def _varlen_attn():
+    """torch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`), or
+    None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _use_varlen(x: torch.Tensor) -> bool:
+    """One flash call over every image of the forward (no padding, no per-size loop) on a CUDA
+    device in half precision; `M3SERVE_VISION_ATTENTION=runs` keeps the per-size SDPA calls (the
+    CPU and float32 path) for comparison."""
+    from m3serve import envs
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and envs.VISION_ATTENTION != "runs"
+            and _varlen_attn() is not None)
 
 
 def _runs(seqlens: list[int]) -> list[tuple[int, int]]:
