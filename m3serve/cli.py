@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     mr.add_argument("--full-vocab", action="store_true",
                     help="with --tp-rank: keep the whole vocabulary head (to compare with a peer "
                          "that keeps it)")
+    mr.add_argument("--vision", action="store_true",
+                    help="add the real vision tower's config (random weights under --load-format dummy)")
     mr.set_defaults(func=cmd_make_realshape)
     for subparsers in (sub, bench_sub):       # each command reports unknown flags with its own usage
         for command in subparsers.choices.values():
@@ -159,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_make_realshape(args) -> int:
     from m3serve.bench.realshape import write_realshape_dir
 
-    print(f"wrote {write_realshape_dir(args.dir, args.layers, args.dense_layers, args.tp_rank, args.ep, args.full_vocab)}")
+    print(f"wrote {write_realshape_dir(args.dir, args.layers, args.dense_layers, args.tp_rank, args.ep, args.full_vocab, args.vision)}")
     return 0
 
 

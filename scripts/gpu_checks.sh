@@ -242,4 +242,17 @@ if [ "${1:-}" = vision ]; then
   step vision_profile_b16 timeout 200 python -m m3serve.bench.vision --profile --profile-batch 16
   step vision_gpu_tests timeout 300 python -m pytest tests/multimodal -q -m gpu -p no:cacheprovider
   [ -f .whl/mm_cpu_ref.json ] && step vision_tokens bash -c "cd .whl && python ../scripts/vision_gpu_check.py cuda mm_cpu_ref.json"
+  # TTFT of one 672² image + 1K text (and of the same text alone) at the real-shape L = 4 model
+  # with a random real-width vision tower, through the server
+  python -m m3serve bench make-realshape /tmp/rs4v --layers 4 --vision > /dev/null
+  log="$OUT/vision_server.txt"
+  python -m m3serve serve /tmp/rs4v --load-format dummy --port 8013 --max-model-len 9472 --max-num-seqs 8 >> "$log" 2>&1 &
+  srv=$!
+  for i in $(seq 1 240); do curl -sf http://127.0.0.1:8013/ready > /dev/null && break; sleep 1; done
+  for ds in random-mm random; do
+    step vision_ttft_$ds timeout 200 python -m m3serve bench serve --base-url http://127.0.0.1:8013 --backend openai-chat \
+      --tokenizer /tmp/rs4v --dataset-name $ds --random-input-len 1024 --random-output-len 16 --random-range-ratio 0 \
+      --ignore-eos --num-prompts 8 --num-warmups 2 --max-concurrency 1 --disable-tqdm
+  done
+  kill $srv; wait $srv 2>/dev/null
 fi

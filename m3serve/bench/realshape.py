@@ -93,8 +93,9 @@ def rank_text_config(text: dict, tp: int, expert_parallel: bool = False,
 
 def write_realshape_dir(out_dir: str | Path, num_layers: int, dense_layers: int = 1,
                         tp_rank: int | None = None, expert_parallel: bool = False,
-                        full_vocab: bool = False) -> Path:
-    """config.json (real shapes, L layers; with `tp_rank` N, what one rank of TP N holds) + the
+                        full_vocab: bool = False, vision: bool = False) -> Path:
+    """config.json (real shapes, L layers; with `tp_rank` N, what one rank of TP N holds;
+    with `vision`, the real vision tower's config, random under `--load-format dummy`) + the
     tiny model's tokenizer files, its vocabulary widened to the model's size (see
     `_widen_vocab`) so that every token the model can emit has text, as with a real checkpoint
     (streaming and ITL measure per text chunk)."""
@@ -111,6 +112,15 @@ def write_realshape_dir(out_dir: str | Path, num_layers: int, dense_layers: int 
     tiny_text = json.loads((tiny / "config.json").read_text())["text_config"]
     raw["text_config"]["bos_token_id"] = tiny_text["bos_token_id"]
     raw["text_config"]["eos_token_id"] = tiny_text["eos_token_id"]
+    if vision:
+        from m3serve.model.known_configs import __path__ as known
+        from m3serve.model.tokenizer_build import special_token_ids
+        real = json.loads((Path(known[0]) / "MiniMax-M3.json").read_text())
+        for key in ("vision_config", "projector_hidden_size", "projector_hidden_act", "multimodal_projector_bias",
+                    "img_token_compression_config", "process_image_mode"):
+            raw[key] = real[key]
+        ids = special_token_ids(tiny)
+        raw["image_token_index"], raw["video_token_index"] = ids["image"], ids["video"]
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     for f in ("tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / f, out / f)

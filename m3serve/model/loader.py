@@ -403,6 +403,27 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
     return net.eval(), cfg, model_dir
 
 
+def dummy_vision_encoder(cfg: M3Config, dtype: torch.dtype, device, seed: int = 0):
+    """A vision encoder of the config's `vision_config` with random weights (`--load-format
+    dummy`), scaled like `dummy_weights`: LayerNorm weights near 1, biases near 0, matrices with
+    1/sqrt(fan-in) deviation; None when the config has no vision tower."""
+    from m3serve.model.vision import VisionEncoder, parse_vision_config
+    if cfg.vision_config is None:
+        return None
+    vcfg = parse_vision_config(cfg.vision_config, cfg.projector_hidden_size, cfg.hidden_size)
+    with torch.device(device):
+        encoder = VisionEncoder(vcfg, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 999_983)
+    with torch.no_grad():
+        for name, p in encoder.named_parameters():
+            if p.dim() == 1:
+                base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+                p.normal_(0.0, 0.02, generator=gen).add_(base)
+            else:
+                p.normal_(0.0, p[0].numel() ** -0.5, generator=gen)
+    return encoder.eval()
+
+
 def checkpoint_has_vision(model_dir: Path) -> bool:
     """Whether the checkpoint ships vision-tower tensors (read from the file headers only)."""
     from m3serve.model.vision import is_vision_name

@@ -53,7 +53,12 @@ class Worker:
             quantization=config.model.quantization, hf_overrides=config.model.hf_overrides)
         cfg = self.model_config
         self.vision = None
-        if not config.model.language_model_only and config.model.load_format != "dummy":
+        if config.model.language_model_only:
+            pass
+        elif config.model.load_format == "dummy":
+            from m3serve.model.loader import dummy_vision_encoder
+            self.vision = dummy_vision_encoder(cfg, self.model.dtype, self.device, config.model.seed)
+        else:
             from m3serve.model.loader import load_vision_encoder
             self.vision = load_vision_encoder(cfg, loaded_dir, self.model.dtype, self.device)
         self.block_size = config.cache.block_size or cfg.index_block_size

@@ -126,3 +126,23 @@ def test_bf16_gpu_encoder_matches_float32_reference():
     finally:
         envs.VISION_ATTENTION = "varlen"
     assert float(torch.nn.functional.cosine_similarity(got, runs, dim=-1).min()) >= 0.9999
+
+
+def test_dummy_load_format_builds_a_random_vision_tower(tiny_vision_dir):
+    """`--load-format dummy` on a config with a vision tower serves images with random vision
+    weights (as the text weights are random), the same for the same seed; so real-shape benches
+    with images need no vision tensors on disk."""
+    from m3serve.llm import LLM
+    from m3serve.model.loader import dummy_vision_encoder
+    from m3serve.sampling_params import SamplingParams
+    cfg = load_config(tiny_vision_dir)
+    a, b = (dummy_vision_encoder(cfg, torch.float32, "cpu", seed=3) for _ in range(2))
+    c = dummy_vision_encoder(cfg, torch.float32, "cpu", seed=4)
+    item = preprocess_image(image(60, 90, 1))
+    fa, fb, fc = (e(item.pixel_values, item.grids) for e in (a, b, c))
+    assert torch.isfinite(fa).all() and fa.abs().max() > 0
+    assert torch.equal(fa, fb) and not torch.equal(fa, fc)
+    llm = LLM(model=str(tiny_vision_dir), load_format="dummy", dtype="float32", device="cpu")
+    out = llm.generate([{"prompt": "see ]<]image[>[", "multi_modal_data": {"image": image(60, 90, 1)}}],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
