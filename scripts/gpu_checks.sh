@@ -256,3 +256,13 @@ if [ "${1:-}" = vision ]; then
   done
   kill $srv; wait $srv 2>/dev/null
 fi
+# kernels L: the captured decode graphs' kernel counts (total, per MoE layer, by class) at an
+# L-layer real-shape model, bf16, from `bench offline`'s graph_kernels column
+if [ "${1:-}" = kernels ]; then
+  L=${2:-4}
+  step graph_nodes_test timeout 120 python -m pytest tests/unit/test_graph_nodes.py -q -m gpu -p no:cacheprovider
+  python -m m3serve bench make-realshape /tmp/rs$L --layers $L > /dev/null
+  step kernels_L$L timeout ${TMO:-300} python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
+    --points ${POINTS:-1024:1,4,16} --osl ${OSL:-32} --max-model-len 9472 --max-num-seqs 16 \
+    --max-num-batched-tokens 16384 --cudagraph-capture-sizes 1,4,16
+fi

@@ -90,6 +90,16 @@ def _spec_figures(llm, before) -> dict:
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
 
 
+def _graph_kernels(runner, bs: int) -> dict | None:
+    """The decode graph of batch `bs`'s kernels (total, per MoE layer, by class), read from the
+    captured graph (worker/graph_nodes.py); None without one (eager, engine processes)."""
+    graphs = runner.graphs if runner is not None else None
+    if graphs is None or (size := graphs.padded_size(bs)) is None:
+        return None
+    counts = graphs.node_counts.get(size)
+    return dict(counts, graph_batch=size) if counts else None
+
+
 def _expected_experts(cfg, tokens: int) -> list[float]:
     """E_held x (1 - (1 - k/E)^tokens) per MoE layer: distinct experts of balanced random
     routing among the E_held this model holds (all E, or E / size under an expert view)."""
@@ -254,6 +264,7 @@ def main(args) -> list[dict]:
                                                     round(decode_steps[-1] * 1e3, 3)] if decode_steps else None,
                    "jit_compiles_measured": sum(compiled.values()), "jit_kernels_measured": compiled,
                    "graph_steps": runner.num_graph_steps if runner else None,
+                   "graph_kernels": _graph_kernels(runner, bs),
                    "eager_steps": runner.num_eager_steps if runner else None,
                    "experts_measured": bool(expert_ids) or in_process,
                    "ran_as_asked": problem is None, **({"not_as_asked": problem} if problem else {}),

@@ -46,6 +46,8 @@ class DecodeGraphs:
         # installed probe after each replay (the bench's measured expert count reads them)
         self.reports = probes.GraphReports()
         self.capture_seconds = 0.0
+        # per size: the graph's nodes read back at capture (worker/graph_nodes.py), or None
+        self.node_counts: dict[int, dict | None] = {}
 
     def forward(self, b: int, seq_lens_cpu: list[int] | None = None):
         """The captured work for batch size b: (hidden [b, H], local logits [b, V_local],
@@ -68,14 +70,28 @@ class DecodeGraphs:
                 for _ in range(2):                     # warm-up: compile kernels, settle allocator
                     self.forward(b)
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=True)     # read back below, then instantiated
             with self.reports.collect(b), torch.cuda.graph(graph, pool=pool):
                 outputs = self.forward(b)
+            self.node_counts[b] = self._count_nodes(graph)
+            graph.instantiate()
             self.graphs[b] = (graph, *outputs)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes),
                     ",".join(map(str, self.sizes)), self.capture_seconds)
+
+    def _count_nodes(self, graph) -> dict | None:
+        """The captured graph's kernels by class, per MoE layer as well (`kernels_per_layer`);
+        None where the driver cannot be asked (logged once at debug level)."""
+        from m3serve.worker.graph_nodes import summarize
+        layers = getattr(self.model, "cfg", None)
+        moe_layers = sum(layers.is_moe(i) for i in range(layers.num_hidden_layers)) if layers else 0
+        try:
+            return summarize(graph.raw_cuda_graph(), moe_layers)
+        except (OSError, RuntimeError, AttributeError) as e:
+            logger.debug("could not read the captured graph's nodes: %s", e)
+            return None
 
     def padded_size(self, num_reqs: int) -> int | None:
         for b in self.sizes:
