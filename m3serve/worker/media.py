@@ -29,6 +29,9 @@ class EncoderOutputs:
     def __len__(self) -> int:
         return len(self._features)
 
+    def __iter__(self):
+        return iter(self._features)
+
     def get(self, key: str) -> torch.Tensor:
         return self._features[key]
 

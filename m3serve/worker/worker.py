@@ -282,4 +282,6 @@ class Worker:
             "num_batch_rows": self.runner.batch.num_rows if self.runner else 0,
             "index_cache_layers": ([i for i, c in enumerate(self.runner.index_caches) if c is not None]
                                    if self.runner else []),
+            # the store of vision-encoder outputs (the same keys on every rank)
+            "encoder_outputs": sorted(store) if (store := self.runner and self.runner.encoder_outputs) else [],
         }

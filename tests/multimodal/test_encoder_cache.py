@@ -188,18 +188,24 @@ def test_zero_disables_reuse(fresh):
 
 # ------------------------------------------------------------------ preemption
 
+PREEMPTED = [prompt(70), prompt(71, 72), prompt(73, text="one more ]<]image[>[ here")]
+LONGER = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def unpreempted(fresh):
+    return tokens(fresh, PREEMPTED, LONGER)
+
+
 @pytest.mark.parametrize("gb", [1.0, 0.0], ids=["cache", "no_cache"])
-def test_preempted_image_requests_keep_their_outputs(tiny_vision_dir, fresh, gb):
+def test_preempted_image_requests_keep_their_outputs(tiny_vision_dir, unpreempted, gb):
     """A pool of 7 blocks preempts some of three image requests after their images were
     encoded and their pixels dropped: the recompute reads the outputs they hold (no second
     encode, also with a bound of 0) and the greedy tokens equal an unpreempted engine's."""
-    batch = [prompt(70), prompt(71, 72), prompt(73, text="one more ]<]image[>[ here")]
-    longer = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want = tokens(fresh, batch, longer)
     llm = LLM(model=str(tiny_vision_dir), dtype="float32", mm_encoder_cache_gb=gb, max_num_batched_tokens=48,
               kv_cache_memory=7 * 16 * 2944, async_scheduling=False)
     calls = count_encodes(llm)
-    assert tokens(llm, batch, longer) == want
+    assert tokens(llm, PREEMPTED, LONGER) == unpreempted
     assert llm.engine.core.scheduler.num_preemptions > 0
     assert len(calls) == 4
     assert_all_blocks_free(llm)
