@@ -82,3 +82,4 @@ def test_metrics_count_encoder_cache_hits(traced):
     assert after["m3serve:mm_encoder_cache_usage_bytes"] > 0        # kept for reuse within the bound
     text = httpx.get(traced.url + "/metrics", timeout=10).text
     assert "# TYPE m3serve:mm_encoder_cache_hits_total counter" in text
+    assert "images and video: up to 1 GiB of vision-encoder outputs per rank" in traced.log_path.read_text()
