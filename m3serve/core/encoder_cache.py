@@ -88,33 +88,26 @@ class EncoderCacheBook:
                 self._entries.move_to_end(key)
         self._evict()
 
-    def _evict(self) -> None:
-        if self.num_bytes <= self.capacity_bytes:
-            return
+    def _evict(self, bound: int | None = None) -> None:
+        """Evict outputs nobody holds, least recently used first, until the bytes are within
+        `bound` (default: the capacity)."""
+        bound = self.capacity_bytes if bound is None else bound
         for key in [k for k, e in self._entries.items() if not e.users]:
-            entry = self._entries.pop(key)
-            self.num_bytes -= entry.num_bytes
+            if self.num_bytes <= bound:
+                return
+            self.num_bytes -= self._entries.pop(key).num_bytes
             self.stats.evictions += 1
             self._freed.append(key)
-            if self.num_bytes <= self.capacity_bytes:
-                return
 
     def drop_unheld(self) -> None:
         """Evict every output nobody holds: after a failed step, whose encodes may not have
         reached every rank's store (its requests were aborted, so nobody holds those)."""
-        for key in [k for k, e in self._entries.items() if not e.users]:
-            self.num_bytes -= self._entries.pop(key).num_bytes
-            self.stats.evictions += 1
-            self._freed.append(key)
+        self._evict(bound=-1)
 
     def take_freed(self) -> list[str]:
         """Keys evicted since the last call: the ranks drop them before the next step runs."""
         freed, self._freed = self._freed, []
         return freed
-
-    def users(self, key: str) -> set[str]:
-        entry = self._entries.get(key)
-        return set(entry.users) if entry is not None else set()
 
     def check_integrity(self, held: dict[str, set[str]]) -> list[str]:
         """Problems (empty: none) given each unfinished request's held keys `held`."""

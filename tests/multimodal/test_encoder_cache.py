@@ -73,6 +73,10 @@ def test_book_lru_within_the_byte_bound():
     assert b.take_freed() == ["C"] and b.num_bytes == 200          # back within the bound
     assert (b.stats.queries, b.stats.hits, b.stats.evictions) == (6, 1, 3)
     assert b.check_integrity({}) == []
+    assert not b.use("F", "r7", 10)                  # after a failed step: all but the held go
+    b.drop_unheld()
+    assert sorted(b.take_freed()) == ["D", "E"] and len(b) == 1 and b.num_bytes == 100
+    b.release("r7", ["F"])
     assert b.check_integrity({"r9": {"D"}})          # a holder the book does not know of
     with pytest.raises(RuntimeError, match="does not hold"):
         b.release("r9", ["D"])
