@@ -57,7 +57,7 @@ class Worker:
             from m3serve.model.loader import load_vision_encoder
             self.vision = load_vision_encoder(cfg, loaded_dir, self.model.dtype, self.device)
         # an encoder output is [num_tokens, hidden] in the model's dtype (worker/media.py)
-        self.encoder_bytes_per_token = cfg.hidden_size * self.model.dtype.itemsize if self.vision else 0
+        self.encoder_bytes_per_token = cfg.hidden_size * self.model.dtype.itemsize if self.vision is not None else 0
         self.block_size = config.cache.block_size or cfg.index_block_size
         if self.block_size != cfg.index_block_size:
             raise ValueError(f"block_size {self.block_size} must equal the model's sparse block size "
