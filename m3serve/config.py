@@ -25,6 +25,10 @@ class ModelConfig:
     language_model_only: bool = False        # skip the vision tower: text-only serving
     limit_mm_per_prompt: str | dict | None = None   # JSON {"image": N, "video": M}; None = 16 / 2
     mm_processor_kwargs: str | dict | None = None   # JSON defaults of the image / video processor
+    # GiB of vision-encoder outputs each rank keeps (on its device) for images and videos that
+    # come back, by content (core/encoder_cache.py); the running requests' own outputs count
+    # in it; 0: keep an output only while a request uses it
+    mm_encoder_cache_gb: float = 1.0
 
     def __post_init__(self):
         if self.hf_overrides is not None:
@@ -44,6 +48,14 @@ class ModelConfig:
             raise ValueError(f"dtype: unsupported value {self.dtype!r} (auto, bfloat16, float32)")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        size = self.mm_encoder_cache_gb
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 <= size < float("inf"):
+            raise ValueError(f"mm_encoder_cache_gb must be a number of GiB >= 0 (0: no reuse), got {size!r}")
+
+    @property
+    def mm_encoder_cache_bytes(self) -> int:
+        """The encoder-output cache's bound per rank, in bytes."""
+        return int(self.mm_encoder_cache_gb * (1 << 30))
 
 
 KV_OFFLOADING_BACKENDS = ("native",)   # vLLM's default; lmcache is not built in

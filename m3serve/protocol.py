@@ -154,6 +154,13 @@ class EngineStats(msgspec.Struct):
     kv_offload_evictions: int = 0
     kv_offload_usage: float = 0.0     # fraction of the tier's slots holding a block
     kv_offload_num_slots: int = 0
+    # encoder-output cache (--mm-encoder-cache-gb; core/encoder_cache.py): images and videos a
+    # step had to compute, those whose output was held already (the rest were encoded), outputs
+    # evicted, and the bytes of outputs held on each rank (running requests' included)
+    mm_encoder_cache_queries: int = 0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_cache_evictions: int = 0
+    mm_encoder_cache_bytes: int = 0
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 def _nothing_to_run(so: SchedulerOutput) -> bool:
     """A step without tokens, news for the ranks, or KV-transfer work for them."""
     return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
-                or so.kv_connector_metadata is not None or so.kv_offload is not None)
+                or so.kv_connector_metadata is not None or so.kv_offload is not None
+                or so.encoder_cache_frees)
 
 
 def async_scheduling_applies(config: EngineConfig) -> bool:
@@ -78,7 +79,8 @@ class EngineCore:
                                    # stand-in drafts let a decode without drafts replay the
                                    # verify graph (captured on a GPU, one DP replica)
                                    pad_drafts=max(capture_sizes(config, device_type), default=0)
-                                   if config.parallel.data_parallel_size == 1 else 0)
+                                   if config.parallel.data_parallel_size == 1 else 0,
+                                   encoder_cache=self._encoder_cache(config, executor))
         if config.speculative.enabled:
             logger.info("speculative decoding: which batches speculate: %s", {
                 "fixed": f"below {config.speculative.disable_by_batch_size} running requests",
@@ -88,6 +90,14 @@ class EngineCore:
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
+
+    @staticmethod
+    def _encoder_cache(config: EngineConfig, executor):
+        """The book of the ranks' encoder outputs (--mm-encoder-cache-gb), with a vision tower."""
+        if not executor.has_vision:
+            return None
+        from m3serve.core.encoder_cache import EncoderCacheBook
+        return EncoderCacheBook(config.model.mm_encoder_cache_bytes, executor.encoder_bytes_per_token)
 
     def add_request(self, request: Request) -> None:
         """Queue a request (ValueError: refused). A request with structured outputs waits for
@@ -112,13 +122,14 @@ class EngineCore:
 
     def _check_media(self, request: Request) -> None:
         """Images and videos must be accepted here (media_refusal) and their placeholders
-        must add up. Sets the request's prefix-cache spans."""
-        from m3serve.multimodal.inputs import media_spans
+        must add up. Sets the request's prefix-cache spans and encoder-cache keys."""
+        from m3serve.multimodal.inputs import encoder_key, media_spans
         if refusal := self.media_refusal():
             raise ValueError(refusal)
         cfg = self.executor.model_config
         spans = media_spans(request.prompt_token_ids, request.mm_inputs, cfg.image_token_id, cfg.video_token_id)
         request.mm_spans = [(s, e, x.content_hash) for (s, e), x in zip(spans, request.mm_inputs)]
+        request.mm_keys = [encoder_key(x) for x in request.mm_inputs]
 
     def add_requests(self, requests) -> None:
         """Admit `protocol.EngineCoreRequest`s (the children of one request) all or none:

@@ -243,7 +243,8 @@ class ReplicaBook:
                      "spec_num_accepted_tokens", "iteration_tokens_sum", "external_prefix_cache_queries",
                      "external_prefix_cache_hits", "kv_offload_bytes_to_cpu", "kv_offload_bytes_to_gpu",
                      "kv_offload_seconds_to_cpu", "kv_offload_seconds_to_gpu", "kv_offload_evictions",
-                     "kv_offload_num_slots"):
+                     "kv_offload_num_slots", "mm_encoder_cache_queries", "mm_encoder_cache_hits",
+                     "mm_encoder_cache_evictions", "mm_encoder_cache_bytes"):
             setattr(total, name, sum(getattr(s, name) for s in stats))
         if total.kv_offload_num_slots:
             total.kv_offload_usage = sum(s.kv_offload_usage * s.kv_offload_num_slots

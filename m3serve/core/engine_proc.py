@@ -96,6 +96,7 @@ class EngineLoop:
             failed = list(dict.fromkeys(self.core.abandon_deferred() + list(scheduler_output.num_scheduled_tokens)))
             logger.error("engine step failed for requests %s:\n%s", failed, traceback.format_exc())
             scheduler.abort_requests(failed)
+            scheduler.encoder_cache.drop_unheld()
             message = f"engine step failed: {type(e).__name__}: {e}"
             return [CoreOutput(rid, [], finish_reason="error", error=message) for rid in failed]
         finally:
@@ -117,7 +118,13 @@ class EngineLoop:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
             spec_synthetic_acceptance=self.core.config.speculative.rejection_sample_method == "synthetic"
-            and self.core.config.speculative.enabled, **self._kv_stats(), **self._offload_stats())
+            and self.core.config.speculative.enabled, **self._kv_stats(), **self._offload_stats(),
+            **self._encoder_cache_stats())
+
+    def _encoder_cache_stats(self) -> dict:
+        book = self.core.scheduler.encoder_cache
+        return dict(mm_encoder_cache_queries=book.stats.queries, mm_encoder_cache_hits=book.stats.hits,
+                    mm_encoder_cache_evictions=book.stats.evictions, mm_encoder_cache_bytes=book.num_bytes)
 
     def _offload_stats(self) -> dict:
         offload = self.core.kv_manager.offload

@@ -66,14 +66,18 @@ class Request:
         # its prefix lookup is counted in the hit-rate counters (once per admission, not per
         # step it waits at the head of the queue)
         self.lookup_counted = False
-        # protocol.MultiModalInput per image / video, kept for the whole life of the request so
-        # a recompute (preemption, a failed KV pull) can encode them again; and the
-        # (start, end, content hash) of each one's placeholder tokens (prefix-cache keys)
+        # protocol.MultiModalInput per image / video; their pixels go to the worker with the
+        # request's first admission and are dropped here then (the worker keeps those it may
+        # still encode); the (start, end, content hash) of each one's placeholder tokens
+        # (prefix-cache keys), and each one's key in the encoder cache (`mm_keys`, set with
+        # the spans)
         self.mm_inputs = list(mm_inputs or [])
         self.mm_spans = list(mm_spans or [])
-        # indices of mm_inputs whose encoding a step has started (the worker keeps the features
-        # until the request finishes, preemption included)
-        self.mm_encoded: set[int] = set()
+        self.mm_keys: list[str] = []
+        # indices of mm_inputs whose encoder output the request holds in the encoder cache
+        # (core/encoder_cache.py), from the step that first needs it (or its first admission,
+        # when the output is there already) until it finishes, preemption included
+        self.mm_held: set[int] = set()
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

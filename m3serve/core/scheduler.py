@@ -13,6 +13,7 @@ import logging
 from collections import deque
 
 from m3serve.config import SchedulerConfig
+from m3serve.core.encoder_cache import EncoderCacheBook
 from m3serve.core.kv_cache.manager import KVCacheManager, cdiv
 from m3serve.core.request import Request, RequestStatus
 from m3serve.core.sampling_mode import SamplingMode, sampling_mode
@@ -57,7 +58,7 @@ class Scheduler:
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
                  async_scheduling: bool = False, defer_sampling: bool = False, grammars=None,
                  disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False,
-                 pad_drafts: int = 0):
+                 pad_drafts: int = 0, encoder_cache: EncoderCacheBook | None = None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -115,6 +116,8 @@ class Scheduler:
         self.num_landing_steps = 0      # steps that only landed them, so that drafts could follow
         # --max-num-partial-prefills: requests computing prompt (or recompute) tokens per step
         self._prefill_cap = scheduler_config.max_num_partial_prefills or None
+        # which encoder outputs the ranks hold, and for whom (default: kept only while used)
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCacheBook(0, 0)
 
     # ---------------------------------------------------------------- admission and abort
 
@@ -195,6 +198,9 @@ class Scheduler:
             self.kv_manager.free(request)
         if self.grammars is not None and request.sampling_params.structured_outputs is not None:
             self.grammars.release(request.request_id)
+        if request.mm_held:
+            self.encoder_cache.release(request.request_id, {request.mm_keys[k] for k in request.mm_held})
+            request.mm_held.clear()
         del self.requests[request.request_id]
         self._num_tokens_sent.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
@@ -254,27 +260,57 @@ class Scheduler:
         return self.config.max_num_encoder_input_tokens or self.config.max_num_batched_tokens
 
     def _encoder_plan(self, request: Request, start: int, num_new: int, left: int) -> tuple[int, list[int]]:
-        """(tokens to schedule, media items whose encoding this chunk starts): the chunk
-        [start, start + num_new) is cut before the first item not yet encoded that the step's
-        encoder budget `left` cannot take (0 when that item begins at or before `start`). An
-        item larger than the whole budget is taken when the step has encoded nothing yet, so
-        it runs alone rather than never."""
+        """(tokens to schedule, media items this chunk reaches that the request does not hold
+        yet): the chunk [start, start + num_new) is cut before the first item that must be
+        encoded (its output is not in the encoder cache) and that the step's encoder budget
+        `left` cannot take (0 when that item begins at or before `start`). An item larger than
+        the whole budget is taken when the step has encoded nothing yet, so it runs alone
+        rather than never. Items found in the cache cost no budget."""
         end = start + num_new
-        cost, items = 0, []
+        cost, items, planned = 0, [], set()
         pending = sorted((s, e, k) for k, (s, e, _) in enumerate(request.mm_spans)
-                         if k not in request.mm_encoded and e > start and s < end)
+                         if k not in request.mm_held and e > start and s < end)
         for s, _, k in pending:
-            n = request.mm_inputs[k].num_tokens
+            key = request.mm_keys[k]
+            n = 0 if key in self.encoder_cache or key in planned else request.mm_inputs[k].num_tokens
             if cost + n <= left or (cost == 0 and left == self._encoder_budget):
                 cost += n
                 items.append(k)
+                planned.add(key)
                 continue
             return max(0, s - start), items
         return num_new, items
 
-    def _commit_encodes(self, request: Request, items: list[int]) -> int:
-        request.mm_encoded.update(items)
+    def _commit_encodes(self, request: Request, items: list[int]) -> list[int]:
+        """The request holds the outputs of `items` from this step on; returns those that this
+        step encodes (the misses: the worker encodes them from the request's pixels)."""
+        misses = []
+        for k in items:
+            if not self.encoder_cache.use(request.mm_keys[k], request.request_id, request.mm_inputs[k].num_tokens):
+                misses.append(k)
+            request.mm_held.add(k)
+        return misses
+
+    def _encoder_cost(self, request: Request, items: list[int]) -> int:
         return sum(request.mm_inputs[k].num_tokens for k in items)
+
+    def _media_for_worker(self, request: Request, num_computed: int, encoding: list[int]) -> list:
+        """At a request's first admission: it also holds the outputs of its other items that
+        the encoder cache has (those that a step will compute count as queries and hits; those
+        whose KV came from a prefix hit or a pull do not); then the worker gets its media, with
+        the pixels of the items whose output it does not hold or that this step encodes
+        (`encoding`), and the request keeps no pixels."""
+        from m3serve.multimodal.inputs import without_pixels
+        for k, (_, end, _) in enumerate(request.mm_spans):
+            key = request.mm_keys[k]
+            if k not in request.mm_held and key in self.encoder_cache:
+                self.encoder_cache.use(key, request.request_id, request.mm_inputs[k].num_tokens,
+                                       count=end > num_computed)
+                request.mm_held.add(k)
+        to_worker = [without_pixels(x) if k in request.mm_held and k not in encoding else x
+                     for k, x in enumerate(request.mm_inputs)]
+        request.mm_inputs = [without_pixels(x) for x in request.mm_inputs]
+        return to_worker
 
     # ---------------------------------------------------------------- one step
 
@@ -371,7 +407,7 @@ class Scheduler:
             budget -= num_new
             prefills += prefill
             if request.mm_spans:
-                encoder_left -= self._commit_encodes(request, encodes)
+                encoder_left -= self._encoder_cost(request, self._commit_encodes(request, encodes))
             i += 1
 
         # A step that had to preempt is short of blocks; admitting now would only thrash.
@@ -419,6 +455,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if not speculate:
                 self._draft_not_written(request, num_hit + num_new)
+            if request.mm_spans:
+                encodes = self._commit_encodes(request, encodes)
+                encoder_left -= self._encoder_cost(request, encodes)
             if request.status == RequestStatus.PREEMPTED:
                 self._add_cached(cached, request, self.kv_manager.get_block_ids(request.request_id),
                                  resumed=True)
@@ -429,7 +468,8 @@ class Scheduler:
                     req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit, mm_inputs=request.mm_inputs,
+                    num_computed_tokens=num_hit,
+                    mm_inputs=self._media_for_worker(request, num_hit, encodes) if request.mm_spans else [],
                     draft_blocks=self.kv_manager.take_draft_update(request.request_id)))
                 self._num_tokens_sent[request.request_id] = request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
@@ -439,8 +479,6 @@ class Scheduler:
             scheduled.append(request)
             budget -= num_new
             prefills += 1
-            if request.mm_spans:
-                encoder_left -= self._commit_encodes(request, encodes)
 
         # prompt logprobs read the step's hidden states, which a deferred step does not keep
         deferrable = (SamplingMode.ARGMAX, SamplingMode.LOGITS) if self.defer_sampling else (SamplingMode.ARGMAX,)
@@ -462,6 +500,7 @@ class Scheduler:
             kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
             deferred=deferred, sampled_req_ids=sampled if deferred else [], speculate=speculate,
             kv_offload=self.kv_manager.take_offload_work(),
+            encoder_cache_frees=self.encoder_cache.take_freed(),
         )
         self.finished_req_ids = set()
         self.num_padded_drafts += len(padded)
@@ -843,6 +882,8 @@ class Scheduler:
             if not draft_holders <= set(running_ids):
                 problems.append(f"requests that do not run hold draft blocks: "
                                 f"{sorted(draft_holders - set(running_ids))}")
+        problems += self.encoder_cache.check_integrity(
+            {rid: {r.mm_keys[k] for k in r.mm_held} for rid, r in self.requests.items() if r.mm_held})
         if problems:
             raise RuntimeError("scheduler integrity check failed:\n  " + "\n  ".join(problems))
         self.kv_manager.check_integrity()

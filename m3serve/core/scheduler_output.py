@@ -49,9 +49,11 @@ class NewRequestData:
     block_size) or KV pulled from a prefill worker (any count). This step computes positions
     [num_computed_tokens, + num_scheduled_tokens)."""
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
-    """protocol.MultiModalInput per image / video of the prompt; the worker encodes each one
-    the first time a step computes one of its placeholder positions, and keeps the features
-    until the request finishes."""
+    """protocol.MultiModalInput per image / video of the prompt. Pixels come only with the
+    items whose encoder output the request does not hold yet (the others' `pixel_values` are
+    empty: their output is in the rank's encoder-output store); the worker encodes such an item
+    the first time a step computes one of its placeholder positions, unless the store has it by
+    then, and drops its pixels once it has the output."""
     draft_blocks: DraftBlocks | None = None
     """With a window draft: the request's draft blocks (None: it holds none)."""
 
@@ -162,6 +164,9 @@ class SchedulerOutput:
     is real; the others are partial prefill chunks)."""
     kv_offload: KVOffloadWork | None = None
     """Copies to and from the CPU tier this step (None = none, nothing in flight)."""
+    encoder_cache_frees: list[str] = field(default_factory=list)
+    """Encoder outputs (`multimodal.inputs.encoder_key`) every rank drops from its store before
+    this step runs: the scheduler's encoder cache evicted them (`core/encoder_cache.py`)."""
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -5,7 +5,8 @@ rank processes.
 
 Every executor offers: `model_config`, `block_size`, `num_blocks`, `draft_window` and
 `num_draft_blocks` (a window draft's own pool; 0 without one), `device_type` ("cuda" or
-"cpu": the ranks' devices), `needs_lockstep` (the engine
+"cpu": the ranks' devices), `has_vision` and `encoder_bytes_per_token` (the ranks hold a
+vision encoder, and the bytes per placeholder token of its outputs), `needs_lockstep` (the engine
 loop must step every iteration, work or not), `execute_model(scheduler_output)`, `describe()`
 (one report per rank of the replica) and `shutdown()`. Lock-step executors (DP replicas) also
 offer `request_stop()`: replicas leave together (`ReplicasStopping` from the step where they

@@ -78,6 +78,7 @@ class MultiprocExecutor:
         self.block_size = self.worker.block_size
         self.num_cpu_blocks = self.worker.num_cpu_blocks
         self.device_type = self.worker.device.type
+        self.encoder_bytes_per_token = self.worker.encoder_bytes_per_token   # of an encoder output
         # a window draft's own pool (DSpark): the same on every rank, from the configuration
         self.draft_window, self.num_draft_blocks = self.worker.draft_window, self.worker.num_draft_blocks
         # every rank holds its own shard of a block: the tier moves this many bytes per block

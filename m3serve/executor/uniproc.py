@@ -16,6 +16,7 @@ class UniProcExecutor:
         self.block_size, self.num_blocks = self.worker.block_size, self.worker.num_blocks
         self.num_cpu_blocks = self.worker.num_cpu_blocks
         self.device_type = self.worker.device.type
+        self.encoder_bytes_per_token = self.worker.encoder_bytes_per_token   # of an encoder output
         # a window draft's own pool (DSpark): the same on every rank, from the configuration
         self.draft_window, self.num_draft_blocks = self.worker.draft_window, self.worker.num_draft_blocks
         self.cpu_block_bytes = self.worker.offload.bytes_per_block if self.worker.offload is not None else 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
@@ -39,6 +40,17 @@ def to_engine_input(item: VisionItem) -> MultiModalInput:
 def pixel_values(item: MultiModalInput) -> torch.Tensor:
     """[num_patches, 1176] float32 view of an input's pixel bytes."""
     return torch.frombuffer(bytearray(item.pixel_values), dtype=torch.float32).view(item.num_patches, -1)
+
+
+def encoder_key(item: MultiModalInput) -> str:
+    """The encoder cache's key of an input: its content hash and its attention segments (a
+    video cut into other segments gives other features from the same pixels)."""
+    return item.content_hash + ":" + ",".join(f"{t}x{h}x{w}" for t, h, w in item.grids)
+
+
+def without_pixels(item: MultiModalInput) -> MultiModalInput:
+    """The input with its pixel bytes dropped (everything else kept)."""
+    return msgspec.structs.replace(item, pixel_values=b"")
 
 
 def _as_list(value, modality: str) -> list:

@@ -159,4 +159,8 @@ def describe_engine(config, info) -> str:
         lines.append(f"memory plan: {info.num_usable_blocks} KV blocks of {info.block_size} tokens "
                      f"({info.num_usable_blocks * info.block_size} tokens) per replica, max_model_len "
                      f"{info.max_model_len}")
+        if not info.media_refusal:
+            lines.append(f"images and video: up to {m.mm_encoder_cache_gb:g} GiB of vision-encoder outputs per "
+                         f"rank (--mm-encoder-cache-gb)"
+                         f"{'' if c.kv_cache_memory else ', set aside before the KV cache on a GPU'}")
     return "engine configuration:\n  " + "\n  ".join(lines)

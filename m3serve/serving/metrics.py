@@ -48,6 +48,8 @@ class _EngineCollector:
              s.kv_pulls_active),
             ("kv_offload_usage_perc", "Fraction of the CPU tier's blocks holding a prefix (1 = full).",
              s.kv_offload_usage),
+            ("mm_encoder_cache_usage_bytes", "Bytes of vision-encoder outputs held on each rank "
+             "(running requests' and those kept for reuse).", s.mm_encoder_cache_bytes),
         ):
             gauge = GaugeMetricFamily(f"m3serve:{metric}", doc, labels=labels)
             gauge.add_metric(name, value)
@@ -74,6 +76,12 @@ class _EngineCollector:
             ("external_prefix_cache_hits", "Prompt tokens loaded back from the CPU tier.",
              s.external_prefix_cache_hits),
             ("kv_offload_evictions", "Blocks the CPU tier dropped to make room.", s.kv_offload_evictions),
+            ("mm_encoder_cache_queries", "Images and videos whose placeholders a step computed, looked up "
+             "in the encoder-output cache.", s.mm_encoder_cache_queries),
+            ("mm_encoder_cache_hits", "Images and videos whose encoder output was found (not encoded "
+             "again).", s.mm_encoder_cache_hits),
+            ("mm_encoder_cache_evictions", "Encoder outputs dropped to stay within --mm-encoder-cache-gb.",
+             s.mm_encoder_cache_evictions),
         ):
             counter = CounterMetricFamily(f"m3serve:{metric}", doc, labels=labels)
             counter.add_metric(name, value)

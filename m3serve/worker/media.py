@@ -1,24 +1,64 @@
-"""The worker's encoder outputs: per request, each image / video's features from the vision
-encoder, computed the first time a step computes one of its placeholder positions and kept until
-the request finishes, so chunked prefill and a recompute after preemption never encode twice.
+"""The worker's encoder outputs: the rank's store of vision-encoder features by key
+(`EncoderOutputs`, whose keys the scheduler's encoder cache decides, `core/encoder_cache.py`),
+and per request which prompt positions they fill (`MediaFeatures`).
 
-`MediaFeatures.rows(start, end)` gives, for the prompt positions [start, end) of a step, which
-positions are placeholders and the feature rows that replace their embeddings.
+An item is encoded the first time a step computes one of its placeholder positions, unless the
+store has its output; from then on the request reads it from the store (chunked prefill and a
+recompute after preemption never encode twice) and its pixels are dropped.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from m3serve.multimodal.inputs import pixel_values
+from m3serve.multimodal.inputs import encoder_key, pixel_values
+
+
+class EncoderOutputs:
+    """key -> features [num_tokens, hidden] in the model's dtype, on the rank's device. Outputs
+    are added by the steps that encode them and dropped only when the scheduler says so
+    (`SchedulerOutput.encoder_cache_frees`)."""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        self.dtype = dtype
+        self._features: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._features
+
+    def __len__(self) -> int:
+        return len(self._features)
+
+    def __iter__(self):
+        return iter(self._features)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._features[key]
+
+    def put(self, key: str, features: torch.Tensor) -> None:
+        self._features[key] = features if self.dtype is None else features.to(self.dtype)
+
+    def free(self, keys) -> None:
+        for key in keys:
+            self._features.pop(key, None)   # an output a failed step never made is absent
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self._features.values())
 
 
 class MediaFeatures:
     """One request's images and videos. item_of[pos] / row_of[pos]: which input and which of its
-    feature rows fills prompt position pos (-1: not a placeholder)."""
+    feature rows fills prompt position pos (-1: not a placeholder). An input keeps its pixels
+    until the request holds its output in the store (some come without: the scheduler found
+    their output in the store at admission)."""
 
     def __init__(self, prompt_ids, inputs, image_id: int, video_id: int):
-        self.inputs = list(inputs)
+        self.keys = [encoder_key(x) for x in inputs]
+        self.grids = [[tuple(g) for g in x.grids] for x in inputs]
+        self.num_tokens = [x.num_tokens for x in inputs]
+        self.pixels = [x if x.pixel_values else None for x in inputs]   # protocol.MultiModalInput
+        self.held: set[int] = set()           # inputs whose output this request reads from the store
         n = len(prompt_ids)
         ids = np.asarray(prompt_ids)
         self.item_of = np.full(n, -1, dtype=np.int32)
@@ -26,7 +66,7 @@ class MediaFeatures:
         for modality, token in (("image", image_id), ("video", video_id)):
             positions = np.flatnonzero(ids == token)
             k = 0
-            for i, item in enumerate(self.inputs):
+            for i, item in enumerate(inputs):
                 if item.modality == modality:
                     where = positions[k:k + item.num_tokens]
                     self.item_of[where] = i
@@ -37,31 +77,49 @@ class MediaFeatures:
                                    f"{modality} features")
         placeholders = np.flatnonzero(self.item_of >= 0)
         self.end = int(placeholders[-1]) + 1 if len(placeholders) else 0   # past the last one
-        self.features: list[torch.Tensor | None] = [None] * len(self.inputs)
         self.num_encoded = 0
 
-    def rows(self, start: int, end: int, encoder) -> tuple[np.ndarray, torch.Tensor] | None:
-        """(offsets in [0, end - start) of the placeholder positions, their features [k, H]),
-        or None when the range holds none; encodes the inputs it needs that are not yet."""
+    def _needed(self, start: int, end: int) -> np.ndarray:
+        """The inputs with placeholders in prompt positions [start, end)."""
         end = min(end, self.end)
         if start >= end:                # decode steps, text after the last image: nothing to do
+            return np.zeros(0, dtype=np.int32)
+        items = self.item_of[start:end]
+        return np.unique(items[items >= 0])
+
+    def encode(self, start: int, end: int, encoder, store: EncoderOutputs) -> None:
+        """Make sure the store has the output of every input with placeholders in [start, end):
+        encode those it lacks (from this request's pixels), then drop their pixels."""
+        for i in self._needed(start, end):
+            if i in self.held:
+                continue
+            key = self.keys[i]
+            if key not in store:
+                item = self.pixels[i]
+                if item is None:
+                    raise RuntimeError(f"encoder output {key[:16]} is neither in this rank's store nor "
+                                       f"encodable (no pixels): the scheduler's encoder cache and the "
+                                       f"rank disagree")
+                out = encoder(pixel_values(item), self.grids[i])                # [num_tokens, H]
+                if out.shape[0] != self.num_tokens[i]:
+                    raise RuntimeError(f"vision encoder gave {out.shape[0]} rows for an input of "
+                                       f"{self.num_tokens[i]} tokens")
+                store.put(key, out)
+                self.num_encoded += 1
+            self.held.add(int(i))
+            self.pixels[i] = None
+
+    def rows(self, start: int, end: int, store: EncoderOutputs) -> tuple[np.ndarray, torch.Tensor] | None:
+        """(offsets in [0, end - start) of the placeholder positions, their features [k, H]),
+        or None when the range holds none; `encode` made the store hold them."""
+        needed = self._needed(start, end)
+        if not len(needed):
             return None
+        end = min(end, self.end)
         items = self.item_of[start:end]
         offsets = np.flatnonzero(items >= 0)
-        if not len(offsets):
-            return None
-        needed = np.unique(items[offsets])
-        for i in needed:
-            if self.features[i] is None:
-                item = self.inputs[i]
-                out = encoder(pixel_values(item), [tuple(g) for g in item.grids])
-                if out.shape[0] != item.num_tokens:
-                    raise RuntimeError(f"vision encoder gave {out.shape[0]} rows for an input of "
-                                       f"{item.num_tokens} tokens")
-                self.features[i] = out
-                self.num_encoded += 1
         rows = self.row_of[start:end][offsets]
-        first = self.features[needed[0]]
+        first = store.get(self.keys[needed[0]])
         if len(needed) == 1:
             return offsets, first[torch.from_numpy(rows).long().to(first.device)]
         out = first.new_empty(len(offsets), first.shape[1])                    # [k, H]
@@ -69,5 +127,5 @@ class MediaFeatures:
         for i in needed:
             sel = np.flatnonzero(of_item == i)
             out[torch.from_numpy(sel).to(out.device)] = \
-                self.features[i][torch.from_numpy(rows[sel]).long().to(out.device)]
+                store.get(self.keys[i])[torch.from_numpy(rows[sel]).long().to(out.device)]
         return offsets, out

@@ -72,6 +72,7 @@ class ModelRunner:
         self.spec_graphs = None       # worker.spec_graphs.SpecDecodeGraphs, with the proposer on a GPU
         self.vision = None            # model.vision.VisionEncoder when images are served (set by the worker)
         self.media: dict = {}         # request id -> worker.media.MediaFeatures
+        self.encoder_outputs = None   # worker.media.EncoderOutputs, with the vision encoder
         self.num_graph_steps = self.num_eager_steps = 0
         self._allocate_caches()
 
@@ -187,6 +188,8 @@ class ModelRunner:
     # ------------------------------------------------------------ images and videos
 
     def _track_media(self, so: SchedulerOutput) -> None:
+        if so.encoder_cache_frees and self.encoder_outputs is not None:
+            self.encoder_outputs.free(so.encoder_cache_frees)
         for req_id in so.finished_req_ids:
             self.media.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -196,17 +199,22 @@ class ModelRunner:
                                                        self.cfg.image_token_id, self.cfg.video_token_id)
 
     def _media_embeds(self, batch: ScheduledBatch | None):
-        """(step token slots [k], features [k, H]) of the placeholders this step computes
-        (encoding the images it reaches for the first time), or None."""
+        """(step token slots [k], features [k, H]) of the placeholders this step computes, or
+        None. First every request encodes what the store lacks (a request may read an output
+        that another one encodes in this step), then the rows are gathered."""
         if batch is None or not self.media:
             return None
         slots, rows = [], []
         start = batch.seq_lens - batch.num_scheduled                       # [R]
-        for i, req_id in enumerate(batch.req_ids):
-            media = self.media.get(req_id)
+        ranges = [(self.media.get(req_id), int(start[i]), int(batch.seq_lens[i]))
+                  for i, req_id in enumerate(batch.req_ids)]
+        for media, first, end in ranges:
+            if media is not None:
+                media.encode(first, end, self.vision, self.encoder_outputs)
+        for i, (media, first, end) in enumerate(ranges):
             if media is None:
                 continue
-            found = media.rows(int(start[i]), int(batch.seq_lens[i]), self.vision)
+            found = media.rows(first, end, self.encoder_outputs)
             if found is not None:
                 offsets, feats = found
                 slots.append(torch.from_numpy(offsets + int(batch.query_start_loc[i])))

@@ -61,6 +61,8 @@ class Worker:
         else:
             from m3serve.model.loader import load_vision_encoder
             self.vision = load_vision_encoder(cfg, loaded_dir, self.model.dtype, self.device)
+        # an encoder output is [num_tokens, hidden] in the model's dtype (worker/media.py)
+        self.encoder_bytes_per_token = cfg.hidden_size * self.model.dtype.itemsize if self.vision is not None else 0
         self.block_size = config.cache.block_size or cfg.index_block_size
         if self.block_size != cfg.index_block_size:
             raise ValueError(f"block_size {self.block_size} must equal the model's sparse block size "
@@ -137,6 +139,9 @@ class Worker:
             sample_everywhere=self.proposer is not None,
             extra_positions=config.speculative.num_speculative_tokens, draft_tables=self.draft_window > 0)
         self.runner.vision = self.vision
+        if self.vision is not None:
+            from m3serve.worker.media import EncoderOutputs
+            self.runner.encoder_outputs = EncoderOutputs(self.model.dtype)
         if self.is_driver or self.proposer is not None:      # the ranks that sample
             from m3serve.worker.structured import GrammarBook
             self.runner.step_sampler.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
@@ -239,8 +244,11 @@ class Worker:
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # keep headroom for activations of a full token budget (logits dominate)
+        # keep headroom for activations of a full token budget (logits dominate), and room for
+        # the encoder outputs within --mm-encoder-cache-gb (core/encoder_cache.py)
         headroom = 2 << 30
+        if self.vision is not None:
+            headroom += self.config.model.mm_encoder_cache_bytes
         budget = int(total * cache.gpu_memory_utilization) - (total - free) - headroom
         if budget <= 0:
             raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
@@ -293,4 +301,6 @@ class Worker:
             "num_batch_rows": self.runner.batch.num_rows if self.runner else 0,
             "index_cache_layers": ([i for i, c in enumerate(self.runner.index_caches) if c is not None]
                                    if self.runner else []),
+            # the store of vision-encoder outputs (the same keys on every rank)
+            "encoder_outputs": sorted(store) if (store := self.runner and self.runner.encoder_outputs) else [],
         }

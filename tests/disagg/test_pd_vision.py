@@ -1,6 +1,7 @@
 """Images through P/D on the tiny vision checkpoint (float32): the decode side's answer after
-pulling the prompt's KV equals one server's, and so does a decode side whose pull fails and that
-computes the prompt itself, which it can because the request carries its image to both sides."""
+pulling the prompt's KV equals one server's, without encoding the images, and so does a decode
+side whose pull fails and that computes the prompt itself, which it can because the request
+carries its image to both sides."""
 import sys
 from pathlib import Path
 
@@ -44,12 +45,17 @@ def test_decode_side_answers_as_one_server(servers, consumer):
     P, D = servers["P"], servers[consumer]
     b = body(seed=3)
     want = greedy_reference(P, ROUTE, b, margin=F32_MARGIN)
-    fallbacks = D.metrics()["m3serve:kv_transfer_fallbacks_total"]
+    before = D.metrics()
     params = prefill_leg(P, ROUTE, b)["kv_transfer_params"]
     wait_steps_idle(D)
     r = decode_leg(D, ROUTE, b, params)
     assert r.status_code == 200, r.text
     assert_same_greedy(text_of(r.json()), want, P, D, ROUTE, b)
-    assert D.metrics()["m3serve:kv_transfer_fallbacks_total"] == fallbacks + (consumer == "fail")
+    after = D.metrics()
+    failed = consumer == "fail"
+    assert after["m3serve:kv_transfer_fallbacks_total"] == before["m3serve:kv_transfer_fallbacks_total"] + failed
+    # the pulled prompt's images are never encoded here; a fallback encodes both (it has their pixels)
+    queries = "m3serve:mm_encoder_cache_queries_total"
+    assert after[queries] - before[queries] == (2 if failed else 0)
     assert_clean(D)
     assert_clean(P)

@@ -88,7 +88,7 @@ def test_greedy_equals_transformers(tiny_vision_dir, expected, flags):
         assert out.prompt_token_ids == ids, name
         assert out.outputs[0].token_ids == tokens, name
     llm.engine.engine_states()                  # a step that tells the worker who finished
-    assert llm.engine.worker.runner.media == {}         # features dropped with their requests
+    assert llm.engine.worker.runner.media == {}         # media state dropped with the requests
     if "kv_cache_memory" in flags:
         assert llm.engine.core.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm)

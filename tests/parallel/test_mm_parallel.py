@@ -1,5 +1,6 @@
 """Images and a video at TP 2 (gloo CPU processes): every rank holds the vision encoder, the
-media travel to the followers with the step, and the tokens equal one in-process rank's."""
+media travel to the followers with the step, the tokens equal one in-process rank's, and every
+rank keeps the same encoder outputs."""
 import sys
 from pathlib import Path
 
@@ -37,5 +38,10 @@ def test_tp2_equals_one_rank(tiny_vision_dir):
     try:
         assert tp.engine.core is None
         assert [o.outputs[0].token_ids for o in tp.generate(requests(), GREEDY, use_tqdm=False)] == ref
+        # the scheduler's encoder cache decides for every rank: both keep the same outputs
+        # for reuse, those the one-rank engine keeps
+        ranks = tp.engine.engine_states()[0].ranks
+        kept = sorted(one.engine.worker.runner.encoder_outputs)
+        assert len(kept) == 3 and [r["encoder_outputs"] for r in ranks] == [kept, kept]
     finally:
         tp.shutdown()

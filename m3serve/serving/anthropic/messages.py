@@ -129,6 +129,8 @@ class Generation:
         stream = self.ctx.engine.generate(self.request_id, self.prompt.text, self.prompt.token_ids,
                                           self._first_params, self.arrival, mm_inputs=self.prompt.mm_inputs)
         [self._stream] = await admit([stream])
+        if self.budget is None:
+            self.prompt.mm_inputs = None     # no second leg: the engine has the pixels
 
     async def _leg(self, stream, first: bool = False) -> AsyncIterator[str]:
         seq = None

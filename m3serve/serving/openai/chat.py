@@ -161,6 +161,7 @@ async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequ
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     [stream] = await admit([ctx.engine.generate(request_id, prompt, ids, params, arrival_time,
                                                 request.cache_salt, kv, mm_inputs=mm_inputs)])
+    del mm_inputs                    # the engine has the pixels
     choices = [_Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
                for _ in range(request.n)]
     header = {"id": request_id, "object": "chat.completion", "created": created, "model": ctx.model_name}

@@ -125,6 +125,7 @@ class ServingEngine:
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
         requests = state.engine_requests(self.eos_token_id, cache_salt, kv_transfer_params, mm_inputs)
         queue = await self.client.add_requests(request_id, requests)
+        del requests, mm_inputs          # the engine has the pixels: none stay here for the request's life
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         by_id = {seq.request_id: seq for seq in state.sequences}
         last_output: dict[str, float] = {}

@@ -262,6 +262,7 @@ class ResponsesAPI:
         response_id = _id("resp")
         [stream] = await admit([ctx.engine.generate(response_id, prompt, ids, params, arrival_time,
                                                     chat.cache_salt, mm_inputs=mm_inputs)])
+        del mm_inputs                # the engine has the pixels
         choice = _Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
         sign = self.signer.sign if "reasoning.encrypted_content" in (request.include or []) else None
         summary = bool(request.reasoning and (request.reasoning.summary or request.reasoning.generate_summary))
