@@ -87,25 +87,18 @@ class MediaFeatures:
         items = self.item_of[start:end]
         return np.unique(items[items >= 0])
 
-    def encode(self, start: int, end: int, encoder, store: EncoderOutputs) -> None:
-        """Make sure the store has the output of every input with placeholders in [start, end):
-        encode those it lacks (from this request's pixels), then drop their pixels."""
+    def missing(self, start: int, end: int, store: EncoderOutputs) -> list[int]:
+        """The inputs with placeholders in [start, end) that this request does not hold and the
+        store lacks: the ones a step must encode (from this request's pixels, or from another
+        request of the step that has the same input's pixels)."""
+        return [int(i) for i in self._needed(start, end) if i not in self.held and self.keys[i] not in store]
+
+    def hold(self, start: int, end: int, store: EncoderOutputs) -> None:
+        """Hold every input with placeholders in [start, end) (the store has their outputs now)
+        and drop their pixels."""
         for i in self._needed(start, end):
-            if i in self.held:
-                continue
-            key = self.keys[i]
-            if key not in store:
-                item = self.pixels[i]
-                if item is None:
-                    raise RuntimeError(f"encoder output {key[:16]} is neither in this rank's store nor "
-                                       f"encodable (no pixels): the scheduler's encoder cache and the "
-                                       f"rank disagree")
-                out = encoder(pixel_values(item), self.grids[i])                # [num_tokens, H]
-                if out.shape[0] != self.num_tokens[i]:
-                    raise RuntimeError(f"vision encoder gave {out.shape[0]} rows for an input of "
-                                       f"{self.num_tokens[i]} tokens")
-                store.put(key, out)
-                self.num_encoded += 1
+            if self.keys[i] not in store:
+                raise RuntimeError(f"encoder output {self.keys[i][:16]} missing from the store after encoding")
             self.held.add(int(i))
             self.pixels[i] = None
 
@@ -129,3 +122,35 @@ class MediaFeatures:
             out[torch.from_numpy(sel).to(out.device)] = \
                 store.get(self.keys[i])[torch.from_numpy(rows[sel]).long().to(out.device)]
         return offsets, out
+
+
+def encode_step(ranges, encoder, store: EncoderOutputs) -> int:
+    """Give the store the output of every input that the step's requests need, in one encoder
+    forward: `ranges` is [(MediaFeatures, first position, end position)] of the step's requests;
+    each distinct key is encoded once, however many requests need it; then every request holds
+    its inputs. Returns how many inputs were encoded."""
+    todo: dict[str, tuple[MediaFeatures, int]] = {}
+    without: dict[str, MediaFeatures] = {}           # needed by a request that has no pixels for it
+    for media, first, end in ranges:
+        for i in media.missing(first, end, store):
+            if media.pixels[i] is None:
+                without.setdefault(media.keys[i], media)
+            else:
+                todo.setdefault(media.keys[i], (media, i))
+    for key in without.keys() - todo.keys():
+        raise RuntimeError(f"encoder output {key[:16]} is neither in this rank's store nor encodable "
+                           f"(no pixels in this step): the scheduler's encoder cache and the rank disagree")
+    if todo:
+        items = list(todo.items())
+        pixels = torch.cat([pixel_values(media.pixels[i]) for _, (media, i) in items])   # [patches, 1176]
+        grids = [g for _, (media, i) in items for g in media.grids[i]]
+        out = encoder(pixels, grids)                                                 # [tokens, H]
+        want = sum(media.num_tokens[i] for _, (media, i) in items)
+        if out.shape[0] != want:
+            raise RuntimeError(f"vision encoder gave {out.shape[0]} rows for inputs of {want} tokens")
+        for (key, (media, i)), features in zip(items, out.split([m.num_tokens[j] for _, (m, j) in items])):
+            store.put(key, features)
+            media.num_encoded += 1
+    for media, first, end in ranges:
+        media.hold(first, end, store)
+    return len(todo)

@@ -200,17 +200,17 @@ class ModelRunner:
 
     def _media_embeds(self, batch: ScheduledBatch | None):
         """(step token slots [k], features [k, H]) of the placeholders this step computes, or
-        None. First every request encodes what the store lacks (a request may read an output
-        that another one encodes in this step), then the rows are gathered."""
+        None. First the store gets what the step's requests need, in one encoder forward (a
+        request may read an output that another one encodes in this step), then the rows are
+        gathered."""
         if batch is None or not self.media:
             return None
         slots, rows = [], []
         start = batch.seq_lens - batch.num_scheduled                       # [R]
         ranges = [(self.media.get(req_id), int(start[i]), int(batch.seq_lens[i]))
                   for i, req_id in enumerate(batch.req_ids)]
-        for media, first, end in ranges:
-            if media is not None:
-                media.encode(first, end, self.vision, self.encoder_outputs)
+        from m3serve.worker.media import encode_step
+        encode_step([r for r in ranges if r[0] is not None], self.vision, self.encoder_outputs)
         for i, (media, first, end) in enumerate(ranges):
             if media is None:
                 continue

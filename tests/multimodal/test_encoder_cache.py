@@ -26,10 +26,11 @@ def prompt(*seeds, text=None, size=(150, 100)):
 
 
 def count_encodes(llm) -> list:
-    """Every vision-encoder call of `llm`'s rank from now on (one entry each)."""
-    runner, calls = llm.engine.worker.runner, []
-    encoder = runner.vision
-    runner.vision = lambda *a: calls.append(1) or encoder(*a)
+    """Every image or video `llm`'s rank encodes from now on (one entry each, whether a step
+    encodes it alone or in one forward with others)."""
+    store, calls = llm.engine.worker.runner.encoder_outputs, []
+    put = store.put
+    store.put = lambda key, features: calls.append(key) or put(key, features)
     return calls
 
 
@@ -149,6 +150,22 @@ def test_one_encode_per_image_within_a_step_and_a_prompt(cached, fresh):
     calls = count_encodes(cached)
     assert tokens(cached, batch) == want
     assert len(calls) == 2
+    assert_all_blocks_free(cached)
+
+
+def test_a_steps_images_go_through_one_encoder_forward(cached, fresh):
+    """Three requests admitted together, four distinct images of three sizes: one encoder
+    forward for the step (grids of all four), the answers equal to encodes one by one."""
+    batch = [prompt(61), prompt(62, 63, size=(90, 60)), prompt(64, size=(60, 130))]
+    want = tokens(fresh, batch)
+    runner = cached.engine.worker.runner
+    encoder, forwards = runner.vision, []
+    runner.vision = lambda pixels, grids: forwards.append(len(grids)) or encoder(pixels, grids)
+    try:
+        assert tokens(cached, batch) == want
+    finally:
+        runner.vision = encoder
+    assert forwards == [4]
     assert_all_blocks_free(cached)
 
 
