@@ -213,7 +213,9 @@ def preprocess_video(frames, options: ProcessorOptions = ProcessorOptions(),
     video = torch.stack(rgb)                                        # [T, 3, H, W] uint8
     height, width = smart_resize(shape[1], shape[2], options.video_min_pixels, options.video_max_pixels)
     video = resize(video, height, width)
-    digest = _content_hash("video", video, f"fps={fps}")
+    # the segments are attention boundaries: the same frames cut otherwise give other features,
+    # so two cuts must not share prefix-cache blocks
+    digest = _content_hash("video", video, f"fps={fps}:segment={options.vision_segment_max_frames}")
     num_frames = video.shape[0]
     pixels = normalize(video)
     if pad := -num_frames % TEMPORAL_PATCH_SIZE:

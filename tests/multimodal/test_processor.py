@@ -111,3 +111,12 @@ def test_equals_recorded_transformers_outputs():
         assert [list(g) for g in item.grids] == want["grids"], name
         assert list(item.pixel_values.shape) == want["shape"], name
         assert digest(item.pixel_values) == want["sha256"], name
+
+
+def test_video_hash_covers_its_segments():
+    """Frames cut into other segments attend otherwise, so their hash (the prefix-cache key)
+    differs; the same cut hashes the same."""
+    frames = np.random.default_rng(5).integers(0, 256, (8, 56, 56, 3), dtype=np.uint8)
+    a, b, c = (preprocess_video(frames, ProcessorOptions.from_kwargs({"vision_segment_max_frames": s}))
+               for s in (2, 2, 4))
+    assert a.content_hash == b.content_hash != c.content_hash
