@@ -117,7 +117,8 @@ def test_encoder_runs_once_per_image_under_chunking(tiny_vision_dir):
     runner = llm.engine.worker.runner
     calls = []
     encoder = runner.vision
-    runner.vision = lambda *a: calls.append(1) or encoder(*a)
+    # one entry per image encoded (a step that reaches both encodes them in one forward)
+    runner.vision = lambda pixels, grids: calls.extend(grids) or encoder(pixels, grids)
     llm.generate({"prompt": CASES["two_images"][0], "multi_modal_data": CASES["two_images"][1]},
                  GREEDY, use_tqdm=False)
     assert len(calls) == 2 and llm.engine.core.num_steps > 5
