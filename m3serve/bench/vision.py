@@ -56,6 +56,33 @@ def _profile(encoder, items, device) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=30))
 
 
+def _attention_backends(cfg, device, iters: int) -> dict:
+    """ms per call of one layer's attention over 1 and 16 672² images (2,304 patches each) in
+    bf16: torch's variable-length flash call (the encoder's), and SDPA's flash and cuDNN
+    backends over [images, heads, patches, head_dim]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from m3serve.model.vision import _varlen_attn
+    out = {}
+    for images in (1, 16):
+        n, h, d = images * 2304, cfg.num_attention_heads, cfg.head_dim
+        q, k, v = (torch.randn(n, h, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+        cu = torch.arange(0, n + 1, 2304, device=device, dtype=torch.int32)
+        four = [t.view(images, 2304, h, d).transpose(1, 2) for t in (q, k, v)]
+        calls = {"varlen_flash": lambda: _varlen_attn()(q, k, v, cu, cu, 2304, 2304)}
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def call(backend=backend):
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(*four)
+            calls[name] = call
+        for name, fn in calls.items():
+            try:
+                out[f"{name}_images{images}_ms"] = round(_timed(fn, device, iters) * 1e3, 3)
+            except RuntimeError as e:
+                out[f"{name}_images{images}_ms"] = f"unavailable: {str(e)[:80]}"
+    return out
+
+
 def main(argv=None) -> None:
     from m3serve.model.known_configs import __path__ as known
     from m3serve.model.vision import VisionEncoder, _use_varlen, parse_vision_config
@@ -118,6 +145,7 @@ def main(argv=None) -> None:
     report["mixed16"] = {"sizes": sorted(set(sizes)), "patches": int(pvs.shape[0]),
                          "images_per_s": round(16 / seconds, 2), "ms_per_forward": round(seconds * 1e3, 2)}
     if device.type == "cuda":
+        report["attention_one_layer"] = _attention_backends(cfg, device, args.iters)
         report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     print(json.dumps(report, indent=1))
 

@@ -160,14 +160,17 @@ class _Attention(nn.Module):
 
     def forward(self, x, cos, sin, seqlens: list[int]):
         n = x.shape[0]
-        qkv = F.linear(x, *self._fused_qkv()).view(n, 3, self.num_heads, self.head_dim)
-        q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
-        v = qkv[:, 2]
+        qkv = F.linear(x, *self._fused_qkv())                                      # [n, 3D]
         if _use_varlen(x):
+            from m3serve.kernels.vision_rope import vision_qkv_rope
+            q, k, v = vision_qkv_rope(qkv, cos, sin, self.num_heads)                # [n, heads, hd] each
             cu = torch.tensor([0] + seqlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
             longest = max(seqlens)
-            o = _varlen_attn()(q, k, v.contiguous(), cu, cu, longest, longest)             # [n, heads, hd]
+            o = _varlen_attn()(q, k, v, cu, cu, longest, longest)                   # [n, heads, hd]
             return self.out_proj(o.reshape(n, -1))
+        qkv = qkv.view(n, 3, self.num_heads, self.head_dim)
+        q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
+        v = qkv[:, 2]
         outs, start = [], 0
         for length, count in _runs(seqlens):
             # bidirectional attention inside each image / segment; equal lengths in one batched
@@ -191,9 +194,10 @@ def _varlen_attn():
 
 
 def _use_varlen(x: torch.Tensor) -> bool:
-    """One flash call over every image of the forward (no padding, no per-size loop) on a CUDA
-    device in half precision; `M3SERVE_VISION_ATTENTION=runs` keeps the per-size SDPA calls (the
-    CPU and float32 path) for comparison."""
+    """On a CUDA device in half precision: the qkv split and RoPE in one Triton launch
+    (`kernels.vision_rope`), then one flash call over every image of the forward (no padding, no
+    per-size loop); `M3SERVE_VISION_ATTENTION=runs` keeps the torch ops and per-size SDPA calls
+    (the CPU and float32 path) for comparison."""
     from m3serve import envs
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and envs.VISION_ATTENTION != "runs"
             and _varlen_attn() is not None)
