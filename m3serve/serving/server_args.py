@@ -118,6 +118,12 @@ class ServerConfig:
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"
 
+    @property
+    def url(self) -> str:
+        """The base URL the server listens on (`http://0.0.0.0:8000`: every interface)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
     def uvicorn_ssl_kwargs(self) -> dict:
         """uvicorn.Config's TLS arguments (empty without TLS)."""
         if self.ssl_certfile is None:

@@ -91,3 +91,9 @@ def test_flag_help_shows_defaults_and_escapes_percent():
     assert flag_help("Share of 5 %.", 0.9, False) == "Share of 5 %%. (default: 0.9)"
     assert flag_help("Switch.", True, True) == "Switch. (default: on)"
     assert flag_help("Unset means the model's.", None, False) == "Unset means the model's."
+
+
+def test_the_listening_url_the_server_logs():
+    from m3serve.serving.server_args import ServerConfig
+    assert ServerConfig().url == "http://0.0.0.0:8000"
+    assert ServerConfig(host="::1", port=8080).url == "http://[::1]:8080"
