@@ -11,7 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from pdutil import assert_clean, pd_flags  # noqa: E402
 from serverutil import LiveServer  # noqa: E402
 
-pytest.importorskip("nixl", reason="P/D tests need NIXL (pip install nixl)")
+try:
+    from m3serve.disagg.nixl_worker import nixl_api
+    nixl_api()
+except ImportError as e:
+    pytest.skip(f"P/D tests need NIXL (pip install nixl): {e}", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")
