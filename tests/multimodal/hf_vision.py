@@ -3,7 +3,7 @@
 They need torchvision. A torchvision wheel built for another torch (a CUDA build next to the CPU
 torch) fails at import while registering its compiled operators, which these processors never
 use; that registration is skipped here. Without torchvision the tests that need it skip, or fail
-with M3SERVE_REQUIRE_TORCHVISION=1 (set by .ci/run).
+with M3SERVE_REQUIRE_TEST_DEPS=1 (set by .ci/run).
 """
 import os
 from unittest import mock
@@ -13,13 +13,13 @@ import torch
 
 
 def import_torchvision():
-    """Import torchvision, or skip the test (fail with M3SERVE_REQUIRE_TORCHVISION=1, as in CI)."""
+    """Import torchvision, or skip the test (fail with M3SERVE_REQUIRE_TEST_DEPS=1, as in CI)."""
     try:
         import torchvision  # noqa: F401
         return
     except ImportError:
-        if os.environ.get("M3SERVE_REQUIRE_TORCHVISION") == "1":
-            pytest.fail("the transformers processors need torchvision, and M3SERVE_REQUIRE_TORCHVISION=1 "
+        if os.environ.get("M3SERVE_REQUIRE_TEST_DEPS") == "1":
+            pytest.fail("the transformers processors need torchvision, and M3SERVE_REQUIRE_TEST_DEPS=1 "
                         "says these tests must run here (pip install --no-deps torchvision==<the torch "
                         "release's>)")
         pytest.skip("the transformers processors need torchvision")
