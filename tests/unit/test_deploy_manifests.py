@@ -272,3 +272,38 @@ def test_a_renamed_flag_or_a_bad_value_fails_the_check():
         parse(["serve", "MiniMaxAI/MiniMax-M3", "--tensor-parallel", "8"])      # a prefix argparse accepts
     with pytest.raises(ValueError):
         parse(["serve", "-tp", "8", "--nnodes", "2", "--node-rank", "2"])
+
+
+def readme_commands() -> list[list[str]]:
+    """argv after `m3serve` of each command line in the README's code blocks."""
+    lines, out = (DEPLOY.parent / "README.md").read_text().splitlines(), []
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        while line.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            line = line[:-1] + " " + lines[i].strip()
+        if line.startswith("m3serve ") and (lines[i].startswith("    ") or lines[i - 1].strip().startswith("m3serve")):
+            out.append(shlex.split(line, comments=True)[1:])
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize("argv", readme_commands(), ids=" ".join)
+def test_the_readme_command_lines_parse(argv):
+    parse(argv)
+
+
+def test_the_readme_shows_the_serve_plan_and_generate_commands():
+    commands = {argv[0] for argv in readme_commands()}
+    assert {"serve", "plan", "generate"} <= commands
+    assert all(argv[1:2] != [] for argv in readme_commands() if argv[0] == "plan")   # plan needs its MODEL
+
+
+def test_the_one_node_manifest_runs_the_readme_command():
+    readme = next(a for a in readme_commands() if a[:2] == ["serve", "MiniMaxAI/MiniMax-M3"])
+    manifest = next(argv for where, _, _, argv in m3serve_commands() if where.startswith("one-node-tp8.yaml"))
+    (_, engine_a, server_a), (_, engine_b, server_b) = parse(readme), parse(manifest)
+    assert engine_a == engine_b
+    for name in ("port", "served_model_name", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice"):
+        assert getattr(server_a, name) == getattr(server_b, name), name
