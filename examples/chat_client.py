@@ -2,6 +2,7 @@
 the official `openai` client and print it as it arrives; the server is stopped at the end.
 
     python examples/chat_client.py                      # tiny model, random weights: gibberish text
+    python examples/chat_client.py --port 8000          # the server it starts listens on port 8000
     python examples/chat_client.py --base-url http://127.0.0.1:8000/v1   # an already running server
 """
 from __future__ import annotations
@@ -42,6 +43,8 @@ def start_server(model: str | None, port: int) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default=None, help="checkpoint (default: the tiny model)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="port of the server this starts on 127.0.0.1 (default: a free one)")
     parser.add_argument("--base-url", default=None, help="use this running server instead of starting one")
     parser.add_argument("--message", default="Tell me about the MiniMax-M3 model.")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -49,10 +52,14 @@ def main() -> None:
 
     proc = None
     base_url = args.base_url
+    if base_url is not None and (args.port is not None or args.model is not None):
+        parser.error("--base-url names a running server: MODEL and --port are for the one this starts")
     if base_url is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = args.port
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         proc = start_server(args.model, port)
         base_url = f"http://127.0.0.1:{port}/v1"
     try:

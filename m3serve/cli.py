@@ -72,11 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate completions with the offline API and print them")
     gen.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (default: 0, off)")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="seed of the prompts' sampling (default: none, the engine's --seed)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -10,25 +10,65 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# Closed sets of values (flags list them in --help; errors name them all)
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "fp32")
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATION_METHODS = ("fp8", "fp8_per_channel", "mxfp8", "mxfp4", "nvfp4")
+CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+def _choices(values: tuple, metavar: str | None = None) -> dict:
+    """Field metadata of a flag with a closed set of values (`engine_args` turns it into argparse
+    choices)."""
+    return {"choices": values, **({"metavar": metavar} if metavar else {})}
+
+
+def _metavar(name: str) -> dict:
+    """Field metadata naming the unit or form of a flag's value in --help (`--kv-offloading-size GiB`)."""
+    return {"metavar": name}
+
+
+def unsupported(option: str, value, supported) -> ValueError:
+    """The error for a value outside a closed set, naming the value and every supported one."""
+    return ValueError(f"{option}: unsupported value {value!r} (supported: {', '.join(supported)})")
+
+
+# Each field's string literal below it is its documentation: `--help` prints it
+# (`config_docs.field_docs`), so the flag's help and the field cannot drift apart.
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None          # local dir or hub repo id; None = the embedded tiny model
-    dtype: str = "auto"               # auto | bfloat16 | float32
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    model: str | None = None
+    """Checkpoint directory or hub repo id (default: the embedded tiny model, random weights)."""
+    dtype: str = field(default="auto", metadata=_choices(DTYPES))
+    """Dtype of weights and activations; auto: the checkpoint's torch_dtype (bfloat16 for MiniMax-M3)."""
+    max_model_len: int | None = field(default=None, metadata=_metavar("TOKENS"))
+    """Longest prompt + output in tokens (default: the model's max_position_embeddings)."""
     seed: int = 0
-    device: str = "auto"              # auto | cpu | cuda
-    load_format: str = "auto"         # auto (read the checkpoint) | dummy (random weights, real shapes)
-    # None | fp8 (online: per-channel weights, per-token activations) | mxfp4 | nvfp4 (online:
-    # 4-bit routed and shared experts); a quantised checkpoint's own format needs no flag
-    quantization: str | None = None
-    hf_overrides: str | dict | None = None   # JSON laid over config.json (vLLM's --hf-overrides)
-    language_model_only: bool = False        # skip the vision tower: text-only serving
-    limit_mm_per_prompt: str | dict | None = None   # JSON {"image": N, "video": M}; None = 16 / 2
-    mm_processor_kwargs: str | dict | None = None   # JSON defaults of the image / video processor
-    # GiB of vision-encoder outputs each rank keeps (on its device) for images and videos that
-    # come back, by content (core/encoder_cache.py); the running requests' own outputs count
-    # in it; 0: keep an output only while a request uses it
-    mm_encoder_cache_gb: float = 1.0
+    """The engine's base seed: random weights (--load-format dummy) and the sampling of requests that
+    set no seed."""
+    device: str = "auto"
+    """auto (a GPU when there is one, else the CPU), cpu, or cuda."""
+    load_format: str = field(default="auto", metadata=_choices(LOAD_FORMATS))
+    """auto: read the checkpoint's weights; dummy: random weights of the real shapes (config.json only)."""
+    quantization: str | None = field(default=None, metadata=_choices(QUANTIZATION_METHODS))
+    """Quantise a BF16 checkpoint while loading: fp8 (= fp8_per_channel: every linear, per-channel
+    weights, per-token activations), mxfp8 (every linear and the routed experts as MXFP8), mxfp4 or
+    nvfp4 (4-bit routed and shared experts). A quantised checkpoint's own format needs no flag
+    (default: the checkpoint's weights as stored)."""
+    hf_overrides: str | dict | None = field(default=None, metadata=_metavar("JSON"))
+    """JSON object laid over config.json (vLLM's --hf-overrides; default: none)."""
+    language_model_only: bool = False
+    """Skip the vision tower: text-only serving, media requests are a 400."""
+    limit_mm_per_prompt: str | dict | None = field(default=None, metadata=_metavar("JSON"))
+    """Media items per prompt, JSON {"image": N, "video": M} (default: 16 images, 2 videos)."""
+    mm_processor_kwargs: str | dict | None = field(default=None, metadata=_metavar("JSON"))
+    """JSON defaults of the image / video processor: min_pixels, max_pixels, video_min_pixels,
+    video_max_pixels, vision_segment_max_frames (default: the checkpoint's processor config)."""
+    mm_encoder_cache_gb: float = field(default=1.0, metadata=_metavar("GiB"))
+    """GiB of vision-encoder outputs each rank keeps on its device for images and videos that come
+    back, by content; the running requests' own outputs count in it; 0: keep an output only while a
+    request uses it."""
 
     def __post_init__(self):
         if self.hf_overrides is not None:
@@ -39,13 +79,12 @@ class ModelConfig:
             kwargs = _json_object_option(self.mm_processor_kwargs, "mm_processor_kwargs")
             ProcessorOptions.from_kwargs(kwargs)      # checked here, applied per request
             object.__setattr__(self, "mm_processor_kwargs", kwargs)
-        if self.quantization not in (None, "fp8", "fp8_per_channel", "mxfp4", "nvfp4", "mxfp8"):
-            raise ValueError(f"quantization: unsupported value {self.quantization!r} (fp8, mxfp4, nvfp4, "
-                             f"mxfp8)")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format: unsupported value {self.load_format!r} (auto, dummy)")
-        if self.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32", "float16", "half"):
-            raise ValueError(f"dtype: unsupported value {self.dtype!r} (auto, bfloat16, float32)")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise unsupported("quantization", self.quantization, QUANTIZATION_METHODS)
+        if self.load_format not in LOAD_FORMATS:
+            raise unsupported("load_format", self.load_format, LOAD_FORMATS)
+        if self.dtype not in DTYPES:
+            raise unsupported("dtype", self.dtype, DTYPES)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         size = self.mm_encoder_cache_gb
@@ -63,16 +102,25 @@ KV_OFFLOADING_BACKENDS = ("native",)   # vLLM's default; lmcache is not built in
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int | None = None           # None = the model's sparse block size
-    gpu_memory_utilization: float = 0.9     # fraction of GPU memory the engine may use
-    kv_cache_memory: int | None = None      # bytes for the KV cache (any device); overrides the above
+    block_size: int | None = field(default=None, metadata=_metavar("TOKENS"))
+    """Tokens per KV block (default: the model's sparse block size, 128 for MiniMax-M3)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use (weights, KV cache, activations), in (0, 1]."""
+    kv_cache_memory: int | None = field(default=None, metadata=_metavar("BYTES"))
+    """Bytes of KV cache per rank, on any device; overrides --gpu-memory-utilization (default: what
+    that fraction leaves on a GPU, 256 MiB on a CPU)."""
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"            # auto | fp8 (e4m3, per-layer scales)
-    index_cache_dtype: str = "auto"         # auto | fp8 (plain e4m3 cast, docs/model.md §4)
-    # CPU tier below the GPU prefix cache (vLLM's flags): GiB of host memory summed over the TP
-    # ranks of a replica (each rank holds its share); None = no tier
-    kv_offloading_size: float | None = None
-    kv_offloading_backend: str = "native"
+    """Reuse the KV blocks of earlier requests' identical prompt prefixes."""
+    kv_cache_dtype: str = field(default="auto", metadata=_choices(CACHE_DTYPES))
+    """KV cache dtype: auto (the model dtype) or fp8 (= fp8_e4m3, per-layer scales)."""
+    index_cache_dtype: str = field(default="auto", metadata=_choices(CACHE_DTYPES))
+    """Index-key cache dtype of the sparse layers: auto (the model dtype) or fp8 (= fp8_e4m3, a plain
+    cast, docs/model.md §4)."""
+    kv_offloading_size: float | None = field(default=None, metadata=_metavar("GiB"))
+    """CPU tier below the GPU prefix cache: GiB of pinned host memory per replica, summed over its TP
+    ranks (each holds its share; vLLM's flag; default: no tier)."""
+    kv_offloading_backend: str = field(default="native", metadata=_choices(KV_OFFLOADING_BACKENDS))
+    """Implementation of the CPU tier (native is the only one)."""
 
     def __post_init__(self):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -82,13 +130,12 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype: unsupported value {self.kv_cache_dtype!r} (auto, fp8)")
-        if self.index_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-            raise ValueError(f"index_cache_dtype: unsupported value {self.index_cache_dtype!r} (auto, fp8)")
+        if self.kv_cache_dtype not in CACHE_DTYPES:
+            raise unsupported("kv_cache_dtype", self.kv_cache_dtype, CACHE_DTYPES)
+        if self.index_cache_dtype not in CACHE_DTYPES:
+            raise unsupported("index_cache_dtype", self.index_cache_dtype, CACHE_DTYPES)
         if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
-            raise ValueError(f"kv_offloading_backend: unsupported value {self.kv_offloading_backend!r} "
-                             f"(supported: {', '.join(KV_OFFLOADING_BACKENDS)})")
+            raise unsupported("kv_offloading_backend", self.kv_offloading_backend, KV_OFFLOADING_BACKENDS)
         size = self.kv_offloading_size
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
@@ -105,17 +152,23 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 8192  # token budget of one engine step
-    max_num_seqs: int = 256             # running requests at most
-    max_waiting_requests: int = 4096    # admission bound of the waiting queue (server answers 503 past it)
-    long_prefill_token_threshold: int = 0   # tokens one request may compute per step (0 = no cap)
-    max_num_partial_prefills: int = 0       # requests prefilling in one step at most (0 = no cap)
-    # image / video placeholder tokens whose encoding one step may start (None = the step's
-    # token budget); an item larger than the budget is encoded alone in its step
-    max_num_encoder_input_tokens: int | None = None
-    # schedule step N+1 while step N runs on the device (its argmax tokens feed N+1 there);
-    # None: on wherever it applies (vLLM's default), True: on or a start-up error, False: off
+    max_num_batched_tokens: int = field(default=8192, metadata=_metavar("TOKENS"))
+    """Token budget of one engine step (prefill chunks and decodes together)."""
+    max_num_seqs: int = 256
+    """Running requests at most."""
+    max_waiting_requests: int = 4096
+    """Bound of the waiting queue: past it the server answers 503 with Retry-After."""
+    long_prefill_token_threshold: int = field(default=0, metadata=_metavar("TOKENS"))
+    """Tokens one request may compute per step (0: no cap; with --max-num-partial-prefills > 1,
+    0 means 4 % of --max-model-len)."""
+    max_num_partial_prefills: int = 0
+    """Requests prefilling in one step at most (0: no cap)."""
+    max_num_encoder_input_tokens: int | None = field(default=None, metadata=_metavar("TOKENS"))
+    """Image / video placeholder tokens whose encoding one step may start; an item larger than the
+    budget is encoded alone in its step (default: --max-num-batched-tokens)."""
     async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs on the device (default: on wherever it applies, as vLLM;
+    --async-scheduling: on or a start-up error; --no-async-scheduling: off)."""
 
     def __post_init__(self):
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
@@ -151,16 +204,30 @@ class ParallelConfig:
     else every expert's intermediate dimension. Each DP rank has its own scheduler and KV cache.
     """
     tensor_parallel_size: int = 1
+    """GPUs each replica's attention, dense MLPs, shared expert, embedding and lm_head are split over."""
     data_parallel_size: int = 1
+    """Replicas, each with its own scheduler and KV cache; the MoE layers span all TP x DP ranks."""
     enable_expert_parallel: bool = False
-    distributed_executor_backend: str | None = None  # None = uni for one rank, mp otherwise
-    nnodes: int = 1                         # hosts; each runs `m3serve serve ... --node-rank R`
+    """The MoE layers' ranks hold whole experts instead of a slice of every expert."""
+    distributed_executor_backend: str | None = field(default=None, metadata=_choices(EXECUTOR_BACKENDS))
+    """uni: the one rank in this process; mp: every rank a process of its own (default: uni for one
+    rank, mp otherwise)."""
+    nnodes: int = 1
+    """Hosts of one engine; each runs the same `m3serve serve ...` with its own --node-rank."""
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"          # where rank 0 listens (node 0's address)
-    master_port: int | None = None          # None: a free port on one node, 29500 across nodes
-    data_parallel_rpc_port: int = 29550     # API <-> engine sockets across nodes use this and up
-    distributed_timeout_seconds: int = 600  # a collective that waits longer fails the engine
-    disable_custom_all_reduce: bool = False  # NCCL for every TP all-reduce (no one-shot IPC kernel)
+    """This host's index among --nnodes; node 0 serves HTTP, the others run ranks only."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where rank 0 listens (under torchrun: MASTER_ADDR)."""
+    master_port: int | None = None
+    """Port of rank 0's rendezvous on --master-addr (default: a free port on one host, 29500 across
+    hosts; under torchrun: MASTER_PORT + 1)."""
+    data_parallel_rpc_port: int = 29550
+    """Across hosts, node 0's API process listens on this port (outputs) and the next ones (one per
+    replica's inputs)."""
+    distributed_timeout_seconds: int = field(default=600, metadata=_metavar("SECONDS"))
+    """A collective (or an engine step) that waits longer fails the engine."""
+    disable_custom_all_reduce: bool = False
+    """NCCL for every TP all-reduce (no one-shot IPC all-reduce kernel)."""
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
@@ -173,8 +240,8 @@ class ParallelConfig:
                              f"x data_parallel_size {self.data_parallel_size}) cannot be spread "
                              f"evenly over nnodes={self.nnodes}")
         backend = self.distributed_executor_backend
-        if backend not in (None, "uni", "mp"):
-            raise ValueError(f"distributed_executor_backend: unsupported value {backend!r} (uni, mp)")
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise unsupported("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but "
                              f"{self.world_size} ranks were asked for; use 'mp'")
@@ -249,12 +316,14 @@ _CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_P
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    enforce_eager: bool = False                         # no CUDA graphs
-    cudagraph_capture_sizes: tuple[int, ...] | None = None  # decode batch sizes; None = 1,2,4,8,16,24,32,48,64,...
-    # vLLM's --compilation-config JSON: cudagraph_mode NONE = enforce_eager, any other mode =
-    # graphs for pure-decode steps (mixed steps run eagerly); cudagraph_capture_sizes as above;
-    # other keys are logged as not applicable (in `not_applicable`)
-    compilation_config: str | dict | None = None
+    enforce_eager: bool = False
+    """No CUDA graphs: every step runs eagerly."""
+    cudagraph_capture_sizes: tuple[int, ...] | None = field(default=None, metadata=_metavar("N,N,..."))
+    """Decode batch sizes captured as CUDA graphs, comma-separated (default: 1,2,4,8,16,24,32,48,64,...)."""
+    compilation_config: str | dict | None = field(default=None, metadata=_metavar("JSON"))
+    """vLLM's JSON: cudagraph_mode NONE = --enforce-eager, any other mode = graphs for pure-decode
+    steps (mixed steps run eagerly); cudagraph_capture_sizes as above; other keys are logged as not
+    applicable (default: none)."""
 
     def __post_init__(self):
         object.__setattr__(self, "not_applicable", {})
@@ -304,7 +373,10 @@ class SpeculativeConfig:
     drafts; None = on a GPU, each batch size speculates while the measured steps with drafts
     emit more tokens per second than those without, `core/spec_gate.py`; on a CPU, always).
     The parsed values are the attributes below; None = speculation off."""
-    speculative_config: str | dict | None = None
+    speculative_config: str | dict | None = field(default=None, metadata=_metavar("JSON"))
+    """Speculative decoding, vLLM's JSON: method (eagle3, mtp, dspark), model, num_speculative_tokens,
+    draft_tensor_parallel_size, rejection_sample_method, synthetic_acceptance_length,
+    disable_by_batch_size (docs/serving.md; default: off)."""
 
     def __post_init__(self):
         raw = self.speculative_config
@@ -442,7 +514,10 @@ class KVTransferConfig:
     thread, which keeps a core busy: default on with a GPU, off on CPU), test_fault (tests only: "fail"
     makes every pull fail inside NIXL, "stall" never posts it, "skip_index" leaves the index
     cache behind). None = no KV transfer."""
-    kv_transfer_config: str | dict | None = None
+    kv_transfer_config: str | dict | None = field(default=None, metadata=_metavar("JSON"))
+    """Prefill/decode disaggregation, vLLM's JSON: kv_connector (NixlConnector), kv_role (kv_producer,
+    kv_consumer, kv_both), engine_id, kv_load_failure_policy, kv_connector_extra_config
+    (docs/serving.md; default: off)."""
 
     def __post_init__(self):
         values = dict(kv_connector=None, kv_role=None, engine_id=None, kv_load_failure_policy="recompute",
@@ -572,7 +647,11 @@ class GenerationConfig:
     defaults) or a directory holding a generation_config.json. override_generation_config: a JSON
     object of GENERATION_KEYS laid over them (`{"temperature": 0.6}`)."""
     generation_config: str = "auto"
-    override_generation_config: str | dict | None = None
+    """Request sampling defaults: auto (the model's generation_config.json), vllm (none: the OpenAI
+    defaults) or a directory holding a generation_config.json."""
+    override_generation_config: str | dict | None = field(default=None, metadata=_metavar("JSON"))
+    """JSON object of temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens laid over
+    those defaults, e.g. '{"temperature": 0.6}' (default: none)."""
 
     def __post_init__(self):
         overrides = {}
@@ -585,9 +664,9 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    # A request whose grammar (response_format, structured_outputs, forced tool_choice) is not
-    # compiled this long after it arrived fails with a 400; other requests never wait for it.
-    grammar_compile_timeout_seconds: float = 30.0
+    grammar_compile_timeout_seconds: float = field(default=30.0, metadata=_metavar("SECONDS"))
+    """A request whose grammar (response_format, structured_outputs, forced tool_choice) is not
+    compiled this long after it arrived fails with a 400; other requests never wait for it."""
 
     def __post_init__(self):
         timeout = self.grammar_compile_timeout_seconds

@@ -8,7 +8,8 @@ import argparse
 import dataclasses
 
 from m3serve import envs
-from m3serve.config import engine_fields
+from m3serve.config import EngineConfig, engine_fields
+from m3serve.config_docs import field_docs
 
 _SHORT = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"]}
 
@@ -27,21 +28,44 @@ def _flag_type(f: dataclasses.Field):
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per engine field. The multi-node flags default to torchrun's variables when it
-    started this process (`envs.torchrun_defaults`)."""
+    """One flag per engine field, its help the field's docstring (`config_docs`) and its default,
+    its choices and metavar from the field's metadata. The multi-node flags default to torchrun's
+    variables when it started this process (`envs.torchrun_defaults`)."""
     group = parser.add_argument_group("engine")
     launched = envs.torchrun_defaults()
+    docs = engine_field_docs()
     for f in engine_fields():
         if f.name in skip:
             continue
         names = ["--" + f.name.replace("_", "-")] + _SHORT.get(f.name, [])
         kind = _flag_type(f)
         default = launched.get(f.name, f.default)
+        text = flag_help(docs.get(f.name, ""), default, kind is bool)
         if kind is bool:
-            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            action = group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                                        default=default)
         else:
-            group.add_argument(*names, dest=f.name, type=kind, default=default,
-                               help=f"(default: {default})")
+            action = group.add_argument(*names, dest=f.name, type=kind, default=default,
+                                        choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"))
+        action.help = text        # as written (BooleanOptionalAction may append its own default)
+
+
+def engine_field_docs() -> dict[str, str]:
+    """{engine field name: its attribute docstring} over every part of `EngineConfig`."""
+    docs: dict[str, str] = {}
+    for part in dataclasses.fields(EngineConfig):
+        docs.update(field_docs(part.default_factory))      # type: ignore[arg-type]
+    return docs
+
+
+def flag_help(doc: str, default, is_bool: bool) -> str:
+    """A flag's help: the field's docstring, then its default unless the docstring explains what
+    an unset value (None) means; `%` escaped for argparse."""
+    text = doc
+    if default is not None:
+        shown = ("on" if default else "off") if is_bool else default
+        text += f" (default: {shown})"
+    return text.replace("%", "%%")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -23,7 +23,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from m3serve.config import ParallelConfig
+from m3serve.config import CACHE_DTYPES, QUANTIZATION_METHODS, ParallelConfig
 from m3serve.model.config import M3Config
 
 GIB = 1 << 30
@@ -285,10 +285,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
-    parser.add_argument("--quantization", default=None, choices=("fp8", "fp8_per_channel", "mxfp4", "nvfp4", "mxfp8"),
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                         help="online quantisation of a BF16 checkpoint (mxfp4 / nvfp4: the experts)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
-    parser.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPES)
+    parser.add_argument("--index-cache-dtype", default="auto", choices=CACHE_DTYPES)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="request length for the concurrency figure (default: the model's maximum)")
     parser.add_argument("--gpu-memory-gib", type=float, default=H200_MEMORY_GIB,

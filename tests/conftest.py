@@ -3,6 +3,7 @@ fixtures built from it, and the gpu marker."""
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +14,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
+
+
+def _import_torchvision_without_its_operators() -> None:
+    """transformers imports torchvision wherever it is installed (its vision models and image
+    processors). A torchvision wheel built for another torch (PyPI's CUDA build beside the CPU
+    torch, as .ci/run installs it) fails at import while registering its compiled operators,
+    which no test calls: import it once here with that registration skipped, so that every later
+    import in this process finds it."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return
+    except RuntimeError:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        with mock.patch.object(torch.library, "register_fake", lambda *a, **k: (lambda f: f)):
+            import torchvision  # noqa: F401
+
+
+_import_torchvision_without_its_operators()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,12 +31,36 @@ _FAULT_OFFSET = 1 << 46      # test_fault "fail": addresses no agent registered
 _GENTLE_PROGRESS_S = 0.0005
 
 
+# NIXL's builds: the `nixl` package picks the one matching torch's CUDA; without it (one build
+# installed alone, as the `test` extra does) its own order when no CUDA is found
+_NIXL_BUILDS = ("nixl_cu13", "nixl_cu12")
+
+
+def nixl_api():
+    """NIXL's `_api` module: through the `nixl` package when it is installed, else from the one
+    CUDA build installed alone (`nixl-cu13` or `nixl-cu12`). ImportError naming what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module("nixl._api")
+    except ModuleNotFoundError as e:
+        if e.name != "nixl":        # the package is there and its build is not: its message says which
+            raise
+    for build in _NIXL_BUILDS:
+        try:
+            return importlib.import_module(f"{build}._api")
+        except ModuleNotFoundError as e:
+            if e.name != build:
+                raise
+    raise ImportError("no NIXL: pip install nixl (or 'm3serve[disagg]')")
+
+
 def _import_nixl():
     try:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        api = nixl_api()
     except ImportError as e:
         raise RuntimeError(f"--kv-transfer-config NixlConnector needs NIXL: pip install nixl ({e})") from None
-    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    return api.nixl_agent, api.nixl_agent_config, api.nixl_thread_sync_t
 
 
 @dataclass

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from m3serve.model.config import canonical_shapes, parse_config
 from m3serve.model.flavor import FLAVORS, M31_FLASH
@@ -205,7 +205,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, flavor: str = "m3", vision: bo
     weights = {"language_model." + k: v for k, v in weights.items()}
     if vision:
         weights.update(random_vision_weights(raw, seed))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # written as the other files are, so the mode follows the umask (save_file makes it 0600)
+    (out / "model.safetensors").write_bytes(safetensors_bytes(weights, metadata={"format": "pt"}))
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": raw["text_config"]["bos_token_id"],

@@ -181,7 +181,7 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
             media=_media_front(client, tokenizer, config, processor_settings))
         if getattr(client, "config", None) is not None:
             logger.info(describe_engine(client.config, client.info))
-        logger.info("serving %s (%s)", model_name, model_dir)
+        logger.info("serving %s (%s) on %s", model_name, model_dir, config.url)
         try:
             yield
         finally:
@@ -414,6 +414,7 @@ def run_server(args) -> None:
         from m3serve.core.engine_group import run_headless
         raise SystemExit(run_headless(engine))
     sock = listen_socket(server.host, server.port)
+    logger.info("listening on %s; /ready answers 200 once the model is loaded", server.url)
     model_dir = model_directory(engine.model.model)
     check_checkpoint_layout(model_dir, engine.model, engine.parallel)
     name = server.served_model_name or engine.model.model or TINY_MODEL_NAME

@@ -118,6 +118,12 @@ class ServerConfig:
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"
 
+    @property
+    def url(self) -> str:
+        """The base URL the server listens on (`http://0.0.0.0:8000`: every interface)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
     def uvicorn_ssl_kwargs(self) -> dict:
         """uvicorn.Config's TLS arguments (empty without TLS)."""
         if self.ssl_certfile is None:
@@ -148,26 +154,37 @@ def _json_object(text: str) -> dict:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default=ServerConfig.host)
-    group.add_argument("--port", type=int, default=ServerConfig.port)
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    group.add_argument("--served-model-name", default=None,
+    group.add_argument("--host", default=ServerConfig.host,
+                       help=f"address to listen on (default: {ServerConfig.host}, every interface)")
+    group.add_argument("--port", type=int, default=ServerConfig.port,
+                       help=f"TCP port to listen on (default: {ServerConfig.port})")
+    group.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on the API routes; /health, /ready, "
+                            "/metrics, /version and /get_load stay open for probes (default: no key)")
+    group.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model id clients use (default: MODEL, or minimax-m3-tiny)")
-    group.add_argument("--chat-template", default=None, help="path of a jinja chat template file")
-    group.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
+    group.add_argument("--chat-template", default=None, metavar="PATH",
+                       help="path of a jinja chat template file (default: the checkpoint's template)")
+    group.add_argument("--default-chat-template-kwargs", type=_json_object, default={}, metavar="JSON",
                        help='JSON object merged under each request\'s chat_template_kwargs, '
-                            'e.g. \'{"thinking_mode": "disabled"}\' or \'{"reasoning_effort": "high"}\'')
-    group.add_argument("--reasoning-parser", default=None, help="minimax_m3")
-    group.add_argument("--tool-call-parser", default=None, help="minimax_m3")
-    group.add_argument("--enable-auto-tool-choice", action="store_true")
-    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES)
+                            'e.g. \'{"thinking_mode": "disabled"}\' or \'{"reasoning_effort": "high"}\' '
+                            '(default: none)')
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="minimax_m3: return the model's thinking as reasoning_content (default: none)")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="minimax_m3: return the model's tool calls as tool_calls (default: none)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide when to call tools (tool_choice auto; needs --tool-call-parser)")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                       help=f"larger request bodies are refused with 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})")
     group.add_argument("--uvicorn-log-level", default="info",
-                       choices=("critical", "error", "warning", "info", "debug", "trace"))
+                       choices=("critical", "error", "warning", "info", "debug", "trace"),
+                       help="uvicorn's access and error log level (default: info)")
     group.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None,
                        help="m3serve's logging level (default info); debug adds tracebacks to errors")
-    group.add_argument("--stream-interval", type=int, default=1,
+    group.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
                        help="tokens per streamed chunk: a chunk is sent once this many new tokens are "
-                            "ready (and at the end)")
+                            "ready (and at the end; default: 1)")
     group.add_argument("--enable-response-store", action="store_true",
                        help="/v1/responses: keep responses in a bounded in-memory store so that "
                             "previous_response_id works (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)")
@@ -217,11 +234,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "for vLLM), or both (default)")
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="serve no /docs, /redoc and /openapi.json (with --api-key they need the key)")
-    group.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=25.0,
+    group.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=25.0, metavar="SECONDS",
                        help="seconds running requests may take to finish after SIGTERM/SIGINT before "
                             "they are aborted (default 25: inside Kubernetes' 30 s grace period)")
     group.add_argument("--engine-ready-timeout", dest="engine_ready_timeout_s", type=float, default=900.0,
-                       help="seconds to wait for the engine to load the model")
+                       metavar="SECONDS", help="seconds to wait for the engine to load the model (default: 900)")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -367,3 +367,9 @@ def test_retrieve_model_by_id(client, server):
     error = r.json()["error"]
     assert (error["code"], error["param"], error["type"]) == (404, "model", "NotFoundError")
     assert "org/some-model" in error["message"]
+
+
+def test_the_log_names_the_address_it_listens_on(server):
+    log = server.log_path.read_text()
+    assert f"listening on {server.url}; /ready answers 200 once the model is loaded" in log, log[-2000:]
+    assert f"serving {MODEL_NAME} (" in log and f") on {server.url}" in log, log[-2000:]

@@ -1,27 +1,27 @@
 """transformers' `minimax_m3_vl` image and video processors for reference tests.
 
-They need torchvision. A torchvision wheel built for another torch (a CUDA build next to the CPU
-torch) fails at import while registering its compiled operators, which these processors never
-use; that registration is skipped here. Without torchvision the tests that need it skip.
+They need torchvision (a build for another torch is imported without its compiled operators by
+tests/conftest.py). Without torchvision the tests that need it skip, or fail with
+M3SERVE_REQUIRE_TEST_DEPS=1 (set by .ci/run).
 """
-from unittest import mock
+import os
 
 import pytest
 import torch
 
 
 def import_torchvision():
+    """Import torchvision (tests/conftest.py imported it already where it is installed, without
+    its compiled operators if they do not load), or skip the test (fail with
+    M3SERVE_REQUIRE_TEST_DEPS=1, as in CI)."""
     try:
         import torchvision  # noqa: F401
-        return
     except ImportError:
+        if os.environ.get("M3SERVE_REQUIRE_TEST_DEPS") == "1":
+            pytest.fail("the transformers processors need torchvision, and M3SERVE_REQUIRE_TEST_DEPS=1 "
+                        "says these tests must run here (pip install --no-deps torchvision==<the torch "
+                        "release's>)")
         pytest.skip("the transformers processors need torchvision")
-    except RuntimeError:
-        import sys
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-    with mock.patch.object(torch.library, "register_fake", lambda *a, **k: (lambda f: f)):
-        import torchvision  # noqa: F401
 
 
 def hf_processors():

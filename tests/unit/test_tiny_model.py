@@ -42,3 +42,15 @@ def test_new_code_in_the_package_changes_neither_the_model_nor_its_cache_folder(
                                                               "PATH": "/usr/bin:/bin"})
     assert digests(tmp_path / "tiny") == PINNED
     assert out.stdout.strip() == tiny_model_cache_dir(0).name
+
+
+def test_every_file_of_the_tiny_model_gets_the_same_mode(tmp_path):
+    """The weights are as readable as the other files (the umask decides, as for any file a
+    process writes): the default model lives in a cache other users and containers share."""
+    import os
+    import stat
+    modes = {f.name: stat.S_IMODE(os.stat(f).st_mode) for f in make_tiny(tmp_path / "tiny", seed=0).iterdir()}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert modes["model.safetensors"] == 0o666 & ~umask, modes
+    assert set(modes.values()) == {modes["config.json"]}, modes
