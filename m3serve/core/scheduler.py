@@ -258,18 +258,21 @@ class Scheduler:
         [start, start + num_new) is cut before the first item not yet encoded that the step's
         encoder budget `left` cannot take (0 when that item begins at or before `start`). An
         item larger than the whole budget is taken when the step has encoded nothing yet, so
-        it runs alone rather than never."""
+        it runs alone rather than never. With a draft, a chunk also needs the position after
+        it (EAGLE3 and MTP embed token t + 1 at row t): an item starting there is encoded in
+        this step, or the chunk stops one token short of it."""
+        ahead = 1 if self.num_lookahead_tokens else 0
         end = start + num_new
         cost, items = 0, []
         pending = sorted((s, e, k) for k, (s, e, _) in enumerate(request.mm_spans)
-                         if k not in request.mm_encoded and e > start and s < end)
+                         if k not in request.mm_encoded and e > start and s < end + ahead)
         for s, _, k in pending:
             n = request.mm_inputs[k].num_tokens
             if cost + n <= left or (cost == 0 and left == self._encoder_budget):
                 cost += n
                 items.append(k)
                 continue
-            return max(0, s - start), items
+            return max(0, s - ahead - start), items
         return num_new, items
 
     def _commit_encodes(self, request: Request, items: list[int]) -> int:
