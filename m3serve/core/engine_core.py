@@ -112,12 +112,10 @@ class EngineCore:
 
     def media_refusal(self) -> str:
         """Why this engine refuses images and videos ("" when it accepts them): they need a
-        vision tower and a plain (non-speculative) engine."""
+        vision tower. Every draft kind takes them (docs/model.md, "Drafts and images")."""
         if not self.executor.has_vision:
             return ("this model is served without a vision tower (a text-only checkpoint, "
                     "or --language-model-only): images and videos are not accepted")
-        if self.config.speculative.enabled:
-            return "images and videos are not supported with speculative decoding yet"
         return ""
 
     def _check_media(self, request: Request) -> None:

@@ -265,11 +265,14 @@ class Scheduler:
         encoded (its output is not in the encoder cache) and that the step's encoder budget
         `left` cannot take (0 when that item begins at or before `start`). An item larger than
         the whole budget is taken when the step has encoded nothing yet, so it runs alone
-        rather than never. Items found in the cache cost no budget."""
+        rather than never. Items found in the cache cost no budget. With a draft, a chunk also
+        needs the position after it (EAGLE3 and MTP embed token t + 1 at row t): an item
+        starting there is planned in this step, or the chunk stops one token short of it."""
+        ahead = 1 if self.num_lookahead_tokens else 0
         end = start + num_new
         cost, items, planned = 0, [], set()
         pending = sorted((s, e, k) for k, (s, e, _) in enumerate(request.mm_spans)
-                         if k not in request.mm_held and e > start and s < end)
+                         if k not in request.mm_held and e > start and s < end + ahead)
         for s, _, k in pending:
             key = request.mm_keys[k]
             n = 0 if key in self.encoder_cache or key in planned else request.mm_inputs[k].num_tokens
@@ -278,7 +281,7 @@ class Scheduler:
                 items.append(k)
                 planned.add(key)
                 continue
-            return max(0, s - start), items
+            return max(0, s - ahead - start), items
         return num_new, items
 
     def _commit_encodes(self, request: Request, items: list[int]) -> list[int]:

@@ -57,10 +57,14 @@ class Drafter(abc.ABC):
         return []
 
     def first(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-              meta: AttentionMetadata, last_index: torch.Tensor) -> tuple[torch.Tensor, object]:
+              meta: AttentionMetadata, last_index: torch.Tensor,
+              next_media: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, object]:
         """The first pass over the target's step: next_ids [T] (token t + 1 at row t), hidden
-        [T, ...] what `taps` asks for -> (first draft token or anchor [R], state for `steps`)."""
-        return self.prepare(self.embed(next_ids), hidden, positions, meta, last_index)
+        [T, ...] what `taps` asks for -> (first draft token or anchor [R], state for `steps`).
+        `next_media` (rows [m], features [m, H]): where token t + 1 is an image or video
+        placeholder, row t embeds the vision encoder's features for it -- what the target's
+        own input held at position t + 1 -- not the placeholder's embedding row."""
+        return self.prepare(with_media(self.embed(next_ids), next_media), hidden, positions, meta, last_index)
 
     def steps(self, token: torch.Tensor, state, positions: torch.Tensor, block_tables: torch.Tensor,
               cpu_positions: list[int] | None, k: int,
@@ -94,3 +98,13 @@ class Drafter(abc.ABC):
         """Draft step `step` (1 .. k - 1), one token per request: embeds [R, H] of the previous
         draft token, state [R, H] -> (draft token [R], new state [R, H])."""
         raise NotImplementedError(f"{type(self).__name__} has no one-token draft step")
+
+
+def with_media(embeds: torch.Tensor, media: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """embeds [T, H] with rows `media[0]` [m] replaced by the features `media[1]` [m, H]."""
+    if media is None:
+        return embeds
+    rows, features = media
+    out = embeds.clone()
+    out[rows] = features.to(out.dtype)
+    return out

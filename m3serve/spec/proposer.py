@@ -45,6 +45,9 @@ class StepForDraft:
     block_tables: torch.Tensor     # [R, W] int32
     draft_block_tables: torch.Tensor | None = None   # [R, W] int32: a window draft's own tables
     draft_valid_from: torch.Tensor | None = None     # [R] int32: ... and where its valid KV starts
+    next_media: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows [m] int64, features [m, H]): the rows whose next token is an image or video
+    placeholder, and the vision encoder's features for it (`Drafter.first`)."""
 
 
 class Proposer:
@@ -95,22 +98,25 @@ class Proposer:
         next_ids = torch.roll(step.input_ids.long(), -1)
         next_ids[step.last_index] = step.last_token
         token, prev = self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index,
-                                      step.draft_block_tables)
+                                      step.draft_block_tables, step.next_media)
         tables = step.block_tables if step.draft_block_tables is None else step.draft_block_tables
         return self.draft_steps(token, prev, step.positions[step.last_index], tables,
                                 step.last_position_cpu, step.draft_valid_from)
 
     def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    hidden: torch.Tensor, last_index: torch.Tensor,
-                   draft_block_tables: torch.Tensor | None = None):
+                   draft_block_tables: torch.Tensor | None = None,
+                   next_media: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The draft over every token of the step (writing its KV) -> (first draft token or
         anchor [R], the draft kind's state for `draft_steps`). With a window draft's own
-        `draft_block_tables` [R, W], the draft sees them and their slots in place of the target's."""
+        `draft_block_tables` [R, W], the draft sees them and their slots in place of the target's.
+        `next_media` (rows, features): vision features in place of those rows' next-token
+        embeddings (`StepForDraft.next_media`)."""
         if draft_block_tables is not None:
             _, slots = positions_and_slots(meta.query_start_loc, meta.seq_lens, draft_block_tables,
                                            positions.shape[0], self.block_size, False)
             meta = dataclasses.replace(meta, block_tables=draft_block_tables, slot_mapping=slots)
-        return self.drafter.first(next_ids, hidden, positions, meta, last_index)
+        return self.drafter.first(next_ids, hidden, positions, meta, last_index, next_media)
 
     def draft_steps(self, token: torch.Tensor, prev, positions: torch.Tensor,
                     block_tables: torch.Tensor, cpu_positions: list[int] | None = None,

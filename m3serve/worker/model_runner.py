@@ -198,16 +198,19 @@ class ModelRunner:
                 self.media[new.req_id] = MediaFeatures(new.prompt_token_ids, new.mm_inputs,
                                                        self.cfg.image_token_id, self.cfg.video_token_id)
 
-    def _media_embeds(self, batch: ScheduledBatch | None):
+    def _media_embeds(self, batch: ScheduledBatch | None, shift: int = 0):
         """(step token slots [k], features [k, H]) of the placeholders this step computes, or
         None. First the store gets what the step's requests need, in one encoder forward (a
         request may read an output that another one encodes in this step), then the rows are
-        gathered."""
+        gathered. With `shift` 1: of the placeholders one position ahead, i.e. slot t gets the
+        features of position t + 1 (what EAGLE3 and MTP embed at row t), the chunk's last row
+        included: its look-ahead is the next chunk's first position, which the scheduler's
+        encoder plan covers."""
         if batch is None or not self.media:
             return None
         slots, rows = [], []
-        start = batch.seq_lens - batch.num_scheduled                       # [R]
-        ranges = [(self.media.get(req_id), int(start[i]), int(batch.seq_lens[i]))
+        start = batch.seq_lens - batch.num_scheduled + shift               # [R]
+        ranges = [(self.media.get(req_id), int(start[i]), int(batch.seq_lens[i]) + shift)
                   for i, req_id in enumerate(batch.req_ids)]
         from m3serve.worker.media import encode_step
         encode_step([r for r in ranges if r[0] is not None], self.vision, self.encoder_outputs)
@@ -293,20 +296,24 @@ class ModelRunner:
         """Verify each request's drafts (its last num_drafts + 1 positions get target logits),
         then propose the next drafts. Every rank samples (same generators and draws), so every
         rank knows the emitted tokens the proposer starts from."""
-        size = self._spec_graph_size(so, batch, dp)
+        media = self._media_embeds(batch)
+        size = self._spec_graph_size(so, batch, dp) if media is None else None
         if size is not None:
             return self._speculative_graph_step(so, batch, size)
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in batch.req_ids]
-        fwd = self._eager(batch, dp, self.proposer.taps)
+        fwd = self._eager(batch, dp, self.proposer.taps, media=media)
         self.num_eager_steps += 1
         verified = self.step_sampler.verify(so, batch, fwd.hidden, drafts)
-        proposals = self.proposer.propose(self._draft_start(batch, fwd, verified)).tolist()
+        start = self._draft_start(batch, fwd, verified, self._media_embeds(batch, shift=1))
+        proposals = self.proposer.propose(start).tolist()
         self.batch.advance(batch)
         return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done,
                                                     verified.logprobs, verified.prompt_logprobs)
 
-    def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified: Verified):
-        """The proposer's start: each request's last verified position and the token after it."""
+    def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified: Verified, next_media=None):
+        """The proposer's start: each request's last verified position and the token after it;
+        `next_media` (`_media_embeds(batch, shift=1)`): the rows whose next token is an image
+        or video placeholder and its features."""
         from m3serve.spec.proposer import StepForDraft
 
         R, emitted = batch.num_reqs, verified.emitted
@@ -325,7 +332,8 @@ class ModelRunner:
             last_position_cpu=(start_pos + last_index - batch.query_start_loc[:-1]).tolist(),
             block_tables=self.buffers.block_tables[:R],
             draft_block_tables=self._rows_of(self.buffers.draft_block_tables, R),
-            draft_valid_from=self._rows_of(self.buffers.draft_valid_from, R))
+            draft_valid_from=self._rows_of(self.buffers.draft_valid_from, R),
+            next_media=next_media)
 
     @staticmethod
     def _rows_of(view, n: int):

@@ -1,6 +1,7 @@
 """Draft checkpoints for the tiny target, written once per session: EAGLE3 (MHA, GQA) in the
 Inferact layout, a standalone MTP checkpoint, a copy of the tiny target with the same MTP
-modules bundled into its own checkpoint, and a copy with a DSpark draft in its dspark/ folder."""
+modules bundled into its own checkpoint, and a copy with a DSpark draft in its dspark/ folder;
+and EAGLE3, MTP and DSpark drafts for the tiny vision checkpoint."""
 import json
 import shutil
 import sys
@@ -33,3 +34,19 @@ def drafts(tiny_dir, tmp_path_factory):
     out["dspark"] = with_dspark
     return out
 
+
+
+@pytest.fixture(scope="session")
+def vision_drafts(tiny_vision_dir, tmp_path_factory):
+    """Drafts for the tiny vision checkpoint: an EAGLE3 head and a standalone MTP checkpoint
+    (served beside it), and a copy of it with a DSpark draft in its dspark/ folder (the target
+    to serve)."""
+    from m3serve.spec.tiny_drafts import make_draft
+
+    root = tmp_path_factory.mktemp("vision_drafts")
+    out = {kind: make_draft(root / kind, kind, tiny_vision_dir, seed=5) for kind in ("eagle3", "mtp")}
+    with_dspark = root / "dspark-target"
+    shutil.copytree(tiny_vision_dir, with_dspark)
+    make_draft(with_dspark, "dspark", tiny_vision_dir, seed=5)
+    out["dspark"] = with_dspark
+    return out
