@@ -53,6 +53,13 @@ def _count(ids, cfg) -> float:
     return float(ids.numel())
 
 
+# tokens each request of a point's warm-up decodes under the measured speculation gate: its
+# bucket times each width of drafts and plain steps (17 decode-only steps for DSpark's k = 7,
+# core/spec_gate.py) after the steps that share prompt chunks, which at 16 requests of 8K
+# tokens take half of a 48-token warm-up
+GATE_WARM_UP_TOKENS = 96
+
+
 def _spec_counts(llm) -> tuple[int, ...] | None:
     """(verify steps with drafts, draft tokens, accepted tokens, steps the gate ran without
     drafts, of them deferred (async scheduling), steps that only landed deferred tokens before
@@ -182,9 +189,10 @@ def main(args) -> list[dict]:
             one, many = run_params(args, 1), run_params(args, args.osl + 1)
             # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
             # no Triton JIT specialisation is compiled inside a measured step; under the measured
-            # speculation gate long enough for the batch's bucket to time both kinds of step, as
+            # speculation gate long enough for the batch's bucket to time every arm and choose, as
             # in a server that has run a while (core/spec_gate.py)
-            llm.generate(prompts(), run_params(args, 48 if _gate_rule(llm) == "measured" else 4), use_tqdm=False)
+            warm_up = GATE_WARM_UP_TOKENS if _gate_rule(llm) == "measured" else 4
+            llm.generate(prompts(), run_params(args, warm_up), use_tqdm=False)
             jit_before = variants_by_kernel()
             spec_before = _spec_counts(llm)
             batch = prompts()

@@ -75,9 +75,10 @@ class Scheduler:
         # the draft writes its KV while proposing.
         self.num_lookahead_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats(num_speculative_tokens)
-        # which steps speculate (core/spec_gate.py): speculative_config.disable_by_batch_size,
-        # else by the measured speed of steps with and without drafts (`measure_speculation`)
-        self.spec_gate = SpeculationGate(disable_spec_by_batch_size, measure_speculation)
+        # how many drafts each step verifies (core/spec_gate.py): speculative_config.
+        # disable_by_batch_size, else by the measured speed of steps with and without drafts, and
+        # of verifying fewer of them (`measure_speculation`)
+        self.spec_gate = SpeculationGate(num_speculative_tokens, disable_spec_by_batch_size, measure_speculation)
         self.num_plain_steps = 0        # steps a draft model ran without drafts
         # A decode without drafts in a step with drafts (the first after plain steps) verifies
         # k stand-in tokens instead, so that the step replays the verify CUDA graph rather than
@@ -305,14 +306,15 @@ class Scheduler:
         if self.kv_manager.offload is not None and self.kv_manager.offload.num_stores_in_flight:
             in_flight = True
         short_of_blocks = False
-        speculate = self._speculate_this_step()
+        width = self._draft_width()          # drafts each request verifies (None: a plain step)
+        speculate = width is not None
         if speculate and self.num_lookahead_tokens and self._last_deferred:
             # A step with drafts needs its requests' newest tokens on the host (the drafts are
             # proposed from them), but the previous plain step left them on the device: this
             # step schedules nothing and only lands them; the next one speculates.
             speculate, budget = False, 0
             self.num_landing_steps += 1
-        to_pad = self._stand_in_requests() if speculate else set()
+        to_pad = self._stand_in_requests(width) if width else set()
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -324,8 +326,10 @@ class Scheduler:
             if mode is SamplingMode.FULL or not speculate:
                 request.spec_token_ids = []     # verification applies none of what its sampler needs
             elif request.request_id in to_pad:
-                request.spec_token_ids = self._stand_ins(request)
+                request.spec_token_ids = self._stand_ins(request, width)
                 padded.add(request.request_id)
+            elif self.num_lookahead_tokens:
+                del request.spec_token_ids[width:]   # verified: the first `width` of its drafts
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             prefill = self._is_prefill(request)
@@ -644,6 +648,7 @@ class Scheduler:
         finished: set[str] = set()
         sampled_ids = set(scheduler_output.sampled_req_ids)
         num_emitted = num_applied = 0     # tokens, and the requests that emitted them
+        verified = []                     # (drafts, drafts kept) of each request's real drafts
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -677,6 +682,7 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
                 if drafts and req_id not in scheduler_output.padded_drafts:
                     self.spec_stats.record(len(drafts), len(sampled) - 1)
+                    verified.append((len(drafts), len(sampled) - 1))
                 for token_id in sampled:
                     request.append_output_token_ids([token_id])
                     new_token_ids.append(token_id)
@@ -719,23 +725,24 @@ class Scheduler:
                 else:
                     self._finish(request, request.status)
         if self.num_lookahead_tokens:
-            self.spec_gate.observe(scheduler_output, num_emitted, num_applied)
+            self.spec_gate.observe(scheduler_output, num_emitted, num_applied, verified)
         return outputs
 
-    def _speculate_this_step(self) -> bool:
-        """With a draft model: whether this step verifies drafts (`spec_gate`'s rule)."""
+    def _draft_width(self) -> int | None:
+        """With a draft model: how many drafts each request verifies in this step, None for a
+        plain step without a draft pass (`spec_gate`'s rule). Without one: 0 (nothing reads it)."""
         if not self.num_lookahead_tokens:
-            return True
-        on = self.spec_gate.speculate(len(self.running), self._prompt_due)
-        self.num_plain_steps += not on
-        return on
+            return 0
+        width = self.spec_gate.draft_width(len(self.running), self._prompt_due)
+        self.num_plain_steps += width is None
+        return width
 
-    def _stand_ins(self, request: Request) -> list[int]:
-        """k tokens a request without drafts verifies so that its step fits the verify graph
-        (verified as none: any token does; its last one)."""
-        return [request.all_token_ids[-1]] * self.num_lookahead_tokens
+    def _stand_ins(self, request: Request, width: int) -> list[int]:
+        """`width` tokens a request without drafts verifies so that its step fits the verify
+        graph (verified as none: any token does; its last one)."""
+        return [request.all_token_ids[-1]] * width
 
-    def _stand_in_requests(self) -> set[str]:
+    def _stand_in_requests(self, width: int) -> set[str]:
         """The requests that get stand-ins in this step with drafts (`pad_drafts`): none unless
         the step can then replay the verify graph -- no prompt tokens due, at most `pad_drafts`
         running requests, each with k drafts already (and a mode that verifies them) or one
@@ -743,12 +750,12 @@ class Scheduler:
         if (not self.pad_drafts or len(self.running) > self.pad_drafts
                 or all(r.spec_token_ids for r in self.running) or self._prompt_due()):
             return set()
-        k, chosen = self.num_lookahead_tokens, set()
+        chosen = set()
         for request in self.running:
             mode = self._sampling_mode(request)
             if self._pads(request, mode):
                 chosen.add(request.request_id)
-            elif len(request.spec_token_ids) != k or mode is SamplingMode.FULL:
+            elif len(request.spec_token_ids) < width or mode is SamplingMode.FULL:
                 return set()
         return chosen
 
@@ -764,9 +771,17 @@ class Scheduler:
 
     def _prompt_due(self) -> bool:
         """Whether the next step may compute prompt tokens: a running request's next chunk, or
-        a waiting request with room to be admitted."""
-        return (any(self._is_prefill(r) for r in self.running)
-                or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs))
+        the head of the queue with room to be admitted -- a free seat and free blocks for its
+        first chunk (a head that waits for blocks would otherwise make every step run the
+        draft pass, whatever the gate chose; a prefix hit it may have is not looked up here)."""
+        if any(self._is_prefill(r) for r in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens, self._long_cap)
+        return (cdiv(head.num_computed_tokens + chunk + self.num_lookahead_tokens, self.kv_manager.block_size)
+                - len(self.kv_manager.get_block_ids(head.request_id)) <= self.kv_manager.num_free_blocks)
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts past the context are dropped. Drafts past max_tokens are kept: every request
