@@ -56,8 +56,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
                  async_scheduling: bool = False, defer_sampling: bool = False, grammars=None,
-                 disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False,
-                 pad_drafts: int = 0):
+                 disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -80,12 +79,7 @@ class Scheduler:
         # of verifying fewer of them (`measure_speculation`)
         self.spec_gate = SpeculationGate(num_speculative_tokens, disable_spec_by_batch_size, measure_speculation)
         self.num_plain_steps = 0        # steps a draft model ran without drafts
-        # A decode without drafts in a step with drafts (the first after plain steps) verifies
-        # k stand-in tokens instead, so that the step replays the verify CUDA graph rather than
-        # running the target eagerly (`SchedulerOutput.padded_drafts`): in decode-only steps of
-        # at most `pad_drafts` running requests (the largest verify graph; 0: never)
-        self.pad_drafts = pad_drafts if num_speculative_tokens > 0 else 0
-        self.num_padded_drafts = 0      # requests' steps that verified stand-ins
+        self.num_steps_by_width: dict[int, int] = {}   # ... and with each number of drafts verified
         # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
         # is being pulled from a prefill worker, and finished ones held for a decode worker.
         self.connector = kv_connector
@@ -292,7 +286,6 @@ class Scheduler:
         encoder_left = self._encoder_budget
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
-        padded: set[str] = set()
         modes: dict[str, SamplingMode] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
@@ -314,7 +307,6 @@ class Scheduler:
             # step schedules nothing and only lands them; the next one speculates.
             speculate, budget = False, 0
             self.num_landing_steps += 1
-        to_pad = self._stand_in_requests(width) if width else set()
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -325,9 +317,6 @@ class Scheduler:
             mode = self._sampling_mode(request)
             if mode is SamplingMode.FULL or not speculate:
                 request.spec_token_ids = []     # verification applies none of what its sampler needs
-            elif request.request_id in to_pad:
-                request.spec_token_ids = self._stand_ins(request, width)
-                padded.add(request.request_id)
             elif self.num_lookahead_tokens:
                 del request.spec_token_ids[width:]   # verified: the first `width` of its drafts
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
@@ -341,11 +330,6 @@ class Scheduler:
             while True:
                 new_block_ids = self.kv_manager.allocate_slots(
                     request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
-                if new_block_ids is None and request.request_id in padded:
-                    # stand-ins never cost a preemption or a skipped decode: decode without them
-                    padded.discard(request.request_id)
-                    request.spec_token_ids, num_new = [], 1
-                    continue
                 if new_block_ids is not None or in_flight:
                     break
                 # Preempted requests always come from the tail, past index i: never one that
@@ -364,8 +348,6 @@ class Scheduler:
             num_spec = request.num_computed_tokens + num_new - request.num_tokens - request.num_output_placeholders
             if num_spec > 0:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-            else:
-                padded.discard(request.request_id)
             if not speculate:
                 self._draft_not_written(request, request.num_computed_tokens + num_new)
             self._add_cached(cached, request, new_block_ids, resumed=False)
@@ -459,7 +441,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=spec_tokens, padded_drafts=padded,
+            scheduled_spec_decode_tokens=spec_tokens,
             sampling_modes=modes,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
@@ -468,7 +450,6 @@ class Scheduler:
             kv_offload=self.kv_manager.take_offload_work(),
         )
         self.finished_req_ids = set()
-        self.num_padded_drafts += len(padded)
         if self.num_lookahead_tokens:
             self.spec_gate.scheduled(output)
         # Advance now: the KV of these tokens is being written by this step.
@@ -680,7 +661,7 @@ class Scheduler:
                                        f"{len(drafts)} drafts")
                 # Rejected drafts' KV is stale; recompute from the first rejected position.
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-                if drafts and req_id not in scheduler_output.padded_drafts:
+                if drafts:
                     self.spec_stats.record(len(drafts), len(sampled) - 1)
                     verified.append((len(drafts), len(sampled) - 1))
                 for token_id in sampled:
@@ -734,40 +715,11 @@ class Scheduler:
         if not self.num_lookahead_tokens:
             return 0
         width = self.spec_gate.draft_width(len(self.running), self._prompt_due)
-        self.num_plain_steps += width is None
+        if width is None:
+            self.num_plain_steps += 1
+        else:
+            self.num_steps_by_width[width] = self.num_steps_by_width.get(width, 0) + 1
         return width
-
-    def _stand_ins(self, request: Request, width: int) -> list[int]:
-        """`width` tokens a request without drafts verifies so that its step fits the verify
-        graph (verified as none: any token does; its last one)."""
-        return [request.all_token_ids[-1]] * width
-
-    def _stand_in_requests(self, width: int) -> set[str]:
-        """The requests that get stand-ins in this step with drafts (`pad_drafts`): none unless
-        the step can then replay the verify graph -- no prompt tokens due, at most `pad_drafts`
-        running requests, each with k drafts already (and a mode that verifies them) or one
-        that `_pads`. (A stand-in that the step cannot fit is dropped where blocks are taken.)"""
-        if (not self.pad_drafts or len(self.running) > self.pad_drafts
-                or all(r.spec_token_ids for r in self.running) or self._prompt_due()):
-            return set()
-        chosen = set()
-        for request in self.running:
-            mode = self._sampling_mode(request)
-            if self._pads(request, mode):
-                chosen.add(request.request_id)
-            elif len(request.spec_token_ids) < width or mode is SamplingMode.FULL:
-                return set()
-        return chosen
-
-    def _pads(self, request: Request, mode: SamplingMode) -> bool:
-        """Whether `request` verifies stand-in drafts in a step that gives them: a decode whose
-        next token is all it computes, with no drafts, whose sampler verifies drafts without a
-        grammar (a grammar's mask would have to accept the stand-ins) and that has room for k
-        more tokens in its context."""
-        return (not request.spec_token_ids and mode in (SamplingMode.ARGMAX, SamplingMode.LOGITS)
-                and not request.num_output_placeholders
-                and request.num_computed_tokens == request.num_tokens - 1
-                and request.num_tokens + self.num_lookahead_tokens < self.max_model_len)
 
     def _prompt_due(self) -> bool:
         """Whether the next step may compute prompt tokens: a running request's next chunk, or

@@ -104,6 +104,13 @@ def measured_rule_applies(config, device_type: str) -> bool:
             and device_type == "cuda" and config.parallel.data_parallel_size == 1)
 
 
+def rule_of(config, device_type: str) -> str:
+    """The rule an engine of `config` on `device_type` ranks runs (`SpeculationGate.rule`)."""
+    if config.speculative.disable_by_batch_size is not None:
+        return "fixed"
+    return "measured" if measured_rule_applies(config, device_type) else "always"
+
+
 def draft_widths(k: int) -> list[int]:
     """The numbers of drafts a request may verify under the measured rule, widest first: k and
     2^i - 1 below it (k 7: 7, 3, 1; k 3: 3, 1)."""
