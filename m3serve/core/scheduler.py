@@ -628,7 +628,7 @@ class Scheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
         sampled_ids = set(scheduler_output.sampled_req_ids)
-        num_emitted = num_applied = 0     # tokens, and the requests that emitted them
+        num_applied = 0                   # requests that emitted tokens
         verified = []                     # (drafts, drafts kept) of each request's real drafts
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -671,7 +671,6 @@ class Scheduler:
                     if status is not None:
                         request.status = status
                         break
-            num_emitted += len(new_token_ids)
             num_applied += bool(new_token_ids)
             self.kv_manager.cache_blocks(request, request.num_computed_tokens)
             if caught_up and model_runner_output.spec_token_ids is not None and not request.is_finished:
@@ -706,7 +705,7 @@ class Scheduler:
                 else:
                     self._finish(request, request.status)
         if self.num_lookahead_tokens:
-            self.spec_gate.observe(scheduler_output, num_emitted, num_applied, verified)
+            self.spec_gate.observe(scheduler_output, num_applied, verified)
         return outputs
 
     def _draft_width(self) -> int | None:

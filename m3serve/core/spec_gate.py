@@ -185,7 +185,6 @@ class _Bucket:
     """One bucket's periods per arm (0: plain, j: j drafts) and where its choice stands."""
 
     def __init__(self, widths: list[int]):
-        self.widths = widths
         self.periods = {arm: deque(maxlen=SAMPLES) for arm in [*widths, 0]}
         self.num_timed = dict.fromkeys(self.periods, 0)   # timed steps per arm, ever
         self.explore = [*widths, 0]          # arms still to time before the first choice
@@ -194,7 +193,6 @@ class _Bucket:
         self.probe_from = 0                  # ... its timed steps when it began
         self.probe_steps = 0                 # ... steps spent on it
         self.retry: Acceptance | None = None  # a retry of drafts: its own acceptance
-        self.undecided = False               # all arms timed, the first choice still unclear
         self.steps = 0                       # steps since the choice or the last retry of drafts
         self.width_steps = 0                 # ... since the last re-timing of a width
         self.next_width = 0                  # ... which one is re-timed next
@@ -399,10 +397,10 @@ class SpeculationGate:
         if self.measured:
             self._scheduled.append((step, self.clock()))
 
-    def observe(self, step, num_emitted: int, num_requests: int | None = None, verified=()) -> None:
-        """`step`'s output arrived (a SchedulerOutput): `num_emitted` tokens came out, for
-        `num_requests` of its requests (None: every one); `verified`: (drafts, drafts kept) of
-        each request that verified real drafts."""
+    def observe(self, step, num_requests: int | None = None, verified=()) -> None:
+        """`step`'s output arrived (a SchedulerOutput): `num_requests` of its requests emitted
+        tokens (None: every one); `verified`: (drafts, drafts kept) of each request that
+        verified drafts."""
         if not self.measured:
             return
         now, started = self.clock(), None

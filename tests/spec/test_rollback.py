@@ -119,7 +119,7 @@ class RandomWidths:
     def scheduled(self, step):
         pass
 
-    def observe(self, step, num_emitted, num_requests=None, verified=()):
+    def observe(self, step, num_requests=None, verified=()):
         pass
 
 

@@ -81,7 +81,7 @@ def _run(gate, clock, engine, steps, running, decode_only=True, plain_pause=0.0)
         gate.scheduled(step)
         clock.t += engine.plain if verified is None else engine.verify.get(verified, engine.plain)
         kept = [engine.kept(verified) for _ in range(running)] if verified else []
-        gate.observe(step, running + sum(kept), None, [(verified, n) for n in kept])
+        gate.observe(step, verified=[(verified, n) for n in kept])
         widths.append(width)
         engine.has_drafts = width is not None
     return widths
@@ -257,7 +257,7 @@ def test_only_steady_decode_steps_are_timed(case):
             clock.t += 1.0
         gate.scheduled(step)
         clock.t += 2.0
-        gate.observe(step, 8)
+        gate.observe(step)
     assert not gate.buckets.get(4) or not any(gate.buckets[4].periods.values())
 
 
@@ -268,7 +268,7 @@ def test_acceptance_after_plain_steps_waits_for_the_draft_to_settle():
     for width in [None, 0, 3, 3, 3, 3, 3]:
         step = _step(width, 2)
         gate.scheduled(step)
-        gate.observe(step, 2, None, [(width, 1)] * 2 if width else [])
+        gate.observe(step, verified=[(width, 1)] * 2 if width else [])
     assert gate.acceptance.rows == 2 * (6 - sg.SETTLE)
 
 
@@ -352,19 +352,19 @@ def test_deferred_plain_steps_are_timed(monkeypatch):
             landing = _step(None, 0)
             gate.scheduled(landing)
             clock.t += 0.1
-            gate.observe(pending, 4)
-            gate.observe(landing, 0)
+            gate.observe(pending)
+            gate.observe(landing)
             pending, landings = None, landings + 1
             continue
         step = _step(width if width is None or had_drafts else 0, 4, deferred=width is None)
         gate.scheduled(step)
         clock.t += 3.0 if step.scheduled_spec_decode_tokens else 1.0
         if pending is not None:         # this step's launch lands the previous one's output
-            gate.observe(pending, 4)
+            gate.observe(pending)
             pending = None
         if width is not None:
             drafted = bool(step.scheduled_spec_decode_tokens)
-            gate.observe(step, 6 if drafted else 4, None, [(1, 1), (1, 1), (1, 0), (1, 0)] if drafted else [])
+            gate.observe(step, verified=[(1, 1), (1, 1), (1, 0), (1, 0)] if drafted else [])
         else:
             pending = step
         had_drafts = width is not None
