@@ -370,8 +370,9 @@ class SpeculativeConfig:
     (standard | synthetic),
     synthetic_acceptance_length (with synthetic: mean tokens emitted per verify step, 1..k+1),
     disable_by_batch_size (a step with at least this many running requests decodes without
-    drafts; None = on a GPU, each batch size speculates while the measured steps with drafts
-    emit more tokens per second than those without, `core/spec_gate.py`; on a CPU, always).
+    drafts; None = on a GPU, each batch size runs plain steps or verifies the number of drafts
+    (k or fewer) whose measured steps emit the most tokens per second, `core/spec_gate.py`; on
+    a CPU, k always).
     The parsed values are the attributes below; None = speculation off."""
     speculative_config: str | dict | None = field(default=None, metadata=_metavar("JSON"))
     """Speculative decoding, vLLM's JSON: method (eagle3, mtp, dspark), model, num_speculative_tokens,

@@ -157,7 +157,8 @@ c.setdefault('text_config', c)['num_mtp_modules'] = 7; json.dump(c, open(p, 'w')
       mtp) spec=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 3, '"$syn"': 2.78}') ;;
     esac
     [ "$name" != "$mode" ] && [ ${#spec[@]} -gt 0 ] && spec[1]="{\"disable_by_batch_size\": 1000, ${spec[1]#\{}"
-    step specrank_tp${N}_${mode}${name#$mode}${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
+    always=${name#$mode}; always=${always/+/_always}     # (no "+" in names: the device does not return them)
+    step specrank_tp${N}_${mode}${always}${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
       --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-128} --max-model-len 9472 --max-num-seqs 64 \
       --max-num-batched-tokens 16384 --cudagraph-capture-sizes ${SIZES:-1,4,16,64} ${QUANT:+--quantization $QUANT} "${spec[@]}"
   done

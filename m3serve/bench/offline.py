@@ -15,6 +15,7 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -53,21 +54,28 @@ def _count(ids, cfg) -> float:
     return float(ids.numel())
 
 
-def _spec_counts(llm) -> tuple[int, ...] | None:
+# tokens each request of a point's warm-up decodes under the measured speculation gate: its
+# bucket times each width of drafts and plain steps (17 decode-only steps for DSpark's k = 7,
+# core/spec_gate.py) after the steps that share prompt chunks, which at 16 requests of 8K
+# tokens take half of a 48-token warm-up
+GATE_WARM_UP_TOKENS = 96
+
+
+def _spec_counts(llm) -> tuple | None:
     """(verify steps with drafts, draft tokens, accepted tokens, steps the gate ran without
     drafts, of them deferred (async scheduling), steps that only landed deferred tokens before
-    drafts, requests' verify steps of stand-in drafts; the last four in-process only, else 0)
-    so far; None without drafts."""
+    drafts, steps by the drafts each request verified (a Counter; 0: the step only proposed);
+    the last four in-process only, else 0 / empty) so far; None without drafts."""
     if not llm.engine.config.speculative.enabled:
         return None
     if llm.engine.core is not None:
         sched = llm.engine.core.scheduler
         st = sched.spec_stats
         return (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, sched.num_plain_steps,
-                sched.num_deferred_steps, sched.num_landing_steps, sched.num_padded_drafts)
+                sched.num_deferred_steps, sched.num_landing_steps, Counter(sched.num_steps_by_width))
     states = llm.engine.engine_states()
     return (sum(s.spec_num_drafts for s in states), sum(s.spec_num_draft_tokens for s in states),
-            sum(s.spec_num_accepted_tokens for s in states), 0, 0, 0, 0)
+            sum(s.spec_num_accepted_tokens for s in states), 0, 0, 0, Counter())
 
 
 def _gate_rule(llm) -> str | None:
@@ -79,14 +87,19 @@ def _gate_rule(llm) -> str | None:
 
 
 def _spec_figures(llm, before) -> dict:
-    """Mean acceptance length (tokens per verify step) of the measured runs."""
+    """Mean acceptance length (tokens per verify step) of the measured runs, their steps by the
+    drafts each request verified, and where the gate stands after them (in-process only)."""
     after = _spec_counts(llm)
     if before is None or after is None:
         return {}
-    drafts, tokens, accepted, plain, deferred, landing, padded = (a - b for a, b in zip(after, before))
+    drafts, tokens, accepted, plain, deferred, landing = (a - b for a, b in zip(after[:6], before[:6]))
+    widths = after[6] - before[6]
+    gate = llm.engine.core.scheduler.spec_gate if llm.engine.core is not None else None
     return {"spec_verify_steps": drafts, "spec_draft_tokens": tokens, "spec_plain_steps": plain,
-            "spec_deferred_steps": deferred, "spec_landing_steps": landing, "spec_padded_drafts": padded,
+            "spec_deferred_steps": deferred, "spec_landing_steps": landing,
+            "spec_steps_by_width": {str(w): n for w, n in sorted(widths.items())},
             "spec_gate": _gate_rule(llm),
+            **({"spec_gate_state": gate.summary()} if gate is not None and gate.rule == "measured" else {}),
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
 
 
@@ -192,9 +205,10 @@ def main(args) -> list[dict]:
             one, many = run_params(args, 1), run_params(args, args.osl + 1)
             # warm-up with the same shapes, decode and mixed prefill+decode steps included, so that
             # no Triton JIT specialisation is compiled inside a measured step; under the measured
-            # speculation gate long enough for the batch's bucket to time both kinds of step, as
+            # speculation gate long enough for the batch's bucket to time every arm and choose, as
             # in a server that has run a while (core/spec_gate.py)
-            llm.generate(prompts(), run_params(args, 48 if _gate_rule(llm) == "measured" else 4), use_tqdm=False)
+            warm_up = GATE_WARM_UP_TOKENS if _gate_rule(llm) == "measured" else 4
+            llm.generate(prompts(), run_params(args, warm_up), use_tqdm=False)
             jit_before = variants_by_kernel()
             spec_before = _spec_counts(llm)
             batch = prompts()

@@ -60,7 +60,6 @@ class EngineCore:
                                             executor.kv_rank_metadata())
         async_on = async_scheduling_applies(config)
         device_type = getattr(executor, "device_type", "cpu")
-        from m3serve.worker.cuda_graphs import capture_sizes
         from m3serve.worker.structured import GrammarCompiles
         # compiled off the loop (and warmed now), so that no grammar holds up a step
         self.grammars = GrammarCompiles(executor.model_dir, cfg.vocab_size, cfg.eos_token_id,
@@ -76,15 +75,12 @@ class EngineCore:
                                    grammars=self.grammars,
                                    disable_spec_by_batch_size=config.speculative.disable_by_batch_size,
                                    measure_speculation=measured_rule_applies(config, device_type),
-                                   # stand-in drafts let a decode without drafts replay the
-                                   # verify graph (captured on a GPU, one DP replica)
-                                   pad_drafts=max(capture_sizes(config, device_type), default=0)
-                                   if config.parallel.data_parallel_size == 1 else 0,
                                    encoder_cache=self._encoder_cache(config, executor))
         if config.speculative.enabled:
             logger.info("speculative decoding: which batches speculate: %s", {
                 "fixed": f"below {config.speculative.disable_by_batch_size} running requests",
-                "measured": "where timed steps with drafts beat those without (core/spec_gate.py)",
+                "measured": "per batch size, plain steps or the number of drafts whose timed steps emit "
+                            "the most tokens per second (core/spec_gate.py)",
                 "always": "every one"}[self.scheduler.spec_gate.rule])
         self.num_steps = 0
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)

@@ -58,7 +58,7 @@ class Scheduler:
                  max_model_len: int, num_speculative_tokens: int = 0, kv_connector=None,
                  async_scheduling: bool = False, defer_sampling: bool = False, grammars=None,
                  disable_spec_by_batch_size: int | None = None, measure_speculation: bool = False,
-                 pad_drafts: int = 0, encoder_cache: EncoderCacheBook | None = None):
+                 encoder_cache: EncoderCacheBook | None = None):
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
@@ -76,16 +76,12 @@ class Scheduler:
         # the draft writes its KV while proposing.
         self.num_lookahead_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats(num_speculative_tokens)
-        # which steps speculate (core/spec_gate.py): speculative_config.disable_by_batch_size,
-        # else by the measured speed of steps with and without drafts (`measure_speculation`)
-        self.spec_gate = SpeculationGate(disable_spec_by_batch_size, measure_speculation)
+        # how many drafts each step verifies (core/spec_gate.py): speculative_config.
+        # disable_by_batch_size, else by the measured speed of steps with and without drafts, and
+        # of verifying fewer of them (`measure_speculation`)
+        self.spec_gate = SpeculationGate(num_speculative_tokens, disable_spec_by_batch_size, measure_speculation)
         self.num_plain_steps = 0        # steps a draft model ran without drafts
-        # A decode without drafts in a step with drafts (the first after plain steps) verifies
-        # k stand-in tokens instead, so that the step replays the verify CUDA graph rather than
-        # running the target eagerly (`SchedulerOutput.padded_drafts`): in decode-only steps of
-        # at most `pad_drafts` running requests (the largest verify graph; 0: never)
-        self.pad_drafts = pad_drafts if num_speculative_tokens > 0 else 0
-        self.num_padded_drafts = 0      # requests' steps that verified stand-ins
+        self.num_steps_by_width: dict[int, int] = {}   # ... and with each number of drafts verified
         # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
         # is being pulled from a prefill worker, and finished ones held for a decode worker.
         self.connector = kv_connector
@@ -330,7 +326,6 @@ class Scheduler:
         encoder_left = self._encoder_budget
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
-        padded: set[str] = set()
         modes: dict[str, SamplingMode] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
@@ -344,14 +339,14 @@ class Scheduler:
         if self.kv_manager.offload is not None and self.kv_manager.offload.num_stores_in_flight:
             in_flight = True
         short_of_blocks = False
-        speculate = self._speculate_this_step()
+        width = self._draft_width()          # drafts each request verifies (None: a plain step)
+        speculate = width is not None
         if speculate and self.num_lookahead_tokens and self._last_deferred:
             # A step with drafts needs its requests' newest tokens on the host (the drafts are
             # proposed from them), but the previous plain step left them on the device: this
             # step schedules nothing and only lands them; the next one speculates.
             speculate, budget = False, 0
             self.num_landing_steps += 1
-        to_pad = self._stand_in_requests() if speculate else set()
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -362,9 +357,8 @@ class Scheduler:
             mode = self._sampling_mode(request)
             if mode is SamplingMode.FULL or not speculate:
                 request.spec_token_ids = []     # verification applies none of what its sampler needs
-            elif request.request_id in to_pad:
-                request.spec_token_ids = self._stand_ins(request)
-                padded.add(request.request_id)
+            elif self.num_lookahead_tokens:
+                del request.spec_token_ids[width:]   # verified: the first `width` of its drafts
             num_new = min(request.num_tokens_with_spec + request.num_output_placeholders, self.max_model_len)
             num_new = min(num_new - request.num_computed_tokens, budget, self._long_cap)
             prefill = self._is_prefill(request)
@@ -376,11 +370,6 @@ class Scheduler:
             while True:
                 new_block_ids = self.kv_manager.allocate_slots(
                     request, num_new, num_lookahead_tokens=self.num_lookahead_tokens)
-                if new_block_ids is None and request.request_id in padded:
-                    # stand-ins never cost a preemption or a skipped decode: decode without them
-                    padded.discard(request.request_id)
-                    request.spec_token_ids, num_new = [], 1
-                    continue
                 if new_block_ids is not None or in_flight:
                     break
                 # Preempted requests always come from the tail, past index i: never one that
@@ -399,8 +388,6 @@ class Scheduler:
             num_spec = request.num_computed_tokens + num_new - request.num_tokens - request.num_output_placeholders
             if num_spec > 0:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-            else:
-                padded.discard(request.request_id)
             if not speculate:
                 self._draft_not_written(request, request.num_computed_tokens + num_new)
             self._add_cached(cached, request, new_block_ids, resumed=False)
@@ -496,7 +483,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=spec_tokens, padded_drafts=padded,
+            scheduled_spec_decode_tokens=spec_tokens,
             sampling_modes=modes,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
@@ -506,7 +493,6 @@ class Scheduler:
             encoder_cache_frees=self.encoder_cache.take_freed(),
         )
         self.finished_req_ids = set()
-        self.num_padded_drafts += len(padded)
         if self.num_lookahead_tokens:
             self.spec_gate.scheduled(output)
         # Advance now: the KV of these tokens is being written by this step.
@@ -685,7 +671,8 @@ class Scheduler:
         outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
         sampled_ids = set(scheduler_output.sampled_req_ids)
-        num_emitted = num_applied = 0     # tokens, and the requests that emitted them
+        num_applied = 0                   # requests that emitted tokens
+        verified = []                     # (drafts, drafts kept) of each request's real drafts
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -717,8 +704,9 @@ class Scheduler:
                                        f"{len(drafts)} drafts")
                 # Rejected drafts' KV is stale; recompute from the first rejected position.
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
-                if drafts and req_id not in scheduler_output.padded_drafts:
+                if drafts:
                     self.spec_stats.record(len(drafts), len(sampled) - 1)
+                    verified.append((len(drafts), len(sampled) - 1))
                 for token_id in sampled:
                     request.append_output_token_ids([token_id])
                     new_token_ids.append(token_id)
@@ -726,7 +714,6 @@ class Scheduler:
                     if status is not None:
                         request.status = status
                         break
-            num_emitted += len(new_token_ids)
             num_applied += bool(new_token_ids)
             self.kv_manager.cache_blocks(request, request.num_computed_tokens)
             if caught_up and model_runner_output.spec_token_ids is not None and not request.is_finished:
@@ -761,54 +748,34 @@ class Scheduler:
                 else:
                     self._finish(request, request.status)
         if self.num_lookahead_tokens:
-            self.spec_gate.observe(scheduler_output, num_emitted, num_applied)
+            self.spec_gate.observe(scheduler_output, num_applied, verified)
         return outputs
 
-    def _speculate_this_step(self) -> bool:
-        """With a draft model: whether this step verifies drafts (`spec_gate`'s rule)."""
+    def _draft_width(self) -> int | None:
+        """With a draft model: how many drafts each request verifies in this step, None for a
+        plain step without a draft pass (`spec_gate`'s rule). Without one: 0 (nothing reads it)."""
         if not self.num_lookahead_tokens:
-            return True
-        on = self.spec_gate.speculate(len(self.running), self._prompt_due)
-        self.num_plain_steps += not on
-        return on
-
-    def _stand_ins(self, request: Request) -> list[int]:
-        """k tokens a request without drafts verifies so that its step fits the verify graph
-        (verified as none: any token does; its last one)."""
-        return [request.all_token_ids[-1]] * self.num_lookahead_tokens
-
-    def _stand_in_requests(self) -> set[str]:
-        """The requests that get stand-ins in this step with drafts (`pad_drafts`): none unless
-        the step can then replay the verify graph -- no prompt tokens due, at most `pad_drafts`
-        running requests, each with k drafts already (and a mode that verifies them) or one
-        that `_pads`. (A stand-in that the step cannot fit is dropped where blocks are taken.)"""
-        if (not self.pad_drafts or len(self.running) > self.pad_drafts
-                or all(r.spec_token_ids for r in self.running) or self._prompt_due()):
-            return set()
-        k, chosen = self.num_lookahead_tokens, set()
-        for request in self.running:
-            mode = self._sampling_mode(request)
-            if self._pads(request, mode):
-                chosen.add(request.request_id)
-            elif len(request.spec_token_ids) != k or mode is SamplingMode.FULL:
-                return set()
-        return chosen
-
-    def _pads(self, request: Request, mode: SamplingMode) -> bool:
-        """Whether `request` verifies stand-in drafts in a step that gives them: a decode whose
-        next token is all it computes, with no drafts, whose sampler verifies drafts without a
-        grammar (a grammar's mask would have to accept the stand-ins) and that has room for k
-        more tokens in its context."""
-        return (not request.spec_token_ids and mode in (SamplingMode.ARGMAX, SamplingMode.LOGITS)
-                and not request.num_output_placeholders
-                and request.num_computed_tokens == request.num_tokens - 1
-                and request.num_tokens + self.num_lookahead_tokens < self.max_model_len)
+            return 0
+        width = self.spec_gate.draft_width(len(self.running), self._prompt_due)
+        if width is None:
+            self.num_plain_steps += 1
+        else:
+            self.num_steps_by_width[width] = self.num_steps_by_width.get(width, 0) + 1
+        return width
 
     def _prompt_due(self) -> bool:
         """Whether the next step may compute prompt tokens: a running request's next chunk, or
-        a waiting request with room to be admitted."""
-        return (any(self._is_prefill(r) for r in self.running)
-                or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs))
+        the head of the queue with room to be admitted -- a free seat and free blocks for its
+        first chunk (a head that waits for blocks would otherwise make every step run the
+        draft pass, whatever the gate chose; a prefix hit it may have is not looked up here)."""
+        if any(self._is_prefill(r) for r in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens, self._long_cap)
+        return (cdiv(head.num_computed_tokens + chunk + self.num_lookahead_tokens, self.kv_manager.block_size)
+                - len(self.kv_manager.get_block_ids(head.request_id)) <= self.kv_manager.num_free_blocks)
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts past the context are dropped. Drafts past max_tokens are kept: every request

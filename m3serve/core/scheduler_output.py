@@ -147,13 +147,11 @@ class SchedulerOutput:
     """req_id -> how its next token is drawn (`core/sampling_mode.py`), for every scheduled
     request: decided here once per step; the worker samples by it and never re-derives it."""
     speculate: bool = True
-    """With a draft model: whether this step verifies drafts and proposes the next ones (False:
-    a plain decode step: `core/spec_gate.py`, by disable_by_batch_size or measured speed)."""
-    padded_drafts: set[str] = field(default_factory=set)
-    """Requests whose drafts this step only pad it (`Scheduler(pad_drafts=...)`): a decode that
-    had no drafts (its previous step decoded without them) verifies k stand-in tokens, so that
-    the step fits the verify CUDA graph (every row k drafts). The worker verifies them as no
-    drafts (never kept, whatever the rejection method) and the acceptance counters skip them."""
+    """With a draft model: whether this step runs the draft pass, verifying the drafts in
+    `scheduled_spec_decode_tokens` (the first j of each request's k, the same j for every
+    decode: `core/spec_gate.py`; none in a switch step, the first after plain steps) and
+    proposing the next ones (False: a plain decode step, by disable_by_batch_size or measured
+    speed)."""
     deferred: bool = False
     """Async scheduling: the step's sampled tokens stay on the device (the next step's inputs
     take them from there) and its output comes with the next call (`ModelRunnerOutput.previous`).

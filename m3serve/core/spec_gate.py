@@ -1,73 +1,99 @@
-"""Whether a step speculates, by the number of running requests.
+"""How many drafts a step verifies (none: a plain step), by the number of running requests.
 
 Drafts pay when the tokens they add per verify step outweigh what the verify and draft passes
 cost over a plain decode step; both sides move with the batch size (a verify step reads the
-experts of every draft row), the model, the hardware and the workload's acceptance. Three
-rules, one per engine:
+experts of every draft row, so verifying fewer drafts costs fewer rows), the model, the
+hardware and the workload's acceptance. Three rules, one per engine:
 
 - fixed (`speculative_config.disable_by_batch_size` N): steps with N or more running requests
-  decode without drafts;
-- measured (the default on a GPU with one DP replica): per bucket of running requests (rounded
-  up to a power of two), the engine times its decode-only steps with drafts and without, as
-  tokens emitted per request per second (mean tokens per request over the median period of the
-  last `SAMPLES` steps of each kind; for drafts the mean is over the last `ACCEPT_ROWS`
-  requests' verify steps: a verify step emits 1 to k + 1 tokens per request as drafts are
-  accepted, so only a mean over many counts them right, while the median period keeps one slow
-  step from deciding), and speculates where drafts give more. A bucket starts with drafts,
-  takes `MIN_SAMPLES` timed steps of each kind (and `MIN_DRAFT_ROWS` requests' verify steps),
-  then keeps the faster kind -- the kind running (drafts, at first) stays unless the other is
-  faster by `MARGIN`, since every change costs steps outside steady decode that no sample
-  sees, and drafts go off only when also slower by `Z_OFF` standard errors of their rate --
-  and retries the other now and then (acceptance and costs drift with the traffic): plain
-  steps for `PLAIN_PROBE_STEPS` every `PLAIN_PROBE_EVERY` steps while drafts win; while plain
-  wins, drafts every `DRAFT_PROBE_EVERY` steps, timed anew until they have `MIN_SAMPLES` and
-  `MIN_DRAFT_ROWS` again, the wait doubling after each retry that lost (up to
-  `DRAFT_PROBE_MAX_EVERY`). A bucket that cannot time
-  both kinds within `EXPLORE_LIMIT` steps speculates for `PLAIN_PROBE_EVERY` steps, then tries
-  again. Each change of a bucket's choice is logged;
+  decode without drafts, smaller ones verify all k;
+- measured (the default on a GPU with one DP replica), below;
 - always (CPU engines, where wall-clock times describe nothing served, and DP replicas, whose
-  steps wait for each other): every step speculates.
+  steps wait for each other): every step verifies k drafts.
 
-What a plain step costs the draft: it runs no draft pass, so the draft's KV misses its tokens
-(a window draft forgets its window). Hence drafts are timed only from the `SETTLE` -th drafted
-step in a row, the retries of drafts are longer than those of plain steps, and the scheduler
-lets steps that compute prompt tokens speculate (their draft pass writes the prompt's draft
-KV), whatever the bucket chose.
+The measured rule. Per bucket of running requests (rounded up to a power of two) the engine
+runs one arm: plain steps, or verifying the first j of each request's k drafts, for a width j
+of `draft_widths(k)` (k, and 1, 3, 7, ... below it). Each arm is rated in tokens emitted per
+request per second:
+- plain steps: 1 over the arm's period;
+- width j: E[T_j] over the arm's period. E[T_j] = 1 + sum over i <= j of P(K >= i), the mean
+  number of tokens a verify of j drafts emits, K the drafts a request keeps: the product over
+  positions l <= i of the fraction of drafts at l that were kept when verified after kept
+  drafts, each position over its last `ACCEPT_ROWS` such verify steps in the whole engine
+  (acceptance is the traffic's, not the batch size's: buckets share it, so a bucket met late
+  starts with it), drawn towards the fraction over all positions by `SHRINK` verify steps (a
+  deep position few steps reached says little of its own). Verify steps of the first `SETTLE`
+  steps after a plain one do not count: plain steps write no draft KV, so drafts accept less
+  until it refills -- a cost of switching, not of the arm. Its standard error is that of a
+  mean of T_j over those verify steps, with the variance the acceptance implies;
+- the period: the median of the arm's last `SAMPLES` timed steps in that bucket (a verify
+  step emits 1 to k + 1 tokens per request, so acceptance needs many steps, a period few).
+
+A bucket first times each arm for `MIN_SAMPLES` steps, widest first, plain steps last (the
+requests come with drafts from their prompts' steps; plain steps damage the draft's KV). It
+then chooses as soon as the choice is clear -- the fastest width beats plain steps by `Z`
+standard errors of its rate, or plain steps beat every width by Z of that width's -- or once
+the acceptance rests on `DECIDE_ROWS` verify steps (until then it verifies all k drafts, which
+adds to every position's): the fastest width if it beats plain steps by `MARGIN`, else plain
+steps.
+Window: with the acceptance known and drafts slower than plain steps by Z standard errors, a
+fresh bucket runs plain steps from its (1 + MIN_SAMPLES) x len(draft_widths(k)) + 2 +
+MIN_SAMPLES -th step on (17 for DSpark's k = 7, 13 for k = 3; on a fresh engine the acceptance
+needs MIN_DRAFT_ROWS verify steps first, within those at 4 requests or more).
+After the choice:
+- drafting at width j: plain steps as soon as they beat every width by `Z_OFF` standard errors
+  of its rate (the error falls as drafted steps add verify steps: drafts that lose cannot stay
+  on); another width once it beats j by MARGIN (no switching cost: the requests keep drafting);
+  plain steps re-timed every `PLAIN_PROBE_EVERY` steps, the other widths in turn every
+  `WIDTH_PROBE_EVERY`;
+- plain steps: every `DRAFT_PROBE_EVERY` steps (twice as long after each retry that loses, up
+  to `DRAFT_PROBE_MAX_EVERY`) drafts are retried at width k with their acceptance timed afresh
+  (it drifts with the traffic; old verify steps would outweigh a short retry's), decided as a
+  first choice is; a retry that turns drafts on gives the engine its acceptance.
+A bucket that cannot time an arm within `EXPLORE_LIMIT` steps (too few steady decode steps
+there) verifies k drafts for PLAIN_PROBE_EVERY steps, then tries again. Each change of a
+bucket's arm is logged with each arm's rate and its parts.
 
 Plain steps are deferred like any engine's (async scheduling, where the engine has it: their
 tokens stay on the device and the next step is scheduled before they land), so they are timed as
 they run when the bucket chooses them. A step with drafts is never deferred, and drafts need the
 newest tokens on the host: when drafts follow a deferred plain step, the scheduler first takes a
-step that only lands its tokens (`Scheduler.num_landing_steps`).
+step that only lands its tokens (`Scheduler.num_landing_steps`), then a switch step (width 0:
+no drafts to verify yet, it proposes them), which is timed for no arm. A step that may compute
+prompt tokens runs the draft pass whatever the bucket chose (it writes the prompt's draft KV);
+in a bucket that chose plain steps its decodes verify none.
 
-A timed step is decode-only (each request computes its next token and its drafts) and of the
-same kind and bucket as the step before it; its time is from the previous step's output to its
-own (the loop's period, host work included), unless the loop paused (`MAX_GAP`).
+A timed step is decode-only (each request computes its next token and exactly the arm's number
+of drafts) and of the same arm and bucket as the step before it; its time is from the previous
+step's output to its own (the loop's period, host work included), unless the loop paused
+(`MAX_GAP`).
 """
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
 
 logger = logging.getLogger(__name__)
 
-MIN_SAMPLES = 4            # timed steps of each kind before a bucket chooses
-MIN_DRAFT_ROWS = 16        # ... and requests' verify steps among its drafted ones
-SAMPLES = 8                # timed steps kept per bucket and kind (their periods)
-ACCEPT_ROWS = 512          # requests' verify steps over which drafts' tokens are averaged
-SETTLE = 4                 # drafted steps in a row before one is timed (the draft's KV refills)
-PLAIN_PROBE_EVERY = 1000   # steps with drafts between two retries of plain steps
-PLAIN_PROBE_STEPS = 3      # (the first is a switch, not timed)
+MIN_SAMPLES = 3            # timed steps of an arm before its period counts
+SAMPLES = 8                # timed steps kept per bucket and arm (their periods)
+MIN_DRAFT_ROWS = 16        # requests' verify steps behind the acceptance before drafts are rated
+DECIDE_ROWS = 128          # ... and before a choice between near-equal rates (or a retry's end)
+ACCEPT_ROWS = 512          # verify steps kept per draft position
+SHRINK = 2                 # verify steps at all positions' kept fraction added to each position's
+SETTLE = 4                 # steps after a plain one whose acceptance is not counted (the draft's KV refills)
+Z = 1.5                    # standard errors by which a first choice (or a retry's) is clear
+Z_OFF = 1.0                # ... and by which plain steps must win to turn drafts off
+MARGIN = 0.05              # drafts replace plain steps (or a width the running one) only this much faster
+PLAIN_PROBE_EVERY = 1000   # steps with drafts between two re-timings of plain steps
+WIDTH_PROBE_EVERY = 250    # steps with drafts between two re-timings of another width
 DRAFT_PROBE_EVERY = 200    # plain steps between two retries of drafts (each: a landing step,
-                           # a switch, SETTLE untimed, then until MIN_SAMPLES / MIN_DRAFT_ROWS)
+                           # a switch, then until the arm is timed and its acceptance is clear)
 DRAFT_PROBE_MAX_EVERY = 8 * DRAFT_PROBE_EVERY   # a retry that loses doubles the wait, up to this
-MARGIN = 0.03              # a kind replaces the bucket's current one only when this much faster
-Z_OFF = 1.5                # ... and drafts go off only when slower by this many standard errors
-OFF_MIN_ROWS = 64          # ... over at least this many requests' verify steps (fewer can look
-                           # steady when most keep no draft, and the error is then underrated)
-EXPLORE_LIMIT = 64         # steps a bucket may spend timing both kinds
+EXPLORE_LIMIT = 64         # steps a bucket may spend timing one arm
 MAX_GAP = 0.05             # s between an output and the next step's schedule: longer = the loop paused
 
 
@@ -78,189 +104,303 @@ def measured_rule_applies(config, device_type: str) -> bool:
             and device_type == "cuda" and config.parallel.data_parallel_size == 1)
 
 
+def rule_of(config, device_type: str) -> str:
+    """The rule an engine of `config` on `device_type` ranks runs (`SpeculationGate.rule`)."""
+    if config.speculative.disable_by_batch_size is not None:
+        return "fixed"
+    return "measured" if measured_rule_applies(config, device_type) else "always"
+
+
+def draft_widths(k: int) -> list[int]:
+    """The numbers of drafts a request may verify under the measured rule, widest first: k and
+    2^i - 1 below it (k 7: 7, 3, 1; k 3: 3, 1)."""
+    return sorted({k} | {(1 << i) - 1 for i in range(1, k.bit_length() + 1) if (1 << i) - 1 < k}, reverse=True)
+
+
 def bucket_of(num_running: int) -> int:
     """Running requests rounded up to a power of two."""
     return 1 << max(0, num_running - 1).bit_length()
 
 
+class Acceptance:
+    """Per draft position i (1..k): whether the draft there was kept, over the last `rows` verify
+    steps of a request that reached it (verified it, with every draft before it kept)."""
+
+    def __init__(self, k: int, rows: int = ACCEPT_ROWS):
+        self.kept = [deque(maxlen=rows) for _ in range(k)]
+        self.sums = [0] * k
+
+    @property
+    def rows(self) -> int:
+        """Verify steps behind the first position's figure (every verify step reaches it)."""
+        return len(self.kept[0])
+
+    def add(self, num_drafts: int, num_kept: int) -> None:
+        """One request's verify step: `num_kept` of its `num_drafts` drafts kept."""
+        for i in range(min(num_kept + 1, num_drafts)):
+            window, hit = self.kept[i], i < num_kept
+            if len(window) == window.maxlen:
+                self.sums[i] -= window[0]
+            window.append(hit)
+            self.sums[i] += hit
+
+    def renew(self, newer: "Acceptance") -> None:
+        """Take `newer`'s figures for every position it has any of."""
+        for i, window in enumerate(newer.kept):
+            if window:
+                self.kept[i], self.sums[i] = deque(window, maxlen=self.kept[i].maxlen), newer.sums[i]
+
+    def tail(self, j: int, prior: float = 0.0) -> list[float]:
+        """P(K >= i) for i = 1..j, K the drafts a verify keeps: the product of the positions'
+        kept fractions, each drawn towards the fraction over all positions by `SHRINK` verify
+        steps (a deep position that few steps reached, or none, says little of its own; drafts'
+        acceptance changes slowly with the position) and given `prior` halves of a kept and a
+        rejected draft (for the variance)."""
+        reached = sum(len(w) for w in self.kept)
+        pooled = sum(self.sums) / reached if reached else 0.0
+        out, p = [], 1.0
+        for i in range(j):
+            n = len(self.kept[i])
+            p *= (self.sums[i] + SHRINK * pooled + prior / 2) / (n + SHRINK + prior)
+            out.append(p)
+        return out
+
+    def mean(self, j: int) -> float:
+        """E[T_j]: tokens a verify of j drafts emits per request, on average."""
+        return 1.0 + sum(self.tail(j))
+
+    def error(self, j: int) -> float:
+        """Standard error of `mean(j)`: the variance of T_j the acceptance implies (each
+        position's fraction given half a kept and half a rejected draft more, so that a few
+        steps that kept nothing do not claim none ever will) over the verify steps behind it."""
+        if not self.rows:
+            return math.inf
+        tail = self.tail(j, prior=1.0)
+        mean = sum(tail)
+        square = sum((2 * i + 1) * q for i, q in enumerate(tail))
+        return math.sqrt(max(square - mean * mean, 0.0) / self.rows)
+
+
 class _Bucket:
-    def __init__(self):
-        # per kind (drafts or not): (tokens emitted per request, period in s) of timed steps
-        self.rates = {True: deque(maxlen=SAMPLES), False: deque(maxlen=SAMPLES)}
-        # (tokens emitted, requests) of the timed drafted steps, the newest ACCEPT_ROWS
-        # requests' worth (the oldest step dropped while the rest hold that many), and sums
-        self.emitted: deque = deque()
-        self.emitted_tokens = self.emitted_rows = 0
-        self.choice: bool | None = None      # None: timing both kinds
-        self.steps = 0                       # steps since exploring, the last change or retry began
-        self.probe_left = 0                  # steps left in a retry of plain steps
-        self.retrying: tuple | None = None   # a retry of drafts: the drafted samples before it
-        self.hold = 0                        # steps to speculate before exploring again
-        self.draft_every = DRAFT_PROBE_EVERY # plain steps between retries of drafts
+    """One bucket's periods per arm (0: plain, j: j drafts) and where its choice stands."""
 
-    def add(self, drafts: bool, num_emitted: int, num_rows: int, period: float) -> None:
-        self.rates[drafts].append((num_emitted / num_rows, period))
-        if drafts:
-            self.emitted.append((num_emitted, num_rows))
-            self.emitted_tokens += num_emitted
-            self.emitted_rows += num_rows
-            while self.emitted_rows - self.emitted[0][1] >= ACCEPT_ROWS:
-                tokens, rows = self.emitted.popleft()
-                self.emitted_tokens -= tokens
-                self.emitted_rows -= rows
+    def __init__(self, widths: list[int]):
+        self.periods = {arm: deque(maxlen=SAMPLES) for arm in [*widths, 0]}
+        self.num_timed = dict.fromkeys(self.periods, 0)   # timed steps per arm, ever
+        self.explore = [*widths, 0]          # arms still to time before the first choice
+        self.choice: int | None = None       # None: not chosen yet
+        self.probe: int | None = None        # the arm being timed (exploring, a retry or a re-timing)
+        self.probe_from = 0                  # ... its timed steps when it began
+        self.probe_steps = 0                 # ... steps spent on it
+        self.retry: Acceptance | None = None  # a retry of drafts: its own acceptance
+        self.steps = 0                       # steps since the choice or the last retry of drafts
+        self.width_steps = 0                 # ... since the last re-timing of a width
+        self.next_width = 0                  # ... which one is re-timed next
+        self.hold = 0                        # steps to verify k drafts before exploring again
+        self.draft_every = DRAFT_PROBE_EVERY  # plain steps between retries of drafts
 
-    def start_draft_retry(self) -> None:
-        """Time drafts anew (acceptance drifts with the traffic; samples from before the last
-        plain period would outweigh a short retry's), keeping the old samples in case the
-        retry cannot time any."""
-        self.retrying = (self.rates[True], self.emitted, self.emitted_tokens, self.emitted_rows)
-        self.rates[True], self.emitted = deque(maxlen=SAMPLES), deque()
-        self.emitted_tokens = self.emitted_rows = 0
+    def period(self, arm: int) -> float | None:
+        samples = self.periods[arm]
+        return statistics.median(samples) if len(samples) >= MIN_SAMPLES else None
 
-    def end_draft_retry(self) -> bool:
-        """-> whether the retry timed enough drafted steps (else the old samples are back)."""
-        old, self.retrying = self.retrying, None
-        if self.drafts_ready():
-            return True
-        self.rates[True], self.emitted, self.emitted_tokens, self.emitted_rows = old
-        return False
+    def add(self, arm: int, period: float) -> None:
+        self.periods[arm].append(period)
+        self.num_timed[arm] += 1
 
-    def drafts_ready(self) -> bool:
-        return len(self.rates[True]) >= MIN_SAMPLES and self.emitted_rows >= MIN_DRAFT_ROWS
+    def start_probe(self, arm: int) -> None:
+        self.probe, self.probe_from, self.probe_steps = arm, self.num_timed[arm], 0
 
-    def ready(self) -> bool:
-        return self.drafts_ready() and len(self.rates[False]) >= MIN_SAMPLES
-
-    def parts(self, drafts: bool) -> tuple[float, float]:
-        """(mean tokens per request, median period in s) of the kind's timed steps: the period
-        over the last SAMPLES of them; drafts' tokens over the last ACCEPT_ROWS requests' verify
-        steps (how many drafts a step keeps varies from step to step far more than its period;
-        a short window, watched at every step, would sooner or later dip below the true mean
-        and turn winning drafts off)."""
-        samples = self.rates[drafts]
-        period = statistics.median(p for _, p in samples)
-        if drafts:
-            return self.emitted_tokens / self.emitted_rows, period
-        return statistics.fmean(t for t, _ in samples), period
-
-    def rate(self, drafts: bool) -> float:
-        """Tokens per request per second of the kind's timed steps."""
-        tokens, period = self.parts(drafts)
-        return tokens / period
-
-    def drafts_rate_error(self) -> float:
-        """Standard error of `rate(True)` from the spread of its tokens: the variance of one
-        request's tokens is estimated from the steps' means (a step of n requests has a mean
-        whose variance is sigma^2 / n)."""
-        steps = len(self.emitted)
-        if steps < 2:
-            return float("inf")
-        mean = self.emitted_tokens / self.emitted_rows
-        var = sum(n * (t / n - mean) ** 2 for t, n in self.emitted) / (steps - 1)
-        return (var / self.emitted_rows) ** 0.5 / self.parts(True)[1]
+    def probe_timed(self, need: int) -> bool:
+        """Whether the arm being timed has `need` timed steps since it began."""
+        return self.num_timed[self.probe] - self.probe_from >= need
 
 
 class SpeculationGate:
-    """`speculate(...)` before each step; `scheduled(step)` once it is built; `observe(...)`
-    with its result. `fixed`: disable_by_batch_size (None: not fixed); `measured`: the timed
-    rule (else always). `clock`: seconds, monotonic."""
+    """`draft_width(...)` before each step; `scheduled(step)` once it is built; `observe(...)`
+    with its result. `k`: the drafts a request has; `fixed`: disable_by_batch_size (None: not
+    fixed); `measured`: the timed rule (else always). `clock`: seconds, monotonic."""
 
-    def __init__(self, fixed: int | None = None, measured: bool = False, clock=time.monotonic):
+    def __init__(self, k: int, fixed: int | None = None, measured: bool = False, clock=time.monotonic):
+        self.k = k
         self.fixed, self.measured, self.clock = fixed, measured and fixed is None, clock
+        self.widths = draft_widths(k) if k else []
         self.buckets: dict[int, _Bucket] = {}
+        self.acceptance = Acceptance(k) if k else None
         self._on = True                          # the fixed rule's state, for its log lines
         # (step, when it was scheduled) of the steps whose output has not come yet, in order: a
         # plain step may be deferred (async scheduling), its output coming after the next step
         # was scheduled
         self._scheduled: deque = deque()
         self._last: tuple | None = None          # (timing key, output time) of the previous step
-        self._drafted_run = 0                    # drafted steps in a row, up to the last one
+        self._since_plain = SETTLE + 1           # speculating steps since the last plain one
 
     @property
     def rule(self) -> str:
         return "fixed" if self.fixed is not None else "measured" if self.measured else "always"
 
-    def speculate(self, num_running: int, prompt_due=lambda: False) -> bool:
-        """Whether the next step verifies drafts. `prompt_due()`: whether it may compute prompt
-        tokens (asked only under the measured rule, which then speculates: the draft pass writes
-        the prompt's draft KV whatever the bucket chose)."""
+    # ------------------------------------------------------------ choosing
+
+    def draft_width(self, num_running: int, prompt_due=lambda: False) -> int | None:
+        """How many drafts each request verifies in the next step: None for a plain step (no
+        draft pass), else a width of 0..k (0: the step only proposes drafts). `prompt_due()`:
+        whether the step may compute prompt tokens (asked only under the measured rule, which
+        then runs the draft pass whatever the bucket chose, so that the draft's KV holds the
+        prompt; in a bucket that chose plain steps its decodes verify none)."""
         if self.fixed is not None:
             on = num_running < self.fixed
             if on != self._on:
                 logger.info("speculative decoding %s: %d requests running (disable_by_batch_size %d)",
                             "back on" if on else "off", num_running, self.fixed)
                 self._on = on
-            return on
+            return self.k if on else None
         if not self.measured or num_running == 0:
-            return True
-        return self._measured_choice(num_running) or prompt_due()
-
-    def _measured_choice(self, num_running: int) -> bool:
+            return self.k
         b = bucket_of(num_running)
-        state = self.buckets.setdefault(b, _Bucket())
+        state = self.buckets.get(b)
+        if state is None:
+            state = self.buckets[b] = _Bucket(self.widths)
+        arm = self._arm(state, b)
+        if arm == 0:
+            return 0 if prompt_due() else None
+        return arm
+
+    def _arm(self, state: _Bucket, b: int) -> int:
         if state.hold:
             state.hold -= 1
-            return True
+            return self.k
         state.steps += 1
-        if state.choice is None and not state.ready():      # exploring
-            if state.steps > EXPLORE_LIMIT:      # too few steady decode steps here to time
-                state.steps, state.hold = 0, PLAIN_PROBE_EVERY
-                return True
-            return not state.drafts_ready()      # drafts first, then plain steps
-        if state.retrying is not None:           # a retry of drafts, until they are timed anew
-            if not state.drafts_ready() and state.steps <= EXPLORE_LIMIT:
-                return True
-            # (none timed: plain steps stay) a retry that lost waits twice as long
-            choice = self._decide(state, b) if state.end_draft_retry() else False
+        while state.probe is not None or state.explore:
+            if state.probe is None:
+                state.start_probe(state.explore.pop(0))
+            arm = self._probing(state, b)
+            if arm is not None:
+                return arm
+        if state.choice is None:                 # timed every arm, the choice still unclear
+            return self.k if self._decide(state, b) is None else state.choice
+        if state.choice == 0:
+            if state.steps >= state.draft_every:   # retry drafts (all k: every position's acceptance)
+                state.retry = Acceptance(self.k)
+                state.start_probe(self.k)
+                return state.probe
+            return 0
+        self._decide(state, b)
+        if state.choice and state.steps >= PLAIN_PROBE_EVERY:
             state.steps = 0
-            state.draft_every = DRAFT_PROBE_EVERY if choice else min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
-            return choice
-        if state.probe_left:                     # a retry of plain steps
-            state.probe_left -= 1
-            return False
-        choice = self._decide(state, b)
-        if state.steps >= (PLAIN_PROBE_EVERY if choice else state.draft_every):
-            state.steps = 0
-            if choice:
-                state.probe_left = PLAIN_PROBE_STEPS
+            state.start_probe(0)
+        elif state.choice and len(self.widths) > 1 and state.width_steps >= WIDTH_PROBE_EVERY:
+            others = [w for w in self.widths if w != state.choice]
+            state.width_steps, state.next_width = 0, state.next_width + 1
+            state.start_probe(others[state.next_width % len(others)])
+        else:
+            state.width_steps += bool(state.choice)
+            return state.choice
+        return state.probe
+
+    def _probing(self, state: _Bucket, b: int) -> int | None:
+        """The arm to run while one is being timed, or None once it is (or cannot be)."""
+        state.probe_steps += 1
+        retry = state.retry
+        need = 1 if state.choice is not None and retry is None else MIN_SAMPLES
+        timed = state.probe_timed(need)
+        if retry is not None:                    # a retry ends once its acceptance is clear too
+            timed = timed and self._retry_clear(state, retry)
+        if not timed and state.probe_steps <= EXPLORE_LIMIT:
+            return state.probe
+        arm, state.probe = state.probe, None
+        if retry is not None:
+            state.retry, state.steps = None, 0
+            if timed and self._decide(state, b, retry):
+                self.acceptance.renew(retry)     # drafts back on by the newest acceptance: the engine's now
+            if state.choice == 0:                # (none timed: plain steps stay)
+                state.draft_every = min(2 * state.draft_every, DRAFT_PROBE_MAX_EVERY)
             else:
-                state.start_draft_retry()
-        return choice
+                state.draft_every = DRAFT_PROBE_EVERY
+            return None
+        if not timed and state.choice is None:   # too few steady decode steps here to time it
+            state.explore = [arm, *state.explore]
+            state.steps, state.hold = 0, PLAIN_PROBE_EVERY
+            return self.k
+        return None
+
+    def _retry_clear(self, state: _Bucket, retry: Acceptance) -> bool:
+        if retry.rows < MIN_DRAFT_ROWS:
+            return False
+        rates, plain = self._rates(state, retry), state.period(0)
+        return retry.rows >= DECIDE_ROWS or not rates or plain is None or self._clear(rates, 1 / plain, Z)
+
+    def _rates(self, state: _Bucket, acceptance: Acceptance) -> list[tuple[int, float, float]]:
+        """(width, tokens per request per second, its standard error) of each timed width, the
+        fastest first; none while the acceptance rests on fewer than MIN_DRAFT_ROWS verify steps."""
+        if acceptance.rows < MIN_DRAFT_ROWS:
+            return []
+        rates = [(w, acceptance.mean(w) / p, acceptance.error(w) / p)
+                 for w in self.widths if (p := state.period(w)) is not None]
+        return sorted(rates, key=lambda r: -r[1])
 
     @staticmethod
-    def _decide(state: _Bucket, b: int) -> bool:
-        """The bucket's choice from its samples. The kind running now (drafts, before the first
-        choice: a bucket starts with them) stays unless the other is faster by MARGIN -- every
-        change costs steps no timed sample sees (a landing step, a switch step without real
-        drafts, drafted steps while the draft's KV refills) -- and drafts go off only when
-        plain steps are also faster by Z_OFF standard errors of the drafts' rate: a wrong off
-        holds until a retry, a wrong on corrects itself as drafted steps are timed."""
-        drafts, plain = state.rate(True), state.rate(False)
-        current = state.choice is not False
-        if current:
-            change = (plain > drafts * (1 + MARGIN) and state.emitted_rows >= OFF_MIN_ROWS
-                      and plain - drafts > Z_OFF * state.drafts_rate_error())
+    def _clear(rates, plain: float, z: float) -> bool:
+        """Whether the fastest width beats plain steps by z standard errors of its rate, or plain
+        steps beat every width by z of that width's."""
+        _, best, error = rates[0]
+        return best - plain > z * error or all(plain - rate > z * err for _, rate, err in rates)
+
+    def _decide(self, state: _Bucket, b: int, retry: Acceptance | None = None) -> int | None:
+        """Set the bucket's arm from its periods and the acceptance (a retry's: its own); None
+        while the first choice (or the retry's) is not clear yet (see the module's docstring)."""
+        acceptance, plain_period = retry or self.acceptance, state.period(0)
+        rates = self._rates(state, acceptance)
+        if plain_period is None or not rates:
+            return state.choice
+        plain, (width, rate, _) = 1 / plain_period, rates[0]
+        current = state.choice
+        if current is None or retry is not None:
+            if not self._clear(rates, plain, Z) and acceptance.rows < DECIDE_ROWS:
+                return None
+            choice = width if rate > plain * (1 + MARGIN) else 0
+        elif all(plain - r > Z_OFF * err for _, r, err in rates):
+            choice = 0
         else:
-            change = drafts > plain * (1 + MARGIN)
-        choice = current != change
-        if choice != state.choice:
-            state.choice, state.steps = choice, 0
-        if change:                               # logged (keeping the drafts it starts with is not)
-            span = f"{b // 2 + 1}-{b}" if b > 1 else "1"
-            (dt, dp), (_, pp) = state.parts(True), state.parts(False)
-            logger.info("speculative decoding %s for %s running requests (measured: %.1f tokens/s per "
-                        "request with drafts (%.2f tokens per request every %.2f ms), %.1f without (every "
-                        "%.2f ms))", "on" if choice else "off", span, drafts, dt, dp * 1e3, plain, pp * 1e3)
+            running = next((r for w, r, _ in rates if w == current), 0.0)
+            choice = width if width != current and rate > running * (1 + MARGIN) else current
+        if choice != current:
+            self._log(state, b, choice, plain, acceptance)
+            state.choice, state.steps, state.width_steps = choice, 0, 0
         return choice
+
+    def _log(self, state: _Bucket, b: int, choice: int, plain: float, acceptance: Acceptance) -> None:
+        span = f"{b // 2 + 1}-{b}" if b > 1 else "1"
+        parts = []
+        for w in self.widths:
+            period = state.period(w)
+            if period is not None:
+                parts.append(f"{w} of {self.k} drafts {acceptance.mean(w) / period:.1f} "
+                             f"({acceptance.mean(w):.2f} tokens per request every {period * 1e3:.2f} ms)")
+        what = "off" if choice == 0 else f"on, {choice} of {self.k} drafts verified,"
+        logger.info("speculative decoding %s for %s running requests (measured, tokens/s per request: "
+                    "plain %.1f (every %.2f ms); %s; acceptance over %d verify steps)", what, span,
+                    plain, 1e3 / plain, "; ".join(parts), acceptance.rows)
+
+    def summary(self) -> dict:
+        """Per bucket: its arm (None: not chosen) and each timed arm's period (ms); and the
+        acceptance behind the rates: E[T_j] per width and its verify steps."""
+        acc = self.acceptance
+        return {"buckets": {b: {"choice": s.choice, "period_ms": {
+                    arm: round(s.period(arm) * 1e3, 3) for arm in s.periods if s.period(arm) is not None}}
+                            for b, s in sorted(self.buckets.items())},
+                "tokens_per_verify": {w: round(acc.mean(w), 3) for w in self.widths} if acc else {},
+                "verify_steps": acc.rows if acc else 0}
+
+    # ------------------------------------------------------------ timing
 
     def scheduled(self, step) -> None:
         """`step` (a SchedulerOutput) was scheduled now."""
         if self.measured:
             self._scheduled.append((step, self.clock()))
 
-    def observe(self, step, num_emitted: int, num_requests: int | None = None) -> None:
-        """`step`'s output arrived (a SchedulerOutput): `num_emitted` tokens came out, for
-        `num_requests` of its requests (None: every one)."""
+    def observe(self, step, num_requests: int | None = None, verified=()) -> None:
+        """`step`'s output arrived (a SchedulerOutput): `num_requests` of its requests emitted
+        tokens (None: every one); `verified`: (drafts, drafts kept) of each request that
+        verified drafts."""
         if not self.measured:
             return
         now, started = self.clock(), None
@@ -278,25 +418,44 @@ class SpeculationGate:
             following = self._scheduled[0] if self._scheduled else None
             started = following[1] if following is not None and following[0].deferred else None
         spec, rows = step.scheduled_spec_decode_tokens, step.num_scheduled_tokens
-        drafted = step.speculate and bool(spec)
-        # (a step of stand-ins refills no draft KV for its requests: it does not count)
-        self._drafted_run = self._drafted_run + 1 if drafted and not step.padded_drafts else 0
-        # a step that asked for drafts and had none to verify (or only stand-ins, for some rows:
-        # `SchedulerOutput.padded_drafts`) is a switch, of neither kind
-        kind = drafted if step.speculate == drafted and not step.padded_drafts else None
-        # timed: decode-only steps (every request computes its next token and its drafts only)
-        decode_only = kind is not None and all(n == 1 + len(spec.get(r, ())) for r, n in rows.items())
+        if rows:
+            self._since_plain = self._since_plain + 1 if step.speculate else 0
+        if self._since_plain > SETTLE:
+            for num_drafts, num_kept in verified:
+                self.acceptance.add(num_drafts, num_kept)
+                if self._retrying is not None:
+                    self._retrying.add(num_drafts, num_kept)
+        arm = self._arm_of(step, spec, rows)
         num_rows = len(rows)
-        # a step is timed only after one of the same kind, bucket and deferral: a step that is
+        # a step is timed only after one of the same arm, bucket and deferral: a step that is
         # not deferred, after one that was, returns with that one's output (no period of its own)
-        key = (kind, bucket_of(num_rows), deferred) if decode_only and num_rows else None
+        key = (arm, bucket_of(num_rows), deferred) if arm is not None and num_rows else None
         last, self._last = self._last, (key, now)
         if key is None or last is None or last[0] != key or started is None or started - last[1] > MAX_GAP:
-            return
-        if drafted and self._drafted_run <= SETTLE:
             return
         if num_requests is not None and num_requests != num_rows:
             return                               # some rows emitted nothing (finished or aborted)
         period = now - last[1]
         if period > 0:
-            self.buckets.setdefault(key[1], _Bucket()).add(kind, num_emitted, num_rows, period)
+            state = self.buckets.get(key[1])
+            if state is None:
+                state = self.buckets[key[1]] = _Bucket(self.widths)
+            state.add(arm, period)
+
+    @property
+    def _retrying(self) -> Acceptance | None:
+        """The acceptance of the retry of drafts under way, if any (one bucket runs at a time)."""
+        return next((s.retry for s in self.buckets.values() if s.retry is not None), None)
+
+    @staticmethod
+    def _arm_of(step, spec, rows) -> int | None:
+        """The arm a decode-only step ran (0: plain; j: every request verified j drafts), or
+        None: a step that computes more (prompt tokens), mixes widths, or speculates without
+        drafts to verify (a switch)."""
+        if not step.speculate:
+            return 0 if not spec and all(n == 1 for n in rows.values()) else None
+        widths = {len(spec.get(r, ())) for r in rows}
+        if len(widths) != 1:
+            return None
+        width = widths.pop()
+        return width if width and all(n == 1 + width for n in rows.values()) else None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from m3serve.core.sampling_mode import SamplingMode
 from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.layers.dispatch import use_triton
 from m3serve.worker.attn_metadata import StepBuffers
@@ -299,7 +300,7 @@ class ModelRunner:
         media = self._media_embeds(batch)
         size = self._spec_graph_size(so, batch, dp) if media is None else None
         if size is not None:
-            return self._speculative_graph_step(so, batch, size)
+            return self._speculative_graph_step(so, batch, *size)
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in batch.req_ids]
         fwd = self._eager(batch, dp, self.proposer.taps, media=media)
         self.num_eager_steps += 1
@@ -339,33 +340,45 @@ class ModelRunner:
     def _rows_of(view, n: int):
         return view[:n] if view is not None else None
 
-    def _spec_graph_size(self, so: SchedulerOutput, batch: ScheduledBatch, dp: DPStep | None) -> int | None:
-        """A graph step: no DP exchange, and every request verifies exactly k drafts."""
+    def _spec_graph_size(self, so: SchedulerOutput, batch: ScheduledBatch,
+                         dp: DPStep | None) -> tuple[int, int] | None:
+        """(capture size, query width) of a graph step, or None: no DP exchange, every request
+        verifies the same number of drafts j and samples a decode (no prompt chunk, no
+        logprobs, prompt logprobs, penalties or logit bias: the graph step computes none), and
+        a graph of query width j + 1 was captured."""
         g = self.spec_graphs
-        if g is None or dp is not None or batch.num_tokens != batch.num_reqs * g.q:
+        if g is None or dp is not None:
             return None
-        if any(len(so.scheduled_spec_decode_tokens.get(r, ())) != g.k for r in batch.req_ids):
+        spec = so.scheduled_spec_decode_tokens
+        q = len(spec.get(batch.req_ids[0], ())) + 1
+        if q not in g.widths or batch.num_tokens != batch.num_reqs * q:
             return None
-        return g.padded_size(batch.num_reqs)
+        if any(len(spec.get(r, ())) != q - 1 for r in batch.req_ids):
+            return None
+        if q == 1 and (not self.step_sampler.complete(batch).all()
+                       or not (batch.seq_lens > self.batch.num_prompt_tokens[batch.rows]).all()
+                       or (self.step_sampler.modes(so, batch) == SamplingMode.FULL).any()):
+            return None      # (a request with drafts always samples a decode, never in FULL mode)
+        b = g.padded_size(batch.num_reqs)
+        return None if b is None else (b, q)
 
-    def _speculative_graph_step(self, so: SchedulerOutput, batch: ScheduledBatch, b: int):
-        """Verify and draft replays with acceptance decided on the device in between; one host
-        sync for the emitted tokens and the next drafts. Constrained requests' grammar masks
-        depend only on the host's drafts: they are filled and copied before the verify replay
-        and applied to its logits on the device."""
+    def _speculative_graph_step(self, so: SchedulerOutput, batch: ScheduledBatch, b: int, q: int):
+        """Verify and draft replays (b requests padded, q tokens each) with acceptance decided
+        on the device in between; one host sync for the emitted tokens and the next drafts.
+        Constrained requests' grammar masks depend only on the host's drafts: they are filled
+        and copied before the verify replay and applied to its logits on the device."""
         g, n = self.spec_graphs, batch.num_reqs
-        q = g.q
         self.num_graph_steps += 1
-        verified = [so.scheduled_spec_decode_tokens[r] for r in batch.req_ids]
+        verified = [so.scheduled_spec_decode_tokens.get(r, []) for r in batch.req_ids]
         masks = self.step_sampler.grammar_masks(so, batch, np.ones(n, dtype=bool), verified,
                                                 np.arange(n) * q, n * q)
         self.buffers.stage(batch, self.batch, pad_to=b, pad_query_len=q)
-        _, _, local, greedy, _ = g.verify(b, n)
+        _, _, local, greedy, _ = g.verify(b, q, n)
         ids = self.buffers.token_ids[:b * q].view(b, q).long()
-        emitted, kept = self.step_sampler.verify_on_device(so, batch, local, greedy, ids, g.k, masks)
+        emitted, kept = self.step_sampler.verify_on_device(so, batch, local, greedy, ids, q - 1, masks)
         g.last_index[:b].copy_(torch.arange(b, device=kept.device) * q + kept)
         g.last_token[:b].copy_(emitted.gather(1, kept[:, None])[:, 0])
-        drafts = g.draft(b, n)
+        drafts = g.draft(b, q, n)
         kept_h, emitted_h, drafts_h = kept[:n].tolist(), emitted[:n].tolist(), drafts[:n].tolist()
         self.batch.advance(batch)
         return self.step_sampler.speculative_output(so, batch, [e[:c + 1] for e, c in zip(emitted_h, kept_h)],

@@ -313,26 +313,21 @@ class StepSampler:
         done = self.complete(batch)
         argmax = bool((self.modes(so, batch)[done] == SamplingMode.ARGMAX).all())
         masks = None if argmax else self.grammar_masks(so, batch, done, drafts, row_start, len(local))
-        stand_ins = np.fromiter((r in so.padded_drafts for r in batch.req_ids), dtype=bool, count=R)
-        emitted, logprobs = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax, masks,
-                                          stand_ins)
+        emitted, logprobs = self._emitted(batch, local, row_start, num_drafts, drafts, done, argmax, masks)
         return Verified(emitted, num_drafts, done, logprobs, self._prompt_logprobs(batch, hidden))
 
     def _emitted(self, batch: ScheduledBatch, local: torch.Tensor, row_start: np.ndarray,
                  num_drafts: np.ndarray, drafts: list[list[int]], done: np.ndarray,
-                 argmax: bool, masks, stand_ins: np.ndarray) -> tuple[list[list[int]], list | None]:
+                 argmax: bool, masks) -> tuple[list[list[int]], list | None]:
         """-> (emitted tokens per request ([] for partial prefill chunks), the logprob entries of
         requests that verified no draft and asked for them, or None); masks: the step's
-        `grammar_masks` or None; stand_ins [R]: requests whose drafts are stand-ins, verified
-        as none (through the rejection sampler, as in the verify graph, so that a seeded
-        request draws the same values in both)."""
+        `grammar_masks` or None."""
         head = self.head
-        checked = np.where(stand_ins, 0, num_drafts)                        # drafts that may be kept
         rows = batch.rows.tolist()
         emitted: list[list[int]] = [[] for _ in rows]
         if argmax and self.rejection.method == "standard":
             target = head.greedy(local).tolist()                              # collective
-            for i, n in enumerate(checked.tolist()):
+            for i, n in enumerate(num_drafts.tolist()):
                 if not done[i]:
                     continue
                 t = target[row_start[i]:row_start[i] + n + 1]
@@ -368,7 +363,7 @@ class StepSampler:
             padded = torch.tensor([drafts[i] + [0] * (k - len(drafts[i])) for i in verify], dtype=torch.int64,
                                   device=dev)
             tokens, counts = self.rejection(logits, torch.tensor(row_start[verify], device=dev),
-                                            torch.tensor(checked[verify], device=dev), padded, part)
+                                            torch.tensor(num_drafts[verify], device=dev), padded, part)
             for i, t, c in zip(verify, tokens.tolist(), counts.tolist()):
                 emitted[i] = t[:c]
         return emitted, logprobs
@@ -376,34 +371,32 @@ class StepSampler:
     def verify_on_device(self, so: SchedulerOutput, batch: ScheduledBatch, local: torch.Tensor,
                          greedy: torch.Tensor, ids: torch.Tensor, k: int,
                          masks=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Graph verification, without a host sync: every request verifies exactly k drafts;
-        local / greedy: [b * (k + 1), ...] of the padded batch, ids: [b, k + 1] its input tokens;
-        masks: the step's `grammar_masks` (rows i * (k + 1) + j), filled before the replay.
-        -> (emitted [b, k + 1] int64, kept drafts [b] int64); padding rows emit what they like."""
+        """Graph verification, without a host sync: every request verifies exactly k drafts (0:
+        a switch step, each request samples its next token as an eager step samples a request
+        without drafts, seeded draws alike); local / greedy: [b * (k + 1), ...] of the padded
+        batch, ids: [b, k + 1] its input tokens; masks: the step's `grammar_masks` (rows
+        i * (k + 1) + j), filled before the replay. -> (emitted [b, k + 1] int64, kept drafts [b]
+        int64); padding rows emit what they like."""
         n, q = batch.num_reqs, k + 1
         b = ids.shape[0]
         dev = local.device
-        # [n] 1 where the request's drafts are real, 0 where stand-ins (verified as none)
-        real = (torch.tensor([r not in so.padded_drafts for r in batch.req_ids], device=dev)
-                if so.padded_drafts else None)
         argmax = bool((self.modes(so, batch) == SamplingMode.ARGMAX).all())
         if argmax and self.rejection.method == "standard":
             emitted = greedy.view(b, q)
             kept = torch.cumprod((ids[:, 1:] == emitted[:, :k]).long(), dim=1).sum(dim=1)    # [b]
-            if real is not None:
-                kept[:n] *= real
             return emitted, kept
         sampling = self.metadata(batch.rows.tolist())
         logits = self.head.gather(local[:n * q])                                      # collective
         if masks is not None:
             self.grammars.apply(logits, masks)
-        num_drafts = torch.full((n,), k, device=dev)
-        if real is not None:
-            num_drafts *= real
-        tokens, counts = self.rejection(logits, torch.arange(n, device=dev) * q, num_drafts, ids[:n, 1:],
-                                        sampling)
         emitted = torch.zeros(b, q, dtype=torch.int64, device=dev)
         kept = torch.zeros(b, dtype=torch.int64, device=dev)
+        if k == 0:
+            emitted[:n, 0] = self.sampler(logits, sampling).sampled_token_ids
+            return emitted, kept
+        num_drafts = torch.full((n,), k, device=dev)
+        tokens, counts = self.rejection(logits, torch.arange(n, device=dev) * q, num_drafts, ids[:n, 1:],
+                                        sampling)
         emitted[:n], kept[:n] = tokens.clamp_min(0), counts - 1
         return emitted, kept
 

@@ -156,16 +156,17 @@ class Worker:
                 spec.rejection_sample_method, spec.synthetic_acceptance_length, spec.num_speculative_tokens,
                 torch.Generator(device=self.device).manual_seed(config.model.seed + 1))
         if sizes and self.proposer is not None:
-            from m3serve.worker.spec_graphs import SpecDecodeGraphs
+            from m3serve.core.spec_gate import rule_of
+            from m3serve.worker.spec_graphs import SpecDecodeGraphs, spec_graph_widths
+            rule = rule_of(config, self.device.type)
             self.runner.spec_graphs = SpecDecodeGraphs(self.model, self.proposer, self.runner.buffers, sizes,
-                                                       k, self.max_model_len)
+                                                       k, self.max_model_len, spec_graph_widths(k, rule))
             self.runner.spec_graphs.capture(self.runner.batch)
             # the steps that decode without drafts: at disable_by_batch_size and above, or at
             # any size the measured rule may turn drafts off for (core/spec_gate.py)
-            from m3serve.core.spec_gate import measured_rule_applies
             limit = config.speculative.disable_by_batch_size
-            plain = ([s for s in sizes if s >= limit] if limit is not None
-                     else sizes if measured_rule_applies(config, self.device.type) else [])
+            plain = ([s for s in sizes if s >= limit] if rule == "fixed"
+                     else sizes if rule == "measured" else [])
             if plain:
                 self.runner.capture_cuda_graphs(plain)
         elif sizes:

@@ -231,6 +231,64 @@ def test_tiny_measured_gate_gpu(tiny_dir, tmp_path, rule):
     if rule == "fixed":
         assert sched.num_landing_steps > 0
     assert gpu.engine.worker.runner.graphs is not None      # the plain decode graphs
+    from m3serve.worker.spec_graphs import spec_graph_plan, spec_graph_widths
+    assert set(gpu.engine.worker.runner.spec_graphs.verify_graphs) == set(
+        spec_graph_plan([1, 2, 4, 8], spec_graph_widths(3, rule)))
+
+
+def test_tiny_draft_widths_and_switch_graphs_gpu(tiny_dir, tmp_path):
+    """The measured gate under a fake clock where verifying one draft costs little and more
+    cost much (EAGLE3 k 4 with drafts that are the true continuation): steps verify 4, 3 and 1
+    drafts while exploring, then 1, each replaying the verify + draft graphs of its query width,
+    and the first step with drafts after plain ones replays the switch graph (width 1); greedy
+    tokens equal the CPU reference."""
+    import sys
+    from collections import Counter
+    from pathlib import Path
+
+    from m3serve.core.spec_gate import SpeculationGate
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+    from m3serve.spec.tiny_drafts import make_draft
+    from test_engine import prompts
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spec"))
+    from test_spec_engine import _oracle
+    from test_spec_graphs_host import oracle_drafts
+
+    k = 4
+    draft = make_draft(tmp_path / "eagle3", "eagle3", tiny_dir)
+    ps = prompts((9, 21, 33, 45))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in cpu.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                         use_tqdm=False)]
+    gpu = LLM(model=str(tiny_dir), dtype="float32", device="cuda", kv_cache_memory=1 << 28,
+              cudagraph_capture_sizes="1,2,4,8",
+              speculative_config={"method": "eagle3", "model": str(draft), "num_speculative_tokens": k})
+    truth = {tuple(p): p + w for p, w in zip(ps, want)}
+    _oracle(gpu, truth, k)
+    oracle_drafts(gpu, truth, k)
+    core, now = gpu.engine.core, [0.0]
+    execute = core.executor.execute_model
+    core.scheduler.spec_gate = SpeculationGate(k, measured=True, clock=lambda: now[0])
+
+    def timed(step):
+        width = max((len(d) for d in step.scheduled_spec_decode_tokens.values()), default=0)
+        now[0] += 1.0 + (0.1 if width <= 1 else 5.0)
+        return execute(step)
+    core.executor.execute_model = timed
+    g = gpu.engine.worker.runner.spec_graphs
+    replays, verify = Counter(), g.verify_graphs
+
+    class Counting(dict):           # every replay reads its pair here
+        def __getitem__(self, key):
+            replays[key[1]] += 1
+            return super().__getitem__(key)
+    g.verify_graphs = Counting(verify)
+    assert [o.outputs[0].token_ids for o in gpu.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                         use_tqdm=False)] == want
+    assert all(replays[w + 1] > 0 for w in (4, 3, 1)) and replays[1] > 0
+    assert core.scheduler.spec_gate.buckets[4].choice == 1
 
 
 def test_tiny_speculative_graphs_structured_gpu(tiny_dir, tmp_path):

@@ -84,8 +84,8 @@ def test_draft_verify_reject_keeps_the_books(seed, k, p_wrong, num_blocks, budge
 
 class PlainStepRunner(DraftingRunner):
     """As DraftingRunner, but a step the scheduler ran without speculation proposes nothing (the
-    requests then have no drafts when drafts come back), and every draft a step verifies that
-    is not a stand-in must be one this runner proposed after the request's previous step."""
+    requests then have no drafts when drafts come back), and every draft a step verifies must
+    be one this runner proposed after the request's previous step, in order."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -93,8 +93,7 @@ class PlainStepRunner(DraftingRunner):
 
     def execute(self, so):
         for rid, drafts in so.scheduled_spec_decode_tokens.items():
-            if rid not in so.padded_drafts:
-                assert drafts == self.proposed.get(rid, [])[:len(drafts)], (rid, drafts, "not proposed")
+            assert drafts == self.proposed.get(rid, [])[:len(drafts)], (rid, drafts, "not proposed")
         out = super().execute(so)
         # per request, what its last scheduled step proposed (a request the next step cannot
         # fit keeps its drafts for the step after)
@@ -105,21 +104,40 @@ class PlainStepRunner(DraftingRunner):
         return out
 
 
+class RandomWidths:
+    """A gate that answers each step at random: plain (None), or verify 0..k drafts."""
+
+    rule = "random"
+
+    def __init__(self, k, rng):
+        self.k, self.rng, self.widths = k, rng, []
+
+    def draft_width(self, num_running, prompt_due=lambda: False):
+        self.widths.append(self.rng.choice([None, *range(self.k + 1)]))
+        return self.widths[-1]
+
+    def scheduled(self, step):
+        pass
+
+    def observe(self, step, num_requests=None, verified=()):
+        pass
+
+
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), k=st.integers(1, 4), limit=st.integers(2, 4),
-       num_blocks=st.integers(12, 40), budget=st.sampled_from([7, 16, 64]))
-def test_stand_in_drafts_keep_the_books(seed, k, limit, num_blocks, budget):
-    """Speculation switches off at `limit` running requests and back on below it; requests that
-    come back to drafts without any verify k stand-ins (`pad_drafts`), through preemptions,
-    chunking, aborts and steps that cannot schedule them. A stand-in never outlives its step
-    (a later step verifies only proposed drafts), is never counted as a draft, and the books
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 4), num_blocks=st.integers(12, 40),
+       budget=st.sampled_from([7, 16, 64]))
+def test_switches_and_widths_keep_the_books(seed, k, num_blocks, budget):
+    """Each step runs plain, proposes only, or verifies the first j of each request's k drafts
+    (the measured gate's arms, here at random), through preemptions, chunking, aborts and steps
+    that cannot schedule a request: a step verifies at most j drafts of each request, each the
+    one proposed after its previous step, every verified draft is counted once, and the books
     and the tokens stay exact."""
     rng = random.Random(seed)
     block_size = 4
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6), kv,
-                      max_model_len=96, num_speculative_tokens=k, disable_spec_by_batch_size=limit,
-                      pad_drafts=6)
+                      max_model_len=96, num_speculative_tokens=k)
+    sched.spec_gate = gate = RandomWidths(k, rng)
     run = Run(sched, PlainStepRunner(block_size, k, 0.3, rng))
     wanted = {}
     for i in range(8):
@@ -127,29 +145,13 @@ def test_stand_in_drafts_keep_the_books(seed, k, limit, num_blocks, budget):
         max_tokens = rng.randrange(1, 24)
         sched.add_request(req(f"r{i}", prompt, max_tokens=max_tokens))
         wanted[f"r{i}"] = reference(prompt, max_tokens)
-    real = [0]
+    verified = [0]
 
     def check(so):
-        real[0] += sum(1 for r, d in so.scheduled_spec_decode_tokens.items() if d and r not in so.padded_drafts)
-        assert so.padded_drafts <= set(so.num_scheduled_tokens)
+        width = gate.widths[-1]
+        assert so.speculate == (width is not None)
+        assert all(len(d) <= (width or 0) for d in so.scheduled_spec_decode_tokens.values())
+        verified[0] += sum(1 for d in so.scheduled_spec_decode_tokens.values() if d)
     _drive(run, rng, wanted, 600, 0.03, check)
-    assert sched.spec_stats.num_drafts == real[0]
-
-
-def test_stand_ins_never_cost_a_preemption():
-    """Two decodes without drafts in a step with drafts, in a pool that holds their next token
-    (and the k lookahead slots every allocation keeps) but not k stand-ins more: they decode
-    without stand-ins, and nobody is preempted."""
-    from test_scheduler import FakeRunner
-
-    k, block_size = 3, 4
-    kv = KVCacheManager(7, block_size, enable_caching=False)          # 6 usable blocks
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), kv,
-                      max_model_len=64, num_speculative_tokens=k, pad_drafts=4)
-    run = Run(sched, FakeRunner(block_size))                          # proposes no drafts
-    for rid in ("a", "b"):
-        sched.add_request(req(rid, list(range(1, 8)), max_tokens=4))  # 7 + 3 lookahead: 3 blocks each
-    run.step()                                                        # the prompts
-    so = run.step()                                                   # the first decode
-    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.padded_drafts
-    assert sched.num_preemptions == 0
+    assert sched.spec_stats.num_drafts == verified[0]
+    assert sched.num_plain_steps == gate.widths.count(None)

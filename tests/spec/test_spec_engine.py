@@ -220,7 +220,7 @@ def test_measured_gate_turns_losing_drafts_off(tiny_dir, drafts, caplog):
     core, now = llm.engine.core, [0.0]
     sched, execute = core.scheduler, core.executor.execute_model
     assert sched.spec_gate.rule == "always"              # a CPU engine
-    sched.spec_gate = SpeculationGate(measured=True, clock=lambda: now[0])
+    sched.spec_gate = SpeculationGate(sched.num_lookahead_tokens, measured=True, clock=lambda: now[0])
 
     def timed(step):
         now[0] += 3.0 if step.scheduled_spec_decode_tokens else 1.0
@@ -232,6 +232,43 @@ def test_measured_gate_turns_losing_drafts_off(tiny_dir, drafts, caplog):
     assert got == want
     assert "speculative decoding off for 3-4 running requests" in caplog.text
     assert sched.num_plain_steps > 15 and sched.spec_stats.num_drafts > 3
+    _check_clean(llm)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_fewer_drafts_per_batch_keep_greedy_output(tiny_dir, drafts, kind):
+    """The measured gate, under a fake clock where verifying one draft costs little and more
+    cost much, with drafts that are the true continuation (long accepted runs): the bucket of
+    3-4 requests verifies every width of drafts in turn (4, 3, 1) and plain steps, then only
+    the first of each request's 4 drafts (the KV pool holds 3 of the 4 requests at once: the
+    fourth waits, preempted, without making every step run the draft pass); greedy outputs
+    equal speculation off token for token, and the books balance."""
+    from m3serve.core.spec_gate import MIN_SAMPLES, SpeculationGate, draft_widths
+    k = 4
+    prompts = [p[:8] for p in _prompts()[1:5]]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = LLM(str(tiny_dir), **_flags())
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=_spec(kind, drafts, k),
+              **_flags(kind))
+    _oracle(llm, {tuple(p): p + w for p, w in zip(prompts, want)}, k)
+    core, now, widths = llm.engine.core, [0.0], []
+    sched, execute = core.scheduler, core.executor.execute_model
+    sched.spec_gate = SpeculationGate(k, measured=True, clock=lambda: now[0])
+
+    def timed(step):
+        verified = {len(d) for d in step.scheduled_spec_decode_tokens.values()}
+        widths.append(max(verified, default=0))
+        now[0] += 1.0 + (0.1 if max(verified, default=0) <= 1 else 5.0)
+        return execute(step)
+    core.executor.execute_model = timed
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == want
+    assert set(draft_widths(k)) <= set(widths)                    # every width verified while exploring
+    assert sched.spec_gate.buckets[4].choice == 1 and widths.count(1) >= 4 + 3  # then one draft a request
+    assert sched.num_preemptions > 0 and sched.num_plain_steps >= 1 + MIN_SAMPLES
     _check_clean(llm)
 
 

@@ -194,8 +194,8 @@ def test_graph_step_applies_the_masks(tiny_dir, drafts, reference):
     state = {}
 
     class OracleGraphs(EagerReplaySpecGraphs):
-        def draft(self, b, num_reqs):
-            out = super().draft(b, num_reqs).clone()
+        def draft(self, b, q, num_reqs):
+            out = super().draft(b, q, num_reqs).clone()
             last = self._outputs[4][self.last_index[:b]].tolist()
             for i, row in enumerate(state["rows"]):
                 toks = orc.drafts(orc._prompt(row), last[i])
@@ -205,16 +205,16 @@ def test_graph_step_applies_the_masks(tiny_dir, drafts, reference):
 
     graph_step = runner._speculative_graph_step
 
-    def speculative_graph_step(so, batch, b):
+    def speculative_graph_step(so, batch, b, q):
         state["rows"] = batch.rows.tolist()
-        return graph_step(so, batch, b)
+        return graph_step(so, batch, b, q)
 
     runner._speculative_graph_step = speculative_graph_step
     runner.spec_graphs = OracleGraphs(runner.model, runner.proposer, runner.buffers, [1, 2, 4, 8], K,
                                       runner.max_model_len)
     runner.spec_graphs.capture(runner.batch)
     assert _generate(llm, requests) == want
-    assert runner.spec_graphs.replays > 5
+    assert runner.spec_graphs.replays[K + 1] > 5
     assert llm.engine.core.scheduler.spec_stats.mean_acceptance_length > 2.0
     _check_clean(llm)
 

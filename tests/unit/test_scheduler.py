@@ -94,11 +94,10 @@ class FakeRunner:
                 out = [next_token(context)]
             else:  # verify: accept drafts while they match, then one bonus/correction token
                 first = start + n - len(drafts)
-                checked = 0 if rid in so.padded_drafts else len(drafts)     # stand-ins: never kept
                 out = []
-                for j in range(checked + 1):
+                for j in range(len(drafts) + 1):
                     out.append(next_token(context[:first + j]))
-                    if j < checked and out[-1] != drafts[j]:
+                    if j < len(drafts) and out[-1] != drafts[j]:
                         break
             state["computed"] = start + n - (len(drafts) + 1 - len(out))
             req_ids.append(rid)
