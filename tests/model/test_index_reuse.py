@@ -89,3 +89,16 @@ def test_m31_flash_equals_the_reference_that_skips(tiny_m31_dir):
     for a, b in zip(ours, ref_sel):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
     assert torch.equal(ours[2], ours[1]) and torch.equal(ours[4], ours[3])
+
+
+def test_quantised_checkpoint_equals_exact_below_top_k_blocks(quant_dir):
+    """MXFP8 checkpoint (index projections packed inside the fused qkv weight): the skipping
+    layer's packed index parts are checked and dropped; up to top-k x block positions every
+    visible block is chosen anyway, so the logits equal the exact model's bit for bit."""
+    d = quant_dir("mxfp8")
+    model, cfg, _ = load_model(d, dtype="float32", progress=False, hf_overrides=reuse(2))
+    exact, _, _ = load_model(d, dtype="float32", progress=False)
+    skipping = model.attention_layers[2]
+    assert not skipping.computes_index and "index_q" not in skipping.qkv_proj.sections
+    ids = _ids(cfg.index_topk_blocks * cfg.index_block_size, 8)
+    assert torch.equal(PagedRunner(model).step({0: ids}), PagedRunner(exact).step({0: ids}))
