@@ -133,7 +133,6 @@ class Attention(nn.Module):
                                self.scale, block_ids=block_ids, max_query_len=meta.max_query_len,
                                max_seq_len=meta.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale)
 
-
     def _hand_over(self, block_ids: torch.Tensor | None, shared: SharedSelection | None,
                    num_tokens: int) -> torch.Tensor | None:
         """The selection this layer attends with ([T, Hi_local, topk] int32; None on a dense

@@ -383,6 +383,11 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
 
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir, hf_overrides)
+    if cfg.index_topk_freq > 1:
+        logger.info("cross-layer top-k reuse (index_topk_freq %d, offset %d): %d of %d sparse layers run the "
+                    "indexer, the others reuse its blocks (an approximation of the trained model)",
+                    cfg.index_topk_freq, cfg.index_skip_topk_offset, len(cfg.index_layer_ids),
+                    len(cfg.sparse_layer_ids))
     torch_dtype = resolve_dtype(dtype, cfg)
     scheme = detect_scheme(read_config_json(model_dir)) if load_format != "dummy" else None
     if scheme is not None and quantization is not None:
