@@ -184,8 +184,9 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.block_sparse_moe."
         parts["norms"] += (2 * H + 2 * D) * dtype_bytes
         parts["attention"] += linear((q_local + 2 * kv_local) * D, H, a + "q_proj") + linear(H, q_local * D, a + "o_proj")
-        if cfg.is_sparse(i):
+        if cfg.computes_index(i):
             # index_q and index_k live in the fused qkv weight: one scale per row as well
+            # (a sparse layer reusing another's selection has neither, nor their norms)
             parts["indexer"] += linear((idx_local + 1) * Di, H, a + "q_proj")
             parts["norms"] += 2 * Di * dtype_bytes
         if cfg.is_moe(i):
@@ -202,7 +203,7 @@ def plan(cfg: M3Config, parallel: ParallelConfig, quantization: str | None = Non
     kv_b = 1 if kv_cache_dtype != "auto" else dtype_bytes
     idx_b = 1 if index_cache_dtype != "auto" else dtype_bytes
     kv = {"main": cfg.num_hidden_layers * 2 * kv_local * D * kv_b,
-          "index": len(cfg.sparse_layer_ids) * Di * idx_b}
+          "index": len(cfg.index_layer_ids) * Di * idx_b}
     window = None
     if draft is not None:
         if draft["method"] == "eagle3":               # never fp8, like DSpark's below
@@ -298,6 +299,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="running requests, each with a window of a DSpark draft's KV (default 256)")
     parser.add_argument("--speculative-config", default=None,
                         help="count the draft's KV cache too (the --speculative-config JSON)")
+    parser.add_argument("--hf-overrides", default=None,
+                        help="JSON laid over config.json as the engine lays it (e.g. cross-layer top-k "
+                             "reuse: '{\"text_config\": {\"use_index_cache\": true, \"index_topk_freq\": 4}}', "
+                             "which drops the index cache and projections of the layers that skip the indexer)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -356,6 +361,11 @@ def main(args) -> dict:
     from m3serve.model.config import parse_config
 
     raw, source = _read_config(args.model)
+    overrides = getattr(args, "hf_overrides", None)
+    if overrides:
+        from m3serve.config import _json_object_option
+        from m3serve.model.config import apply_overrides
+        raw = apply_overrides(raw, _json_object_option(overrides, "hf_overrides"))
     cfg = parse_config(raw)
     format_of, quant_note = stored_formats(raw)
     parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
@@ -373,7 +383,8 @@ def main(args) -> dict:
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "weights_per_gpu_bytes": p.total_weight_bytes, "weights_per_gpu": p.weight_bytes,
               "kv_heads_per_gpu": p.kv_heads_per_rank, "flavor": cfg.flavor,
-              "index_cache_layers": len(cfg.sparse_layer_ids),
+              "index_cache_layers": len(cfg.index_layer_ids),
+              "index_topk_freq": cfg.index_topk_freq,
               "kv_bytes_per_token_per_gpu": p.total_kv_bytes_per_token,
               "kv_bytes_per_token_per_gpu_by_cache": p.kv_bytes_per_token,
               "gpu_memory_gib": args.gpu_memory_gib, "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -406,6 +417,10 @@ def _render(r: dict, cfg: M3Config) -> str:
     lines.append(f"  KV cache per token per GPU: {r['kv_bytes_per_token_per_gpu']:,} B "
                  f"(main {kv['main']:,} + index {kv['index']:,} in {r['index_cache_layers']} of "
                  f"{cfg.num_hidden_layers} layers{draft}){replicated}")
+    if r["index_topk_freq"] > 1:
+        lines.append(f"  cross-layer top-k reuse: index_topk_freq {r['index_topk_freq']}, offset "
+                     f"{cfg.index_skip_topk_offset}: {r['index_cache_layers']} of {len(cfg.sparse_layer_ids)} "
+                     f"sparse layers run the indexer (an approximation of the trained model)")
     if r["draft_window_bytes"]:
         lines.append(f"  draft KV (DSpark): its own window pool, {r['draft_window_bytes'] / GIB:.3f} GiB per GPU "
                      f"for {r['max_num_seqs']} running requests, nothing per context token")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
 #   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | itl L QUANT CONC PROMPTS | profile L B ISL | pd L | vllm
-#   | startup L | kvacc L | specrank N [MODES]   (serve / itl: RANK=N for one TP N rank at full depth)
+#   | startup L | kvacc L | specrank N [MODES] | indexreuse [N] [QUANT] [FREQS]   (serve / itl: RANK=N for one TP N rank at full depth)
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix). Each step prints the exact command it ran into its result file.
 set -u
@@ -268,4 +268,25 @@ if [ "${1:-}" = kernels ]; then
   step kernels_L$L timeout ${TMO:-300} python -m m3serve bench offline --model /tmp/rs$L --load-format dummy \
     --points ${POINTS:-1024:1,4,16} --osl ${OSL:-32} --max-model-len 9472 --max-num-seqs 16 \
     --max-num-batched-tokens 16384 --cudagraph-capture-sizes 1,4,16
+fi
+# indexreuse [N] [QUANT] [FREQS]: cross-layer top-k reuse (docs/model.md §4). Speed: one TP N rank
+# at full depth (as `rank`; bf16 needs an H200, use QUANT fp8 on an H100), the exact model and
+# each index_topk_freq F on the same machine; quality: KL and greedy agreement of each F against
+# exact on the real-shape L = 4 model with dummy weights, 8K-token prompts (bench index_reuse)
+if [ "${1:-}" = indexreuse ]; then
+  N=${2:-8}; Q=${3:-none}; FREQS=${4:-2 4}
+  dir=/tmp/rank$N
+  python -m m3serve bench make-realshape $dir --layers 60 --dense-layers 3 --tp-rank $N > /dev/null
+  qflag=(); [ "$Q" != none ] && qflag=(--quantization $Q)
+  for F in 1 $FREQS; do
+    ov=(); [ "$F" != 1 ] && ov=(--hf-overrides '{"text_config": {"use_index_cache": true, "index_topk_freq": '$F'}}')
+    step indexreuse_rank_tp${N}_${Q}_f$F${TAG:-} timeout ${TMO:-400} python -m m3serve bench offline --model $dir \
+      --load-format dummy --points ${POINTS:-8192:1,4,16} --osl ${OSL:-64} --max-model-len 9472 --max-num-seqs 64 \
+      --max-num-batched-tokens 16384 --cudagraph-capture-sizes ${SIZES:-1,4,16} "${qflag[@]}" "${ov[@]}"
+  done
+  if [ -z "${SKIP_QUALITY:-}" ]; then
+    python -m m3serve bench make-realshape /tmp/rs4 --layers 4 > /dev/null
+    step indexreuse_quality_L4${TAG:-} timeout ${TMO:-400} python -m m3serve.bench.index_reuse /tmp/rs4 \
+      --load-format dummy --freqs $FREQS --prompt-len ${ISL:-8192} --gen-len ${OSL:-64} --num-prompts ${PROMPTS:-4}
+  fi
 fi

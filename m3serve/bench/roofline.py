@@ -3,7 +3,7 @@
 Bytes = weights touched (attention, indexer, dense MLP, shared experts, router, the DISTINCT
 routed experts the batch selects — measured, not assumed — and lm_head) + KV read (dense layers:
 whole context; sparse layers: at most top-k x block tokens of K/V per KV head plus the full
-index-key scan).
+index-key scan, which with cross-layer top-k reuse only the layers running the indexer do).
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def decode_step_bytes(cfg, batch: int, context_len: int, distinct_experts: list[
     for i in range(cfg.num_hidden_layers):
         total += w["attn"] * weight_bytes
         if cfg.is_sparse(i):
-            total += w["index"] * weight_bytes
-            total += batch * (sparse_tokens * kv_token + context_len * cfg.index_head_dim * kv_bytes)
+            total += batch * sparse_tokens * kv_token
+            if cfg.computes_index(i):       # a layer reusing another's selection scans nothing
+                total += w["index"] * weight_bytes + batch * context_len * cfg.index_head_dim * kv_bytes
         else:
             total += batch * context_len * kv_token
         if cfg.is_moe(i):
@@ -85,8 +86,10 @@ def prefill_flops(cfg, batch: int, prompt_len: int) -> float:
     for i in range(cfg.num_hidden_layers):
         active = w["attn"] + (moe_w if cfg.is_moe(i) else w["dense"])
         if cfg.is_sparse(i):
+            total += per_pair_attn * sparse_pairs
+        if cfg.computes_index(i):
             active += w["index"]
-            total += per_pair_attn * sparse_pairs + per_pair_index * causal_pairs
+            total += per_pair_index * causal_pairs
         else:
             total += per_pair_attn * causal_pairs
         total += 2 * active * S

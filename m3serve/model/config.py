@@ -27,6 +27,10 @@ _LEGACY_SPARSE = {
     "sparse_init_block": "index_init_blocks",
 }
 
+# cross-layer top-k reuse: text-model keys that must sit in text_config (vLLM's ROCm path refuses
+# them at the top level too)
+INDEX_REUSE_KEYS = ("use_index_cache", "index_topk_freq", "index_skip_topk_offset")
+
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "vocab_size")
 
@@ -96,10 +100,37 @@ class M3Config:
     expert_view: tuple[int, int] | None = None
     # "m3" or "m3.1-flash" (MSA in every layer): see model/flavor.py
     flavor: str = "m3"
+    # cross-layer top-k reuse (opt-in, text_config `use_index_cache`): one sparse layer in
+    # `index_topk_freq` runs the indexer, the others reuse its block selection (`index_source`);
+    # 1 = every sparse layer runs its own (the trained model)
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 0
 
     @property
     def sparse_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == SPARSE]
+
+    @property
+    def index_layer_ids(self) -> list[int]:
+        """The sparse layers that run the indexer: they hold the index projections, norms and
+        an index cache. Every sparse layer unless cross-layer top-k reuse is on."""
+        return [i for i in self.sparse_layer_ids if self.computes_index(i)]
+
+    def computes_index(self, layer_id: int) -> bool:
+        """Whether sparse layer `layer_id` runs its indexer: with ordinal n among the sparse
+        layers, iff max(n - index_skip_topk_offset, 0) is a multiple of index_topk_freq (so the
+        first sparse layer always does). False for a dense layer."""
+        if not self.is_sparse(layer_id):
+            return False
+        if self.index_topk_freq == 1:
+            return True
+        n = self.sparse_layer_ids.index(layer_id)
+        return max(n - self.index_skip_topk_offset, 0) % self.index_topk_freq == 0
+
+    def index_source(self, layer_id: int) -> int:
+        """The layer whose block selection sparse layer `layer_id` attends with: itself when it
+        runs the indexer, else the latest sparse layer before it that does."""
+        return max(i for i in self.sparse_layer_ids if i <= layer_id and self.computes_index(i))
 
     def is_sparse(self, layer_id: int) -> bool:
         return self.layer_types[layer_id] == SPARSE
@@ -113,7 +144,7 @@ class M3Config:
              if f.name not in ("rope_theta", "rotary_dim", "index_init_blocks", "torch_dtype",
                                "vision_config", "layer_types", "mlp_layer_types", "rope_yarn",
                                "image_token_id", "video_token_id", "projector_hidden_size",
-                               "expert_view", "flavor")}
+                               "expert_view", "flavor", "index_topk_freq", "index_skip_topk_offset")}
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
@@ -171,6 +202,12 @@ def parse_config(raw: dict) -> M3Config:
         vision = raw.get("vision_config")
         if not isinstance(text, dict):
             raise _bad("text_config", text, "must be an object")
+        misplaced = [k for k in INDEX_REUSE_KEYS if k in raw]
+        if misplaced:
+            raise ValueError(
+                f"config field {misplaced[0]!r} is at the top level of a config with a text_config; "
+                f"the cross-layer top-k reuse keys {list(INDEX_REUSE_KEYS)} belong in text_config, e.g. "
+                f"--hf-overrides '{{\"text_config\": {{\"use_index_cache\": true, \"index_topk_freq\": 4}}}}'")
     for name in _REQUIRED:
         if name not in text:
             raise ValueError(f"config field {name!r} is missing")
@@ -281,8 +318,10 @@ def parse_config(raw: dict) -> M3Config:
     if not 0 < top_k <= n_experts:
         raise _bad("num_experts_per_tok", top_k, f"must be in [1, num_local_experts={n_experts}]")
     expert_view = _expert_view(text.get("expert_parallel_view"), n_experts)
+    index_topk_freq, index_skip_topk_offset = _index_reuse(text)
     return M3Config(
         expert_view=expert_view, flavor=flavor,
+        index_topk_freq=index_topk_freq, index_skip_topk_offset=index_skip_topk_offset,
         vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
         intermediate_size=text.get("intermediate_size", 3072),
@@ -309,6 +348,32 @@ def parse_config(raw: dict) -> M3Config:
         video_token_id=_optional_int(raw, "video_token_index", "video_token_id") if vision is not None else None,
         projector_hidden_size=_optional_int(raw, "projector_hidden_size") if vision is not None else None,
     )
+
+
+def _index_reuse(text: dict) -> tuple[int, int]:
+    """(index_topk_freq, index_skip_topk_offset) of cross-layer top-k reuse from the text
+    config: (1, 0) unless `use_index_cache` is true. With it, index_topk_freq is required, an
+    integer >= 1 (1 = every sparse layer runs its indexer); the offset an integer >= 0
+    (default 0). The two without `use_index_cache` would do nothing, so they are refused;
+    with `use_index_cache: false` they are checked and left unused."""
+    use = text.get("use_index_cache")
+    freq, offset = text.get("index_topk_freq"), text.get("index_skip_topk_offset")
+    if use is not None and not isinstance(use, bool):
+        raise _bad("use_index_cache", use, "must be true or false")
+    if use is None:
+        for key, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+            if value is not None:
+                raise _bad(key, value, "takes effect only with use_index_cache: true "
+                                       "(cross-layer top-k reuse is opt-in)")
+        return 1, 0
+    if use and freq is None:
+        raise _bad("index_topk_freq", freq, "is required with use_index_cache: true "
+                                            "(one sparse layer in index_topk_freq runs the indexer)")
+    if freq is not None and (isinstance(freq, bool) or not isinstance(freq, int) or freq < 1):
+        raise _bad("index_topk_freq", freq, "must be an integer >= 1 (1: every sparse layer runs its indexer)")
+    if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+        raise _bad("index_skip_topk_offset", offset, "must be an integer >= 0")
+    return (freq, offset or 0) if use else (1, 0)
 
 
 def _optional_int(raw: dict, *keys: str) -> int | None:
@@ -360,7 +425,9 @@ def load_config(model_dir: str | Path, overrides: dict | None = None) -> M3Confi
 def apply_overrides(raw: dict, overrides: dict | None) -> dict:
     """config.json with `overrides` merged in, nested objects key by key. Keys of the text
     model may be given at the top level or under `text_config`; both land in the text config
-    of a checkpoint that has one (where vLLM applies them)."""
+    of a checkpoint that has one (where vLLM applies them), and at the top level of a bare text
+    config. The cross-layer top-k reuse keys (`INDEX_REUSE_KEYS`) must be under text_config
+    when the checkpoint has one: given at the top level, `parse_config` refuses them."""
     if not overrides:
         return raw
 
@@ -371,16 +438,20 @@ def apply_overrides(raw: dict, overrides: dict | None) -> dict:
         return out
 
     extra = dict(overrides)
+    text_extra = extra.pop("text_config", {})
+    if not isinstance(text_extra, dict):
+        raise ValueError(f"hf_overrides.text_config must be a JSON object, got {text_extra!r}")
     if "text_config" in raw:
-        text_extra = extra.pop("text_config", {})
-        if not isinstance(text_extra, dict):
-            raise ValueError(f"hf_overrides.text_config must be a JSON object, got {text_extra!r}")
+        # the top-level keys of the wrapper stay; so do the reuse keys, which parse_config then
+        # refuses there (they must be nested under text_config, as on vLLM's ROCm path)
         top_keys = {"architectures", "model_type", "vision_config", "torch_dtype", "image_token_index",
-                    "video_token_index", "projector_hidden_size", "tie_word_embeddings"}
+                    "video_token_index", "projector_hidden_size", "tie_word_embeddings", *INDEX_REUSE_KEYS}
         text_extra = {**{k: v for k, v in extra.items() if k not in top_keys}, **text_extra}
         extra = {k: v for k, v in extra.items() if k in top_keys}
         if text_extra:
             extra["text_config"] = text_extra
+    else:                            # a bare text config: its top level is the text config
+        extra = merge(extra, text_extra)
     return merge(raw, extra)
 
 

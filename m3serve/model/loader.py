@@ -79,6 +79,17 @@ def canonicalize(name: str, tensor) -> list[tuple[str, object]] | None:
     return [(name, tensor)]
 
 
+_INDEX_TENSOR = re.compile(r"^model\.layers\.(\d+)\.self_attn\.index_")
+
+
+def unused_index_tensor(cfg: M3Config, name: str) -> bool:
+    """Whether canonical tensor `name` is an index projection or norm (or a packed part of one)
+    of a sparse layer that cross-layer top-k reuse keeps from running its indexer: the checkpoint
+    still holds it, the loader checks it like any tensor and then drops it."""
+    m = _INDEX_TENSOR.match(name)
+    return m is not None and not cfg.computes_index(int(m.group(1)))
+
+
 _ATTN_QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "index_q_proj": "index_q",
              "index_k_proj": "index_k"}
 _EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
@@ -265,9 +276,10 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
     `expected` (default: the configuration's checkpoint tensors) must arrive exactly once with
     its expected shape, and every parameter shard must be filled, else a ValueError names the
     tensor and `source`; a tensor named in `dtypes` (packed codes and scales) must have one of
-    its dtypes. `to_param` maps a canonical name to (parameter name, shard id); a None parameter
-    name means the tensor is checked and dropped; `describe` spells a missing canonical name as
-    the checkpoint would.
+    its dtypes. The index tensors of sparse layers that reuse another layer's block selection
+    are checked, then dropped (`unused_index_tensor`). `to_param` maps a canonical name to
+    (parameter name, shard id); a None parameter name means the tensor is checked and dropped;
+    `describe` spells a missing canonical name as the checkpoint would.
     A parameter still on the meta device gets memory on `device` when its first shard arrives;
     `on_complete(parameter name)` runs as soon as all of a parameter's shards have arrived."""
     params = dict(model.named_parameters())
@@ -292,6 +304,8 @@ def fill_parameters(model: torch.nn.Module, cfg: M3Config, entries, source: str,
                 names = " or ".join(str(d).replace("torch.", "") for d in want)
                 raise ValueError(f"wrong dtype for {where}: {str(got).replace('torch.', '')}, expected {names}")
             seen[cname] = file_name
+            if unused_index_tensor(cfg, cname):
+                continue
             pname, shard = to_param(cname)
             if pname is None:
                 continue
@@ -369,6 +383,11 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "auto", parallel: P
 
     model_dir = resolve_model_dir(model)
     cfg = load_config(model_dir, hf_overrides)
+    if cfg.index_topk_freq > 1:
+        logger.info("cross-layer top-k reuse (index_topk_freq %d, offset %d): %d of %d sparse layers run the "
+                    "indexer, the others reuse its blocks (an approximation of the trained model)",
+                    cfg.index_topk_freq, cfg.index_skip_topk_offset, len(cfg.index_layer_ids),
+                    len(cfg.sparse_layer_ids))
     torch_dtype = resolve_dtype(dtype, cfg)
     scheme = detect_scheme(read_config_json(model_dir)) if load_format != "dummy" else None
     if scheme is not None and quantization is not None:

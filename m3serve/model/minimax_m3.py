@@ -4,7 +4,7 @@ Weight names (final; what `named_parameters` yields and the loader fills):
   model.embed_tokens.weight, model.norm.weight, lm_head.weight
   model.layers.N.{input,post_attention}_layernorm.weight
   model.layers.N.self_attn.{qkv_proj,o_proj,q_norm,k_norm}.weight   (qkv_proj = q|k|v[|index_q|index_k])
-  model.layers.N.self_attn.indexer.{q_norm,k_norm}.weight           (sparse layers)
+  model.layers.N.self_attn.indexer.{q_norm,k_norm}.weight           (sparse layers running the indexer)
   model.layers.N.mlp.{gate_up_proj,down_proj}.weight                (dense MLP layers)
   model.layers.N.mlp.gate.{weight,e_score_correction_bias}, mlp.experts.{w13,w2},
   model.layers.N.mlp.shared_experts.{gate_up_proj,down_proj}.weight (MoE layers)
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from m3serve.distributed import GroupInfo, ParallelInfo
-from m3serve.layers.attention import Attention
+from m3serve.layers.attention import Attention, SharedSelection
 from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.layers.dispatch import use_triton
 from m3serve.layers.linear import attach_loader, check_shape, linear, make_param
@@ -40,11 +40,12 @@ class DecoderLayer(nn.Module):
                     DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
                              cfg.swiglu_limit, parallel.tp, dtype))
 
-    def forward(self, x, residual, cos, sin, meta):
+    def forward(self, x, residual, cos, sin, meta, shared: SharedSelection | None = None):
         """Pre-norm residual block in (delta, residual) form: returns this layer's MLP output and
-        the residual stream before it; the next norm adds them (fused on GPU)."""
+        the residual stream before it; the next norm adds them (fused on GPU). `shared`: the
+        forward's block selections for cross-layer top-k reuse (`layers/attention.py`)."""
         h, residual = add_rms_norm(x, residual, self.input_layernorm)
-        h = self.self_attn(h, cos, sin, meta)
+        h = self.self_attn(h, cos, sin, meta, shared)
         h, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
         return (self.mlp(h, meta.dp_padded_tokens) if self.is_moe else self.mlp(h)), residual
 
@@ -168,7 +169,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor | None]):
         """kv_caches[i]: [2, num_blocks, block_size, G_local, D] per layer; index_caches[i]:
-        [num_blocks, block_size, Di] for sparse layers, None for dense ones."""
+        [num_blocks, block_size, Di] for the layers that run the indexer (`cfg.index_layer_ids`),
+        None for the others (dense layers, sparse layers reusing a selection)."""
         for attn, kv, idx in zip(self.attention_layers, kv_caches, index_caches, strict=True):
             attn.kv_cache, attn.index_cache = kv, idx
 
@@ -184,11 +186,12 @@ class MiniMaxM3ForCausalLM(nn.Module):
         cos, sin = m.rotary.cos_sin(positions, x.dtype)
         residual = None
         streams = []
+        shared = SharedSelection()                     # sparse layers that skip the indexer read it
         for i, layer in enumerate(m.layers):
             if i in taps:
                 stream = x if residual is None else x + residual
                 streams += [stream] * taps.count(i)
-            x, residual = layer(x, residual, cos, sin, meta)
+            x, residual = layer(x, residual, cos, sin, meta, shared)
         if len(m.layers) in taps:                      # the final norm's input (DSpark's last tap)
             streams += [x + residual] * taps.count(len(m.layers))
         hidden = add_rms_norm(x, residual, m.norm)[0]

@@ -3,7 +3,8 @@
 It shares no code with the serving layers on purpose, so that a bug in a fast path cannot hide in
 both. Weights come as a dict in canonical checkpoint names (see `model/loader.py`,
 `iter_canonical_tensors`). `forward` returns fp32 logits and, per sparse layer, the indexer's
-selected block ids.
+selected block ids (with cross-layer top-k reuse on, a layer that skips its indexer reports the
+selection it reused).
 """
 from __future__ import annotations
 
@@ -100,6 +101,13 @@ class ReferenceM3:
             sel[t, :, :k] = torch.topk(block_scores, k, dim=-1).indices
         return sel
 
+    def _reuses_selection(self, i: int) -> bool:
+        """Cross-layer top-k reuse, written out from the config's numbers: sparse layer i, the
+        n-th sparse layer, skips its indexer unless max(n - offset, 0) is a multiple of F."""
+        cfg = self.cfg
+        n = sum(1 for j in range(i) if cfg.layer_types[j] == "minimax_m3_sparse")
+        return max(n - cfg.index_skip_topk_offset, 0) % cfg.index_topk_freq != 0
+
     def _attention(self, i: int, xn: torch.Tensor, positions, cos, sin, selections: list):
         cfg, w = self.cfg, self.w
         p = f"model.layers.{i}.self_attn."
@@ -112,7 +120,8 @@ class ReferenceM3:
         allowed = positions[None, :] <= positions[:, None]                       # [S, S] causal
         allowed = allowed[:, None, :].expand(S, G, S)                           # per KV group
         if cfg.is_sparse(i):
-            sel = self._select_blocks(p, xn, positions, cos, sin)
+            # cross-layer top-k reuse: this layer attends with the latest selection made
+            sel = selections[-1] if self._reuses_selection(i) else self._select_blocks(p, xn, positions, cos, sin)
             selections.append(sel)
             key_block = positions // cfg.index_block_size                        # [S]
             in_sel = (key_block[None, None, :, None] == sel[:, :, None, :]).any(-1)  # [S, G, S]

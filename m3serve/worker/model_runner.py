@@ -83,7 +83,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(2, self.num_blocks, bs, a.num_kv_heads, cfg.head_dim,
                                       dtype=self.kv_cache_dtype, device=self.device) for a in attn]
         self.index_caches = [torch.zeros(self.num_blocks, bs, cfg.index_head_dim, dtype=self.index_cache_dtype,
-                                         device=self.device) if a.is_sparse else None for a in attn]
+                                         device=self.device) if a.computes_index else None for a in attn]
         self.model.bind_kv_caches(self.kv_caches, self.index_caches)
         if self.kv_cache_dtype == torch.float8_e4m3fn:
             # per-layer scales (value = stored x scale); 1.0: K is RMS-normalised and V of order 1

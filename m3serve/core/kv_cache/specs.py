@@ -1,7 +1,8 @@
 """The two KV cache groups of MiniMax-M3 and how many blocks fit in a memory budget.
 
 Group "main" holds K and V for every attention layer; group "index" holds the key-only index
-cache of every sparse layer. Both share the page size and the block ids (block b is page b of
+cache of every sparse layer that runs the indexer (all of them unless cross-layer top-k reuse is
+on: `M3Config.index_layer_ids`). Both share the page size and the block ids (block b is page b of
 every group's tensors), so one block costs the sum of both groups' bytes. A sliding-window
 draft (DSpark) has a pool of its own, a window per running request (`window_pool_blocks`).
 """
@@ -22,10 +23,10 @@ class CacheGroupSpec:
 
 def cache_group_specs(cfg, num_kv_heads_local: int, kv_dtype_bytes: int,
                       index_dtype_bytes: int) -> list[CacheGroupSpec]:
-    """Main K/V for all layers (2 x kv heads x head_dim), index keys for sparse layers."""
+    """Main K/V for all layers (2 x kv heads x head_dim), index keys for the indexer layers."""
     main = CacheGroupSpec("main", tuple(range(cfg.num_hidden_layers)),
                           2 * num_kv_heads_local * cfg.head_dim * kv_dtype_bytes)
-    index = CacheGroupSpec("index", tuple(cfg.sparse_layer_ids), cfg.index_head_dim * index_dtype_bytes)
+    index = CacheGroupSpec("index", tuple(cfg.index_layer_ids), cfg.index_head_dim * index_dtype_bytes)
     return [main, index]
 
 
