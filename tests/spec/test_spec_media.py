@@ -223,6 +223,7 @@ def test_encoder_plan_counts_the_drafts_lookahead():
         items = [SimpleNamespace(num_tokens=6), SimpleNamespace(num_tokens=10)]
         request = Request("r", list(range(27)), SamplingParams(max_tokens=4), None, mm_inputs=items,
                           mm_spans=[(4, 10, "a"), (14, 24, "b")])
+        request.mm_keys = ["a", "b"]                     # neither in the encoder cache
         return sched._encoder_plan(request, start, num_new, budget_left)
 
     assert plan(0, 0, 14, 16) == (14, [0])            # no draft: the chunk ends before b
