@@ -23,15 +23,36 @@ from refgreedy import reference_greedy, reference_model  # noqa: E402
 from test_pd_poisoned_cache import _run  # noqa: E402
 
 
-def _engine(model_dir, role: str) -> LLMEngine:
-    config = EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", kv_transfer_config=json.dumps(
-        {"kv_connector": "NixlConnector", "kv_role": role}))
+def _engine(model_dir, role: str, overrides=None) -> LLMEngine:
+    config = EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", hf_overrides=overrides,
+                                      kv_transfer_config=json.dumps({"kv_connector": "NixlConnector",
+                                                                     "kv_role": role}))
     return LLMEngine(config, progress=False)
-
 
 
 def _index_planes(engine: LLMEngine) -> list[str]:
     return sorted(r.name for r in engine.worker.kv_connector.regions if r.name.endswith(".index"))
+
+
+def poison(engine: LLMEngine) -> None:
+    """NaN into every KV and index plane of `engine`: only pulled blocks can give finite outputs."""
+    for plane in [*engine.worker.runner.kv_caches, *engine.worker.runner.index_caches]:
+        if plane is not None:
+            plane.fill_(float("nan"))
+
+
+def pulled_greedy(producer: LLMEngine, consumer: LLMEngine, ids: list[int], max_tokens: int) -> list[int]:
+    """Prefill `ids` on the producer, decode `max_tokens` greedy tokens on the consumer from the
+    pulled KV; asserts the pull happened (one pull, no fallback). Returns the consumer's tokens."""
+    _, _, params = _run(producer, EngineCoreRequest(
+        f"prefill-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=1), None, time.time(),
+        kv_transfer_params=KVTransferParams(do_remote_decode=True)))
+    got, _, _ = _run(consumer, EngineCoreRequest(
+        f"decode-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=max_tokens), None,
+        time.time(), kv_transfer_params=parse_kv_transfer_params(params)))
+    stats = consumer.core.scheduler.connector.stats
+    assert (stats.pulls_done, stats.fallbacks) == (1, 0)
+    return got
 
 
 def test_consumer_pulls_every_layers_index_cache(tiny_m31_dir, tiny_dir):
@@ -39,19 +60,10 @@ def test_consumer_pulls_every_layers_index_cache(tiny_m31_dir, tiny_dir):
     consumer = _engine(tiny_m31_dir, "kv_consumer")
     try:
         assert _index_planes(producer) == _index_planes(consumer) == [f"{i}.index" for i in range(5)]
-        for plane in [*consumer.worker.runner.kv_caches, *consumer.worker.runner.index_caches]:
-            plane.fill_(float("nan"))
+        poison(consumer)
         ids = torch.randint(0, 2000, (75,), generator=torch.Generator().manual_seed(31)).tolist()
         want = reference_greedy(reference_model(tiny_m31_dir), ids, 6)
-        _, _, params = _run(producer, EngineCoreRequest(
-            f"prefill-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=1), None, time.time(),
-            kv_transfer_params=KVTransferParams(do_remote_decode=True)))
-        got, _, _ = _run(consumer, EngineCoreRequest(
-            f"decode-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0, max_tokens=6), None, time.time(),
-            kv_transfer_params=parse_kv_transfer_params(params)))
-        stats = consumer.core.scheduler.connector.stats
-        assert (stats.pulls_done, stats.fallbacks) == (1, 0)
-        assert got == want
+        assert pulled_greedy(producer, consumer, ids, 6) == want
         m3 = _engine(tiny_dir, "kv_consumer")
         try:
             with pytest.raises(LayoutMismatch, match=r"missing there: \[\], extra there: \['0.index', '4.index'\]"):
