@@ -74,3 +74,19 @@ def assert_engine_no_near_ties(outputs, margin: float) -> None:
     for i, out in enumerate(outputs):
         gaps = engine_greedy_gaps(out.outputs[0])
         assert min(gaps) >= margin, f"request {i} has a near-tie (gaps {gaps}) below {margin}: choose other prompts"
+
+
+def greedy_after_shared_prefix(llm, a: list[int], b: list[int], chunk: int) -> list[list[int]]:
+    """6 greedy tokens of prompt `a`, then of `b` (its first 64 tokens shared with `a`) on an
+    engine that prefills `chunk` tokens a step: asserts that `b` hit 4 full blocks of 16, that
+    the prefills were chunked and that every block is free again. Returns both token lists."""
+    from m3serve.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0]
+    second = llm.generate([{"prompt_token_ids": b}], params, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 64                    # 4 full blocks of 16 shared
+    core = llm.engine.core
+    assert core.num_steps > (len(a) + len(b) - 64) // chunk  # prefill was chunked
+    core.kv_manager.check_integrity()
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_usable_blocks
+    return [first.outputs[0].token_ids, second.outputs[0].token_ids]

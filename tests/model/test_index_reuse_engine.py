@@ -13,9 +13,8 @@ from m3serve.core.engine_group import free_port
 from m3serve.llm import LLM
 from m3serve.model.loader import load_model
 from m3serve.model.reference import ReferenceM3
-from m3serve.sampling_params import SamplingParams
 from paged import PagedRunner
-from refgreedy import canonical_weights, reference_greedy
+from refgreedy import canonical_weights, greedy_after_shared_prefix, reference_greedy
 
 REUSE = {"text_config": {"use_index_cache": True, "index_topk_freq": 2}}    # layers 1 and 3 index
 
@@ -36,15 +35,7 @@ def test_engine_greedy_equals_reference_chunked_and_prefix_hit(tiny_dir):
               kv_cache_memory=20 * 16 * 2816)
     assert llm.engine.worker.num_blocks == 20
     assert [c is not None for c in llm.engine.worker.runner.index_caches] == [False, True, False, True, False]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    first = llm.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0]
-    second = llm.generate([{"prompt_token_ids": b}], params, use_tqdm=False)[0]
-    assert second.num_cached_tokens == 64                    # 4 full blocks of 16 shared
-    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == want
-    core = llm.engine.core
-    assert core.num_steps > (len(a) + len(b) - 64) // 24     # prefill was chunked
-    core.kv_manager.check_integrity()
-    assert core.kv_manager.num_free_blocks == core.kv_manager.num_usable_blocks
+    assert greedy_after_shared_prefix(llm, a, b, chunk=24) == want
 
 
 def _steps(runner, ids):

@@ -14,7 +14,7 @@ from m3serve.model.loader import load_model
 from m3serve.model.tiny import tiny_config_dict
 from m3serve.sampling_params import SamplingParams
 from paged import PagedRunner
-from refgreedy import paged_against_reference, reference_greedy, reference_model
+from refgreedy import greedy_after_shared_prefix, paged_against_reference, reference_greedy, reference_model
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +58,7 @@ def test_engine_greedy_equals_reference_chunked_and_prefix_hit(tiny_m31_dir, ref
     b = shared + torch.randint(0, 2000, (40,), generator=g).tolist()
     want = [reference_greedy(reference, p, 6) for p in (a, b)]
     llm = LLM(model=str(tiny_m31_dir), dtype="float32", max_num_batched_tokens=24)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    first = llm.generate([{"prompt_token_ids": a}], params, use_tqdm=False)[0]
-    second = llm.generate([{"prompt_token_ids": b}], params, use_tqdm=False)[0]
-    assert second.num_cached_tokens == 64                    # 4 full blocks of 16 shared
-    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == want
-    core = llm.engine.core
-    assert core.num_steps > (len(a) + len(b) - 64) // 24     # prefill was chunked
-    core.kv_manager.check_integrity()
-    assert core.kv_manager.num_free_blocks == core.kv_manager.num_usable_blocks
+    assert greedy_after_shared_prefix(llm, a, b, chunk=24) == want
 
 
 def _text(raw: dict) -> dict:
