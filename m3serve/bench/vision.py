@@ -15,15 +15,8 @@ import torch
 
 
 def _random_(encoder, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in encoder.named_parameters():
-            if p.dim() == 1:
-                base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
-                t = base + 0.02 * torch.randn(p.shape, generator=gen)
-            else:
-                t = torch.randn(p.shape, generator=gen) / (p[0].numel() ** 0.5)
-            p.copy_(t)
+    from m3serve.model.loader import randomize_vision_
+    randomize_vision_(encoder, torch.Generator().manual_seed(seed))
 
 
 def _timed(fn, device, iters: int) -> float:

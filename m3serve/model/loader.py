@@ -432,15 +432,20 @@ def dummy_vision_encoder(cfg: M3Config, dtype: torch.dtype, device, seed: int = 
     vcfg = parse_vision_config(cfg.vision_config, cfg.projector_hidden_size, cfg.hidden_size)
     with torch.device(device):
         encoder = VisionEncoder(vcfg, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 999_983)
-    with torch.no_grad():
-        for name, p in encoder.named_parameters():
-            if p.dim() == 1:
-                base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
-                p.normal_(0.0, 0.02, generator=gen).add_(base)
-            else:
-                p.normal_(0.0, p[0].numel() ** -0.5, generator=gen)
+    randomize_vision_(encoder, torch.Generator(device=device).manual_seed(seed * 1_000_003 + 999_983))
     return encoder.eval()
+
+
+@torch.no_grad()
+def randomize_vision_(encoder, gen: torch.Generator) -> None:
+    """Random vision weights in place, drawn from `gen` (on the parameters' device): LayerNorm
+    weights near 1, biases near 0, matrices with 1/sqrt(fan-in) deviation."""
+    for name, p in encoder.named_parameters():
+        if p.dim() == 1:
+            base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            p.normal_(0.0, 0.02, generator=gen).add_(base)
+        else:
+            p.normal_(0.0, p[0].numel() ** -0.5, generator=gen)
 
 
 def checkpoint_has_vision(model_dir: Path) -> bool:

@@ -158,15 +158,16 @@ class _Attention(nn.Module):
             self._qkv = (weight, bias)
         return self._qkv
 
-    def forward(self, x, cos, sin, seqlens: list[int]):
+    def forward(self, x, cos, sin, seqlens: list[int], cu_seqlens: torch.Tensor | None = None):
+        """cu_seqlens [segments + 1] int32 on x's device: the variable-length flash path (see
+        `_use_varlen`); None: the per-size SDPA calls."""
         n = x.shape[0]
         qkv = F.linear(x, *self._fused_qkv())                                      # [n, 3D]
-        if _use_varlen(x):
+        if cu_seqlens is not None:
             from m3serve.kernels.vision_rope import vision_qkv_rope
             q, k, v = vision_qkv_rope(qkv, cos, sin, self.num_heads)                # [n, heads, hd] each
-            cu = torch.tensor([0] + seqlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x.device)
             longest = max(seqlens)
-            o = _varlen_attn()(q, k, v, cu, cu, longest, longest)                   # [n, heads, hd]
+            o = _varlen_attn()(q, k, v, cu_seqlens, cu_seqlens, longest, longest)   # [n, heads, hd]
             return self.out_proj(o.reshape(n, -1))
         qkv = qkv.view(n, 3, self.num_heads, self.head_dim)
         q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
@@ -232,8 +233,8 @@ class _EncoderLayer(nn.Module):
         self.layer_norm2 = _layer_norm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
         self.mlp = _MLP(cfg, dtype)
 
-    def forward(self, x, cos, sin, seqlens):
-        x = x + self.self_attn(self.layer_norm1(x), cos, sin, seqlens)
+    def forward(self, x, cos, sin, seqlens, cu_seqlens=None):
+        x = x + self.self_attn(self.layer_norm1(x), cos, sin, seqlens, cu_seqlens)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -331,8 +332,11 @@ class VisionEncoder(nn.Module):
         cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
         seqlens = [t * h * w for t, h, w in grids]
         x = vm.pre_layrnorm(x)
+        cu = None
+        if _use_varlen(x):          # one host-to-device copy of the segment bounds per forward
+            cu = torch.tensor([0] + seqlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
         for layer in vm.encoder.layers:
-            x = layer(x, cos, sin, seqlens)
+            x = layer(x, cos, sin, seqlens, cu)
         x = self.multi_modal_projector(x)                                           # [N, H]
         x = x.reshape(x.shape[0] // merge ** 2, -1)                                 # [N / 4, 4H]
         return self.patch_merge_mlp(x)                                              # [N / 4, H]

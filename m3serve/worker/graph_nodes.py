@@ -25,7 +25,7 @@ NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "
 KERNEL_CLASSES = [
     ("moe", r"moe|expert|route|align_block|swiglu"),
     ("attention", r"attention|attn|flash|fmha|paged|sparse_decode|merge_state"),
-    ("index", r"index|topk|top_k"),
+    ("index", r"indexer|index_score|topk|top_k"),
     ("norm_rope", r"rms_?norm|layer_?norm|rope|rotary|qk_norm"),
     ("all_reduce", r"all_?reduce|nccl|one_shot|two_shot"),
     ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|sm90_|cublas|matmul|_mm_|packed|w8a8|scaled_mm"),
