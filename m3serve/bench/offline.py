@@ -78,6 +78,39 @@ def _spec_counts(llm) -> tuple | None:
             sum(s.spec_num_accepted_tokens for s in states), 0, 0, 0, Counter())
 
 
+def _step_arm_counts(eng) -> tuple | None:
+    """(plain steps, landing steps, steps by width) the in-process scheduler has counted so far;
+    None without drafts or out of process."""
+    if eng.core is None or not eng.config.speculative.enabled:
+        return None
+    sched = eng.core.scheduler
+    return sched.num_plain_steps, sched.num_landing_steps, dict(sched.num_steps_by_width)
+
+
+def _add_step_time(times: dict, running: int, before: tuple, after: tuple, seconds: float) -> None:
+    """Add one engine step's wall time under "<running requests>/<arm>": plain, land (a step
+    that only landed deferred tokens), wJ (J drafts verified; w0: a switch step that only
+    proposed), idle (no step scheduled) or mixed (several in one call)."""
+    arms = []
+    if after[0] > before[0]:
+        arms.append("plain")
+    if after[1] > before[1]:
+        arms.append("land")
+    arms += [f"w{w}" for w, n in after[2].items() if n > before[2].get(w, 0)]
+    key = f"{running}/{arms[0] if len(arms) == 1 else 'mixed' if arms else 'idle'}"
+    n, total = times.get(key, (0, 0.0))
+    times[key] = (n + 1, total + seconds)
+
+
+def _step_time_summary(times: dict) -> dict:
+    """{"<running>/<arm>": [steps, total ms]} ordered by running requests then arm: where a
+    speculative run's decode time went (`_add_step_time`)."""
+    def order(key):
+        running, arm = key.split("/")
+        return -int(running), arm
+    return {k: [times[k][0], round(times[k][1] * 1e3, 1)] for k in sorted(times, key=order)}
+
+
 def _gate_rule(llm) -> str | None:
     """The in-process engine's rule for which steps speculate (None: no drafts, or not known)."""
     core = llm.engine.core
@@ -226,15 +259,20 @@ def main(args) -> list[dict]:
             runner = eng.worker.runner if in_process else None
             decode_steps, expert_ids = [], []
             max_running, num_steps, full_steps = (0 if runner else None), 0, 0
+            step_times: dict = {}
             while eng.has_unfinished_requests():
                 graph_before, t_step = runner.num_graph_steps if runner else 0, time.perf_counter()
+                running_before = eng.core.scheduler.num_running if eng.core is not None else 0
                 full = runner is not None and eng.core.scheduler.num_running == bs
                 if runner is not None:
                     max_running = max(max_running, eng.core.scheduler.num_running)
                     num_steps += 1
                     full_steps += full
+                arm_before = _step_arm_counts(eng)
                 changed = eng.step()
                 now = time.perf_counter()
+                if arm_before is not None:
+                    _add_step_time(step_times, running_before, arm_before, _step_arm_counts(eng), now - t_step)
                 if full and runner.num_graph_steps > graph_before:
                     decode_steps.append(now - t_step)
                     if len(decode_steps) % 8 == 1:   # async copies; counted after the run
@@ -283,7 +321,8 @@ def main(args) -> list[dict]:
                    "experts_measured": bool(expert_ids) or in_process,
                    "ran_as_asked": problem is None, **({"not_as_asked": problem} if problem else {}),
                    "max_running": max_running,
-                   **_spec_figures(llm, spec_before)}
+                   **_spec_figures(llm, spec_before),
+                   **({"step_ms_by_running_arm": _step_time_summary(step_times)} if step_times else {})}
             results.append(row)
             print(json.dumps(row), flush=True)
     return results

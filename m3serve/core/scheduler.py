@@ -756,12 +756,24 @@ class Scheduler:
         plain step without a draft pass (`spec_gate`'s rule). Without one: 0 (nothing reads it)."""
         if not self.num_lookahead_tokens:
             return 0
-        width = self.spec_gate.draft_width(len(self.running), self._prompt_due)
+        width = self.spec_gate.draft_width(len(self.running), self._prompt_due, self._mean_output_budget)
         if width is None:
             self.num_plain_steps += 1
         else:
             self.num_steps_by_width[width] = self.num_steps_by_width.get(width, 0) + 1
         return width
+
+    def _mean_output_budget(self) -> float | None:
+        """The running requests' mean output length in tokens as they were asked for: max_tokens,
+        or what max_model_len leaves after the prompt (the speculation gate's finish spread)."""
+        if not self.running:
+            return None
+        total = 0
+        for r in self.running:
+            room = self.max_model_len - r.num_prompt_tokens
+            cap = r.sampling_params.max_tokens
+            total += room if cap is None else min(cap, room)
+        return total / len(self.running)
 
     def _prompt_due(self) -> bool:
         """Whether the next step may compute prompt tokens: a running request's next chunk, or

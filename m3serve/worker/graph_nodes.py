@@ -94,12 +94,30 @@ def graph_nodes(raw_graph: int) -> list[tuple[str, str | None]]:
 
 def summarize_nodes(nodes: list[tuple[str, str | None]], num_layers: int) -> dict:
     """{"kernels": n, "kernels_per_layer": n / num_layers, "nodes_by_type": {...},
-    "kernels_by_class": {...}} of a graph's nodes; copies and memsets are nodes, not kernels."""
+    "kernels_by_class": {...}, "kernels_by_name": {short name: count}} of a graph's nodes; copies
+    and memsets are nodes, not kernels."""
     types = Counter(t for t, _ in nodes)
-    classes = Counter(kernel_class(name) for t, name in nodes if t == "kernel")
+    names = [name for t, name in nodes if t == "kernel"]
+    classes = Counter(kernel_class(name) for name in names)
     kernels = types.get("kernel", 0)
     return {"kernels": kernels, "kernels_per_layer": round(kernels / num_layers, 2) if num_layers else None,
-            "nodes_by_type": dict(sorted(types.items())), "kernels_by_class": dict(classes.most_common())}
+            "nodes_by_type": dict(sorted(types.items())), "kernels_by_class": dict(classes.most_common()),
+            "kernels_by_name": dict(Counter(short_name(n) for n in names).most_common())}
+
+
+def short_name(name: str | None, width: int = 72) -> str:
+    """A kernel name cut to its function's name (C++ templates and arguments dropped) and to
+    `width` characters; "?" without a name."""
+    if not name:
+        return "?"
+    base = name.split("(")[0]
+    depth, out = 0, []
+    for ch in base:                      # drop template arguments
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    return "".join(out).strip()[:width] or name[:width]
 
 
 def summarize(raw_graph: int, num_layers: int) -> dict:

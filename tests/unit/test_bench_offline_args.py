@@ -50,3 +50,18 @@ def test_speculation_figures_of_the_measured_runs():
     assert figures["spec_steps_by_width"] == {"0": 1, "3": 2, "7": 1}
     assert figures["spec_gate"] == "measured" and figures["spec_gate_state"]["buckets"][4]["choice"] == 0
     json.dumps(figures)
+
+
+def test_step_times_by_running_requests_and_arm():
+    """Each engine step's wall time lands under its running requests and the arm the scheduler
+    counted for it (plain, a landing step, a width of drafts; mixed when one call ran several)."""
+    from m3serve.bench.offline import _add_step_time, _step_time_summary
+
+    times = {}
+    _add_step_time(times, 4, (0, 0, {}), (0, 0, {3: 1}), 0.0146)
+    _add_step_time(times, 4, (0, 0, {3: 1}), (0, 0, {3: 2}), 0.0150)
+    _add_step_time(times, 2, (0, 0, {3: 2}), (1, 0, {3: 2}), 0.007)
+    _add_step_time(times, 2, (1, 0, {3: 2}), (1, 1, {3: 2, 0: 1}), 0.02)
+    _add_step_time(times, 1, (1, 1, {}), (1, 1, {}), 0.001)
+    assert _step_time_summary(times) == {"4/w3": [2, 29.6], "2/mixed": [1, 20.0], "2/plain": [1, 7.0],
+                                         "1/idle": [1, 1.0]}

@@ -23,6 +23,15 @@ def test_summary_counts_kernels_not_copies():
     assert s["kernels"] == 3 and s["kernels_per_layer"] == 1.5
     assert s["nodes_by_type"] == {"kernel": 3, "memcpy": 1, "memset": 1}
     assert s["kernels_by_class"] == {"moe": 2, "norm_rope": 1}
+    assert s["kernels_by_name"] == {"fused_moe_kernel": 2, "_rmsnorm_fwd": 1}
+
+
+def test_short_names_drop_templates_and_arguments():
+    from m3serve.worker.graph_nodes import short_name
+    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::Foo<float>>(int, float)") \
+        == "void at::native::vectorized_elementwise_kernel"
+    assert short_name("_rmsnorm_fwd") == "_rmsnorm_fwd" and short_name(None) == "?"
+    assert len(short_name("x" * 200)) == 72
 
 
 @pytest.mark.gpu
