@@ -87,10 +87,10 @@ def _step_arm_counts(eng) -> tuple | None:
     return sched.num_plain_steps, sched.num_landing_steps, dict(sched.num_steps_by_width)
 
 
-def _add_step_time(times: dict, running: int, before: tuple, after: tuple, seconds: float) -> None:
+def _add_step_time(times: dict, running: int, before: tuple, after: tuple, seconds: float) -> str:
     """Add one engine step's wall time under "<running requests>/<arm>": plain, land (a step
     that only landed deferred tokens), wJ (J drafts verified; w0: a switch step that only
-    proposed), idle (no step scheduled) or mixed (several in one call)."""
+    proposed), idle (no step scheduled) or mixed (several in one call); returns the key."""
     arms = []
     if after[0] > before[0]:
         arms.append("plain")
@@ -100,6 +100,15 @@ def _add_step_time(times: dict, running: int, before: tuple, after: tuple, secon
     key = f"{running}/{arms[0] if len(arms) == 1 else 'mixed' if arms else 'idle'}"
     n, total = times.get(key, (0, 0.0))
     times[key] = (n + 1, total + seconds)
+    return key
+
+
+def _num_prefilling(eng) -> int | None:
+    """Running requests with prompt tokens still to compute (in-process only)."""
+    if eng.core is None:
+        return None
+    sched = eng.core.scheduler
+    return sum(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
 
 
 def _step_time_summary(times: dict) -> dict:
@@ -259,10 +268,12 @@ def main(args) -> list[dict]:
             runner = eng.worker.runner if in_process else None
             decode_steps, expert_ids = [], []
             max_running, num_steps, full_steps = (0 if runner else None), 0, 0
-            step_times: dict = {}
+            step_times, slowest = {}, []
             while eng.has_unfinished_requests():
                 graph_before, t_step = runner.num_graph_steps if runner else 0, time.perf_counter()
                 running_before = eng.core.scheduler.num_running if eng.core is not None else 0
+                prefilling = _num_prefilling(eng)
+                eager_before = runner.num_eager_steps if runner else 0
                 full = runner is not None and eng.core.scheduler.num_running == bs
                 if runner is not None:
                     max_running = max(max_running, eng.core.scheduler.num_running)
@@ -272,7 +283,10 @@ def main(args) -> list[dict]:
                 changed = eng.step()
                 now = time.perf_counter()
                 if arm_before is not None:
-                    _add_step_time(step_times, running_before, arm_before, _step_arm_counts(eng), now - t_step)
+                    key = _add_step_time(step_times, running_before, arm_before, _step_arm_counts(eng), now - t_step)
+                    slowest.append((now - t_step, key, prefilling,
+                                    runner.num_graph_steps - graph_before if runner else None,
+                                    runner.num_eager_steps - eager_before if runner else None))
                 if full and runner.num_graph_steps > graph_before:
                     decode_steps.append(now - t_step)
                     if len(decode_steps) % 8 == 1:   # async copies; counted after the run
@@ -322,7 +336,10 @@ def main(args) -> list[dict]:
                    "ran_as_asked": problem is None, **({"not_as_asked": problem} if problem else {}),
                    "max_running": max_running,
                    **_spec_figures(llm, spec_before),
-                   **({"step_ms_by_running_arm": _step_time_summary(step_times)} if step_times else {})}
+                   **({"step_ms_by_running_arm": _step_time_summary(step_times),
+                       "slowest_steps": [{"ms": round(t * 1e3, 1), "step": k, "prefilling": p, "graph": g, "eager": e}
+                                         for t, k, p, g, e in sorted(slowest, reverse=True)[:6]]}
+                      if step_times else {})}
             results.append(row)
             print(json.dumps(row), flush=True)
     return results

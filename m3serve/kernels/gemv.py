@@ -143,3 +143,81 @@ def skinny_head(x: torch.Tensor, w: torch.Tensor, num_real: int | None = None,
         _argmax_finish_kernel[(M,)](best_v, best_i, ids, tiles,
                                     BLOCK=triton.next_power_of_2(tiles), num_warps=4)
     return logits, ids
+
+
+# --------------------------------------------------------------------------- FP8 linears (W8A8)
+
+FP8_MAX_ROWS = 16        # decode and verify rows the FP8 skinny path takes (cuBLAS's _scaled_mm above)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_fp8_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       min_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EMULATE: tl.constexpr):
+    """out = (e4m3(x / s) @ w^T) * s * w_scale, s = max(row amax / 448, min_scale): the per-token
+    activation quantisation of `fused_moe.quant_rows_fp8` done in the prologue (each program
+    reads x's rows once for their amax, once for the product), the e4m3 operands widened to
+    bf16 in registers (exact, as are their products) for the MMA, accumulated in fp32, scaled and
+    rounded once."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]                  # [BM, BK]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]    # [BN, BK]
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+    scale = tl.maximum(amax / 448.0, min_scale)                                     # [BM]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xq = cast_rne(tl.clamp(x / scale[:, None], -448.0, 448.0), tl.float8e4nv, EMULATE)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EMULATE:                       # the interpreter's 16-bit dot is not exact
+            acc = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(xq.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)      # [BM, BN]
+    ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
+    y = acc * scale[:, None] * ws[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, cast_rne(y, out_ptr.dtype.element_ty, EMULATE), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_fp8_config(N: int, K: int) -> dict:
+    """Tiles by shape: narrow column tiles where the weight has few rows (a TP rank's fused qkv),
+    so that enough programs stream it."""
+    return {"BLOCK_N": 32 if N <= 4096 else 64, "BLOCK_K": 128 if K <= 2048 else 256,
+            "num_warps": 4, "num_stages": 4}
+
+
+def skinny_fp8_eligible(x: torch.Tensor, wq: torch.Tensor) -> bool:
+    """Decode and verify rows (1..FP8_MAX_ROWS) of 16-bit activations against an e4m3 weight,
+    unit last strides."""
+    return (x.dim() == 2 and wq.dim() == 2 and 0 < x.shape[0] <= FP8_MAX_ROWS
+            and x.shape[1] == wq.shape[1] and wq.dtype == torch.float8_e4m3fn
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and wq.stride(-1) == 1)
+
+
+def skinny_fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                      config: dict | None = None) -> torch.Tensor:
+    """x: [M <= 16, K] bf16/fp16, wq: [N, K] e4m3, w_scale: [N] fp32 -> [M, N] in x's dtype: the
+    online-FP8 linear (`layers/quant.fp8_linear`: per-token activation scales, per-channel weight
+    scales) in one launch, its activation quantisation included. `config` overrides the tiles."""
+    from m3serve.kernels.fused_moe import FP8_MIN_SCALE
+    if not skinny_fp8_eligible(x, wq) or w_scale.shape != (wq.shape[0],):
+        raise ValueError(f"the FP8 skinny GEMM needs x [1..{FP8_MAX_ROWS}, K] 16-bit and wq [N, K] e4m3 "
+                         f"with w_scale [N], unit last strides; got {tuple(x.shape)} {x.dtype}, "
+                         f"{tuple(wq.shape)} {wq.dtype}, {tuple(w_scale.shape)}")
+    M, K = x.shape
+    N = wq.shape[0]
+    cfg = config or skinny_fp8_config(N, K)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _skinny_fp8_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x, wq, w_scale.float(), out, M, N, K, x.stride(0), wq.stride(0), out.stride(0), FP8_MIN_SCALE,
+        BLOCK_M=16, EMULATE=interpreting(), **cfg)
+    return out
