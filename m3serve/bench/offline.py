@@ -79,11 +79,14 @@ def _spec_counts(llm) -> tuple | None:
 
 
 def _step_arm_counts(eng) -> tuple | None:
-    """(plain steps, landing steps, steps by width) the in-process scheduler has counted so far;
-    None without drafts or out of process."""
-    if eng.core is None or not eng.config.speculative.enabled:
+    """(plain steps, landing steps, steps by width) the in-process scheduler has counted so far
+    (without drafts: its steps); None out of process."""
+    if eng.core is None:
         return None
     sched = eng.core.scheduler
+    if not eng.config.speculative.enabled:        # every step is a plain one
+        runner = eng.worker.runner
+        return runner.num_graph_steps + runner.num_eager_steps, 0, {}
     return sched.num_plain_steps, sched.num_landing_steps, dict(sched.num_steps_by_width)
 
 

@@ -1,10 +1,8 @@
 """Online FP8 quantisation (`--quantization fp8`, per-token activation / per-channel weight,
 docs/model.md §8.3): each weight is quantised once, as the loader completes it; activations per call.
 
-GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU, or for decode rows (1-16)
-through the skinny FP8 GEMM with the activation quantisation in its prologue (`kernels/gemv.py`:
-one launch instead of two, the same quantised operands); the CPU reference dequantises both
-operands and multiplies in fp64 (same products, one rounding).
+GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU; the CPU reference
+dequantises both operands and multiplies in fp64 (same products, one rounding).
 Kept in bf16 (the default exclusions): embeddings, lm_head, the router, all norms.
 """
 from __future__ import annotations
@@ -44,13 +42,6 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torc
     """x [T, K] (bf16) @ dequant(wq [N, K])^T with per-token activation quantisation -> [T, N]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda:
-        from m3serve.kernels.gemv import skinny_fp8_eligible, skinny_fp8_linear
-        from m3serve import envs
-        from m3serve.layers.dispatch import use_triton
-        if envs.SKINNY_FP8 and skinny_fp8_eligible(x2, wq) and use_triton("skinny_fp8", x2):
-            # decode rows: the activation quantisation fused into a skinny GEMM (one launch)
-            return skinny_fp8_linear(x2, wq, w_scale).reshape(*shape[:-1], wq.shape[0])
     xq, x_scale = quantize_rows(x2)
     if x.is_cuda:
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],

@@ -427,28 +427,3 @@ def test_quantised_tiny_greedy_gpu_equals_reference(quant_dir, fmt, flavor):
     assert_reference_greedy(dequantized_checkpoint(path), llm.engine.model_config, served)
     del llm
     torch.cuda.empty_cache()
-
-
-def test_tiny_online_fp8_skinny_path_greedy_equals_scaled_mm(tiny_dir, monkeypatch):
-    """Online FP8 (bf16 activations): decode rows take the skinny FP8 GEMM with its fused
-    activation quantisation (recorded in the dispatch summary); its greedy tokens equal those of
-    per-token quantisation + torch._scaled_mm (M3SERVE_SKINNY_FP8=0), the same quantised operands."""
-    from m3serve import envs
-    from m3serve.layers import dispatch
-    from m3serve.llm import LLM
-    from m3serve.sampling_params import SamplingParams
-    from test_engine import prompts
-
-    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150))]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    runs = {}
-    for skinny in (False, True):
-        monkeypatch.setattr(envs, "SKINNY_FP8", skinny)
-        dispatch.executed.clear()
-        llm = LLM(model=str(tiny_dir), dtype="bfloat16", device="cuda", quantization="fp8",
-                  max_num_batched_tokens=64, kv_cache_memory=1 << 28)
-        runs[skinny] = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
-        assert ("skinny_fp8" in dispatch.summary()) == skinny
-        del llm
-        torch.cuda.empty_cache()
-    assert runs[True] == runs[False]
