@@ -41,6 +41,11 @@ VISION_ATTENTION = os.environ.get("M3SERVE_VISION_ATTENTION", "varlen") or "varl
 if VISION_ATTENTION not in ("varlen", "runs"):
     raise ValueError(f"M3SERVE_VISION_ATTENTION must be varlen or runs, got {VISION_ATTENTION!r}")
 
+# Online-FP8 linears at decode rows (1-16) on a GPU: the split-K FP8 GEMM (1, default) or per-token
+# quantisation + torch._scaled_mm (0), for A/B measurements; the same quantised operands.
+FP8_DECODE_GEMM = env_flag("M3SERVE_FP8_DECODE_GEMM") if os.environ.get("M3SERVE_FP8_DECODE_GEMM") else True
+
+
 def cpu_exact_positions() -> int:
     """M3SERVE_CPU_EXACT_POSITIONS (default 4096): on CPU, attention and the MSA top-k of query
     tokens at positions below this run in fp64, bit-identical to the reference ops; from it on,

@@ -1,14 +1,19 @@
 """Online FP8 quantisation (`--quantization fp8`, per-token activation / per-channel weight,
 docs/model.md §8.3): each weight is quantised once, as the loader completes it; activations per call.
 
-GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU; the CPU reference
-dequantises both operands and multiplies in fp64 (same products, one rounding).
+GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU, decode and verify rows
+(1-16) through the split-K FP8 GEMM (`kernels/fp8_decode.py`: the same quantised operands,
+faster at a TP rank's narrow weights); the CPU reference dequantises both operands and
+multiplies in fp64 (same products, one rounding).
 Kept in bf16 (the default exclusions): embeddings, lm_head, the router, all norms.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from m3serve import envs
+from m3serve.layers.dispatch import use_triton
 
 FP8 = torch.float8_e4m3fn
 
@@ -42,6 +47,10 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torc
     """x [T, K] (bf16) @ dequant(wq [N, K])^T with per-token activation quantisation -> [T, N]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if x.is_cuda and envs.FP8_DECODE_GEMM:
+        from m3serve.kernels.fp8_decode import fp8_decode_eligible, fp8_decode_linear
+        if fp8_decode_eligible(x2, wq) and use_triton("fp8_decode_gemm", x2):
+            return fp8_decode_linear(x2, wq, w_scale).reshape(*shape[:-1], wq.shape[0])
     xq, x_scale = quantize_rows(x2)
     if x.is_cuda:
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],

@@ -427,3 +427,26 @@ def test_quantised_tiny_greedy_gpu_equals_reference(quant_dir, fmt, flavor):
     assert_reference_greedy(dequantized_checkpoint(path), llm.engine.model_config, served)
     del llm
     torch.cuda.empty_cache()
+
+
+def test_tiny_online_fp8_greedy_gpu_equals_cpu_reference(tiny_dir):
+    """Online FP8 (`quantization="fp8"`) on the GPU path, float32 activations: decode rows take
+    the split-K FP8 GEMM (kernels/fp8_decode.py), prompts quantisation + _scaled_mm; every greedy
+    token is the CPU reference's (the same quantised operands, products in fp64)."""
+    from m3serve.layers import dispatch
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+    from test_engine import prompts
+
+    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150, 9, 120))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cpu = LLM(model=str(tiny_dir), dtype="float32", device="cpu", enforce_eager=True, quantization="fp8")
+    want = [o.outputs[0].token_ids for o in cpu.generate(ps, params, use_tqdm=False)]
+    dispatch.executed.clear()
+    gpu = LLM(model=str(tiny_dir), dtype="float32", device="cuda", max_num_batched_tokens=48,
+              kv_cache_memory=1 << 28, quantization="fp8")
+    got = [o.outputs[0].token_ids for o in gpu.generate(ps, params, use_tqdm=False)]
+    assert dispatch.summary().get("fp8_decode_gemm") == "triton"
+    assert got == want
+    del cpu, gpu
+    torch.cuda.empty_cache()
