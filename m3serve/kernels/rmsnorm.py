@@ -50,7 +50,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
-        s = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE)  # like a bf16 add
+        if x.dtype != r.dtype:            # an fp32 sub-layer output: rounded to the stream's dtype first
+            x = cast_rne(x, r.dtype, EMULATE)
+        s = cast_rne(x.to(tl.float32) + r.to(tl.float32), r.dtype, EMULATE)  # like a bf16 add
         tl.store(res_out_ptr + row * res_out_stride + cols, s, mask=mask)
         x = s
     xf = x.to(tl.float32)
@@ -112,20 +114,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual update + Gemma RMSNorm. x, residual: [..., N] same shape and dtype; weight: [N].
+    """Residual update + Gemma RMSNorm. x, residual: [..., N] of one shape, x in residual's dtype
+    or fp32 (a sub-layer's unrounded output, rounded to residual's dtype first: the same values as
+    casting it beforehand); weight: [N].
 
-    Returns (normed, new_residual), both new contiguous [..., N] tensors in x's dtype, with
-    new_residual = dtype(x + residual) and normed = rms_norm(new_residual).
+    Returns (normed, new_residual), both new contiguous [..., N] tensors in residual's dtype, with
+    new_residual = dtype(dtype(x) + residual) and normed = rms_norm(new_residual).
 
     CUDA-graph safe: no host sync; two allocations sized from x.shape and one launch.
     """
     N = _check(x, weight)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
+    if residual.shape != x.shape or x.dtype not in (residual.dtype, torch.float32):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
                          f"x {tuple(x.shape)} {x.dtype}")
     x2, r2 = _rows(x), _rows(residual)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    new_res = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
     if x2.shape[0]:
         _launch(x2, r2, weight, out.view(-1, N), new_res.view(-1, N), eps, N)
     return out, new_res

@@ -171,9 +171,10 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_alpha,
                                        cfg.swiglu_limit, parallel.tp, dtype, reduce_results=False)
 
-    def forward(self, x: torch.Tensor, dp_padded_tokens: int = 0) -> torch.Tensor:
-        """x: [T, H] -> [T, H]. With several DP replicas every one passes the same
-        `dp_padded_tokens` >= its T (the largest T among them)."""
+    def forward(self, x: torch.Tensor, dp_padded_tokens: int = 0, keep_fp32: bool = False) -> torch.Tensor:
+        """x: [T, H] -> [T, H] in x's dtype, or with `keep_fp32` the fp32 sum before that cast.
+        With several DP replicas every one passes the same `dp_padded_tokens` >= its T (the
+        largest T among them)."""
         exchange = self.dp.active
         tokens = x
         if exchange:
@@ -185,7 +186,8 @@ class MoE(nn.Module):
         out = self._routed(tokens, fold_shared=not exchange)          # fp32 [N, H]
         if exchange:
             out = self.dp.reduce_scatter(out)[:x.shape[0]] + self.shared_experts(x).float()
-        return self.tp.all_reduce(out).to(x.dtype)
+        out = self.tp.all_reduce(out)
+        return out if keep_fp32 else out.to(x.dtype)
 
     def tile_token_counts(self, max_tokens: int) -> list[int]:
         """Step sizes up to max_tokens that reach every tile variant of the fused kernels (the

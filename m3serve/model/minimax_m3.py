@@ -40,24 +40,32 @@ class DecoderLayer(nn.Module):
                     DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
                              cfg.swiglu_limit, parallel.tp, dtype))
 
-    def forward(self, x, residual, cos, sin, meta, shared: SharedSelection | None = None):
+    def forward(self, x, residual, cos, sin, meta, shared: SharedSelection | None = None,
+                fp32_out: bool = False):
         """Pre-norm residual block in (delta, residual) form: returns this layer's MLP output and
         the residual stream before it; the next norm adds them (fused on GPU). `shared`: the
-        forward's block selections for cross-layer top-k reuse (`layers/attention.py`)."""
+        forward's block selections for cross-layer top-k reuse (`layers/attention.py`).
+        `fp32_out`: an MoE layer returns its fp32 sum unrounded (the next fused norm rounds it:
+        the same values, one cast kernel fewer); x may then be fp32 as well."""
         h, residual = add_rms_norm(x, residual, self.input_layernorm)
         h = self.self_attn(h, cos, sin, meta, shared)
         h, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
-        return (self.mlp(h, meta.dp_padded_tokens) if self.is_moe else self.mlp(h)), residual
+        if self.is_moe:
+            return self.mlp(h, meta.dp_padded_tokens, keep_fp32=fp32_out), residual
+        return self.mlp(h), residual
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
-    """(norm(x + residual), x + residual) with the sum rounded to x's dtype (the HF order);
-    residual None means x is the residual stream itself."""
+    """(norm(x + residual), x + residual) with the sum rounded to the stream's dtype (the HF
+    order); residual None means x is the residual stream itself. x may be an MoE layer's fp32
+    output (`DecoderLayer.forward`'s fp32_out), rounded to the residual's dtype first."""
     if use_triton("rms_norm", x):
         from m3serve.kernels.rmsnorm import fused_add_rms_norm, rms_norm
         if residual is None:
             return rms_norm(x, norm.weight, norm.eps), x
         return fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    if residual is not None and x.dtype != residual.dtype:
+        x = x.to(residual.dtype)
     s = x if residual is None else x + residual
     return norm(s), s
 
@@ -187,13 +195,14 @@ class MiniMaxM3ForCausalLM(nn.Module):
         residual = None
         streams = []
         shared = SharedSelection()                     # sparse layers that skip the indexer read it
+        fp32_out = use_triton("rms_norm", x)           # MoE sums stay fp32 until the next fused norm
         for i, layer in enumerate(m.layers):
             if i in taps:
-                stream = x if residual is None else x + residual
+                stream = x if residual is None else x.to(residual.dtype) + residual
                 streams += [stream] * taps.count(i)
-            x, residual = layer(x, residual, cos, sin, meta, shared)
+            x, residual = layer(x, residual, cos, sin, meta, shared, fp32_out=fp32_out)
         if len(m.layers) in taps:                      # the final norm's input (DSpark's last tap)
-            streams += [x + residual] * taps.count(len(m.layers))
+            streams += [x.to(residual.dtype) + residual] * taps.count(len(m.layers))
         hidden = add_rms_norm(x, residual, m.norm)[0]
         if not taps:
             return hidden

@@ -72,3 +72,17 @@ def test_compiles_for_hopper(tmp_path):
                 dict(HAS_RESIDUAL=res, BLOCK=block, EMULATE=False), 8 if block > 2048 else 4)
     jobs = [job(6144, True), job(6144, False), job(32, True)]
     assert len(compile_for_hopper(jobs, tmp_path)) == len(jobs)
+
+
+def test_fp32_sublayer_output_is_rounded_first():
+    """An MoE layer's fp32 sum added to a bf16 residual stream: the kernel rounds it to bf16
+    first -- bit-equal to casting it beforehand -- and returns bf16 tensors; a mismatch of
+    another kind is refused."""
+    x, res, w = make_rows(5, 96, torch.bfloat16, "cpu")
+    wide = x.float() + torch.randn(x.shape) * 1e-3          # fp32 values between bf16 ones
+    out, new_res = fused_add_rms_norm(wide, res, w, 1e-6)
+    want_out, want_res = fused_add_rms_norm(wide.to(torch.bfloat16), res, w, 1e-6)
+    assert out.dtype == new_res.dtype == torch.bfloat16
+    assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
+    with pytest.raises(ValueError, match="does not match"):
+        fused_add_rms_norm(x.half(), res, w, 1e-6)
