@@ -41,9 +41,11 @@ VISION_ATTENTION = os.environ.get("M3SERVE_VISION_ATTENTION", "varlen") or "varl
 if VISION_ATTENTION not in ("varlen", "runs"):
     raise ValueError(f"M3SERVE_VISION_ATTENTION must be varlen or runs, got {VISION_ATTENTION!r}")
 
-# Online-FP8 linears at decode rows (1-16) on a GPU: the split-K FP8 GEMM (1, default) or per-token
-# quantisation + torch._scaled_mm (0), for A/B measurements; the same quantised operands.
-FP8_DECODE_GEMM = env_flag("M3SERVE_FP8_DECODE_GEMM") if os.environ.get("M3SERVE_FP8_DECODE_GEMM") else True
+# Opt-in: online-FP8 linears at decode rows (1-16) of a TP rank's narrow weights (N <= 4096,
+# K >= 4096: the fused qkv) through the split-K FP8 GEMM (kernels/fp8_decode.py) instead of
+# per-token quantisation + torch._scaled_mm; the same quantised operands. Off until a lease
+# shows it faster at the rank (docs/performance.md).
+FP8_DECODE_GEMM = env_flag("M3SERVE_FP8_DECODE_GEMM")
 
 
 def cpu_exact_positions() -> int:

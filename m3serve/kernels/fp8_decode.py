@@ -9,9 +9,12 @@ of `layers/quant.fp8_linear` (the same quantised operands), in three launches:
    1,232 rows has 20 column tiles: one program each leaves most of the GPU idle);
 3. reduce: the S partials summed in slice order, times s and w_scale, rounded once.
 
-Why: cuBLAS's `_scaled_mm` takes 18.3 us for one TP 8 rank's fused qkv at 1-16 rows against
-6.9 us for the same product in bf16 (docs/performance.md). CUDA-graph safe: no host sync; the
-workspace is an ordinary allocation.
+Why: cuBLAS's `_scaled_mm` takes 18.4 us for one TP 8 rank's fused qkv at 1-16 rows against
+6.9 us for the same product in bf16; this path 11.2 us (H100, in CUDA graphs,
+scripts/fp8_linear_bench.py). It loses where the weight is wide and K short (o_proj: 10.0
+against 8.0 us) and at full width, and its rank-level effect was not clear in one lease, so it
+is opt-in (`M3SERVE_FP8_DECODE_GEMM=1`) and then taken only for N <= 4096, K >= 4096
+(docs/performance.md). CUDA-graph safe: no host sync; the workspace is an ordinary allocation.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import triton.language as tl
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 MAX_ROWS = 16          # decode and verify rows this path takes (larger: quant + _scaled_mm)
+MAX_N, MIN_K = 4096, 4096   # the weights it measured faster for (a TP rank's fused qkv)
 _TARGET_PROGRAMS = 264  # about two per SM of an H100 / H200
 
 
@@ -81,7 +85,8 @@ def fp8_decode_config(N: int, K: int) -> dict:
 
 def fp8_decode_eligible(x: torch.Tensor, wq: torch.Tensor) -> bool:
     """1..MAX_ROWS rows of bf16, fp16 or fp32 activations against an e4m3 weight [N, K], unit last
-    strides."""
+    strides. (Where it measured faster than `_scaled_mm` -- N <= 4096 and K >= 4096, a TP rank's
+    fused qkv -- is `layers/quant.fp8_linear`'s choice, not this check's.)"""
     return (x.dim() == 2 and wq.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.shape[1] == wq.shape[1] and wq.dtype == torch.float8_e4m3fn
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

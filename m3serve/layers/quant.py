@@ -1,10 +1,10 @@
 """Online FP8 quantisation (`--quantization fp8`, per-token activation / per-channel weight,
 docs/model.md §8.3): each weight is quantised once, as the loader completes it; activations per call.
 
-GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU, decode and verify rows
-(1-16) through the split-K FP8 GEMM (`kernels/fp8_decode.py`: the same quantised operands,
-faster at a TP rank's narrow weights); the CPU reference dequantises both operands and
-multiplies in fp64 (same products, one rounding).
+GEMMs run through `torch._scaled_mm` with row-wise scales on the GPU (opt-in, M3SERVE_FP8_DECODE_GEMM=1:
+decode and verify rows of a TP rank's narrow weights through the split-K FP8 GEMM of
+`kernels/fp8_decode.py`, the same quantised operands); the CPU reference dequantises both
+operands and multiplies in fp64 (same products, one rounding).
 Kept in bf16 (the default exclusions): embeddings, lm_head, the router, all norms.
 """
 from __future__ import annotations
@@ -48,8 +48,9 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torc
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x.is_cuda and envs.FP8_DECODE_GEMM:
-        from m3serve.kernels.fp8_decode import fp8_decode_eligible, fp8_decode_linear
-        if fp8_decode_eligible(x2, wq) and use_triton("fp8_decode_gemm", x2):
+        from m3serve.kernels.fp8_decode import MAX_N, MIN_K, fp8_decode_eligible, fp8_decode_linear
+        if (wq.shape[0] <= MAX_N and wq.shape[1] >= MIN_K and fp8_decode_eligible(x2, wq)
+                and use_triton("fp8_decode_gemm", x2)):
             return fp8_decode_linear(x2, wq, w_scale).reshape(*shape[:-1], wq.shape[0])
     xq, x_scale = quantize_rows(x2)
     if x.is_cuda:
