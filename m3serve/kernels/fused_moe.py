@@ -999,7 +999,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               config: dict | tuple[dict, dict] | None = None,
               alignment: tuple | None = None, packed: str | None = None,
               w13_global: torch.Tensor | None = None, w2_global: torch.Tensor | None = None,
-              global_divides: bool = True) -> torch.Tensor:
+              global_divides: bool = True, x_quant: tuple | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * Expert_{ids[t, k]}(x[t]) (+ Shared(x[t])) for every token t.
 
     x: [T, H] bf16 (fp16/fp32 also accepted); w13: [E, 2I, H], gate rows then up rows (not
@@ -1024,6 +1024,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     alignment: `moe_route_align`'s (sorted_ids, expert_ids_per_block, num_tokens_post_pad,
     block_m) for these ids, first_expert and shared expert; used when block_m is the tiles'
     BLOCK_M, else the pairs are aligned here.
+    x_quant: with FP8 weights, x's per-token FP8 form (e4m3 [T, H], fp32 scale [T]) as
+    `quant_rows_fp8(x)` makes it, when the caller has it already (`kernels/rmsnorm.py`
+    `fused_add_rms_norm_fp8`); ignored otherwise.
     packed: "mxfp8" | "mxfp4" | "nvfp4": w13 / w2 are codes ([E, 2I, H / per_byte], [E, H,
     I / per_byte]) and w13_scale / w2_scale their block scales ([E, 2I, H / B], [E, H, I / B]),
     NVFP4 with w13_global [E, 2I] / w2_global [E, H] (`global_divides`: compressed-tensors
@@ -1112,8 +1115,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
             g13, g2 = w13_global.float().contiguous(), w2_global.float().contiguous()
             gs13 = shared[4].float().contiguous() if shared is not None else g13
             gs2 = shared[5].float().contiguous() if shared is not None else g2
-    elif fp8:
-        xq, x_scale = quant_rows_fp8(x)                                     # [T, H], [T]
+    elif fp8:   # x's per-token FP8 form: given (made by the norm before, the same bits) or made here
+        xq, x_scale = x_quant if x_quant is not None else quant_rows_fp8(x)  # [T, H], [T]
         s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
         ss13 = shared[2].float().contiguous() if shared is not None else s13
         ss2 = shared[3].float().contiguous() if shared is not None else s2

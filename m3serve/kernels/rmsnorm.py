@@ -40,9 +40,10 @@ def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     x_stride, res_stride, out_stride, res_out_stride, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
+                     x_stride, res_stride, out_stride, res_out_stride, q_stride, N, eps, min_scale,
+                     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                     EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -58,9 +59,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     rstd = tl.math.rsqrt(var + eps)
-    y = xf * rstd * (1.0 + w)
-    tl.store(out_ptr + row * out_stride + cols, cast_rne(y, out_ptr.dtype.element_ty, EMULATE),
-             mask=mask)
+    y = cast_rne(xf * rstd * (1.0 + w), out_ptr.dtype.element_ty, EMULATE)
+    tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
+    if QUANT:   # the rounded output's per-row FP8 form, as `fused_moe.quant_rows_fp8` makes it
+        yf = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(yf), axis=0) / 448.0, min_scale)
+        q = cast_rne(tl.clamp(yf / scale, -448.0, 448.0), q_ptr.dtype.element_ty, EMULATE)
+        tl.store(q_ptr + row * q_stride + cols, q, mask=mask)
+        tl.store(s_ptr + row, scale)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -87,15 +93,17 @@ def norm_warps(block: int) -> int:
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
-def _launch(x2, r2, weight, out2, res_out2, eps, N):
+def _launch(x2, r2, weight, out2, res_out2, eps, N, q2=None, scale=None):
+    from m3serve.kernels.fused_moe import FP8_MIN_SCALE
     BLOCK = triton.next_power_of_2(N)
     num_warps = norm_warps(BLOCK)
-    has_res = r2 is not None
+    has_res, quant = r2 is not None, q2 is not None
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2 if has_res else x2, weight, out2, res_out2 if has_res else out2,
+        q2 if quant else out2, scale if quant else weight,
         x2.stride(0), r2.stride(0) if has_res else 0, out2.stride(0),
-        res_out2.stride(0) if has_res else 0, N, eps,
-        HAS_RESIDUAL=has_res, BLOCK=BLOCK, EMULATE=interpreting(), num_warps=num_warps)
+        res_out2.stride(0) if has_res else 0, q2.stride(0) if quant else 0, N, eps, FP8_MIN_SCALE,
+        HAS_RESIDUAL=has_res, QUANT=quant, BLOCK=BLOCK, EMULATE=interpreting(), num_warps=num_warps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,3 +141,22 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if x2.shape[0]:
         _launch(x2, r2, weight, out.view(-1, N), new_res.view(-1, N), eps, N)
     return out, new_res
+
+
+def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`fused_add_rms_norm` of x, residual [T, N] that also returns the normed rows' per-token
+    FP8 form (e4m3 [T, N], fp32 scale [T]) -- bit-equal to `fused_moe.quant_rows_fp8` of the
+    normed output, whose launch it saves (the FP8 experts' input)."""
+    N = _check(x, weight)
+    if x.dim() != 2 or residual.shape != x.shape or x.dtype not in (residual.dtype, torch.float32):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype} (two dimensions)")
+    x2, r2 = _rows(x), _rows(residual)
+    out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    new_res = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _launch(x2, r2, weight, out, new_res, eps, N, q, scale)
+    return out, new_res, (q, scale)

@@ -171,10 +171,12 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size, cfg.swiglu_alpha,
                                        cfg.swiglu_limit, parallel.tp, dtype, reduce_results=False)
 
-    def forward(self, x: torch.Tensor, dp_padded_tokens: int = 0, keep_fp32: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dp_padded_tokens: int = 0, keep_fp32: bool = False,
+                x_quant: tuple | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H] in x's dtype, or with `keep_fp32` the fp32 sum before that cast.
         With several DP replicas every one passes the same `dp_padded_tokens` >= its T (the
-        largest T among them)."""
+        largest T among them). `x_quant`: x's per-token FP8 form where `takes_fp8_input(x)`
+        (made by the norm before it)."""
         exchange = self.dp.active
         tokens = x
         if exchange:
@@ -183,7 +185,7 @@ class MoE(nn.Module):
                                    f"{x.shape[0]}, got {dp_padded_tokens}")
             pad = dp_padded_tokens - x.shape[0]
             tokens = self.dp.all_gather(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
-        out = self._routed(tokens, fold_shared=not exchange)          # fp32 [N, H]
+        out = self._routed(tokens, fold_shared=not exchange, x_quant=None if exchange else x_quant)  # fp32 [N, H]
         if exchange:
             out = self.dp.reduce_scatter(out)[:x.shape[0]] + self.shared_experts(x).float()
         out = self.tp.all_reduce(out)
@@ -235,7 +237,13 @@ class MoE(nn.Module):
         return any(m.__dict__.get("packed") for m in (self.experts, self.shared_experts.gate_up_proj,
                                                         self.shared_experts.down_proj))
 
-    def _routed(self, x: torch.Tensor, fold_shared: bool) -> torch.Tensor:
+    def takes_fp8_input(self, x: torch.Tensor) -> bool:
+        """Whether this step's fused experts read x's per-token FP8 form (FP8 expert weights on
+        the Triton path, one DP replica): the norm before can then make it (`forward`'s x_quant)."""
+        return (not self.dp.active and self.experts.w13.dtype == torch.float8_e4m3fn
+                and packed_format(self.experts, "w13") is None and use_triton("moe", x))
+
+    def _routed(self, x: torch.Tensor, fold_shared: bool, x_quant: tuple | None = None) -> torch.Tensor:
         """Routed experts (+ the shared expert when `fold_shared`) over x [N, H] -> fp32 [N, H],
         this rank's partial sum."""
         cfg = self.cfg
@@ -253,7 +261,7 @@ class MoE(nn.Module):
                     first_expert=ex.first, shared_expert=in_kernel)
             else:
                 weights, ids = fm.moe_route(x, gate, bias, top_k, cfg.routed_scaling_factor)
-            out = self._fused(fm.fused_moe, x, weights, ids, in_kernel, alignment)
+            out = self._fused(fm.fused_moe, x, weights, ids, in_kernel, alignment, x_quant)
             if fold_shared and not in_kernel:
                 out += self.shared_experts(x).float()
             return out
@@ -296,9 +304,9 @@ class MoE(nn.Module):
         return ex.num_local * 3 * ex.inter_local * self.cfg.hidden_size * x.element_size() <= DEQUANT_MOE_MAX_BYTES
 
     def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               fold_shared: bool, alignment: tuple | None = None) -> torch.Tensor:
+               fold_shared: bool, alignment: tuple | None = None, x_quant: tuple | None = None) -> torch.Tensor:
         """Routed experts (+ the shared expert) in one fused call (bf16, FP8 or packed weights);
-        `alignment`: `moe_route_align`'s, for the Triton kernel."""
+        `alignment`: `moe_route_align`'s, for the Triton kernel; `x_quant`: x's FP8 form."""
         cfg, ex, sh = self.cfg, self.experts, self.shared_experts
         if probes.active is not None:
             probes.active.record(probes.ROUTED_EXPERTS, self.layer_id, ids)
@@ -333,7 +341,8 @@ class MoE(nn.Module):
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         moe_fn(x, w13, w2, weights, ids, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
                shared=shared, out=out, first_expert=ex.first,
-               **scales, **({"alignment": alignment} if alignment is not None else {}))
+               **scales, **({"alignment": alignment} if alignment is not None else {}),
+               **({"x_quant": x_quant} if x_quant is not None else {}))
         return out
 
 

@@ -49,6 +49,12 @@ class DecoderLayer(nn.Module):
         the same values, one cast kernel fewer); x may then be fp32 as well."""
         h, residual = add_rms_norm(x, residual, self.input_layernorm)
         h = self.self_attn(h, cos, sin, meta, shared)
+        if self.is_moe and self.mlp.takes_fp8_input(h):
+            # FP8 experts: the norm also makes their per-token FP8 input (one launch fewer)
+            from m3serve.kernels.rmsnorm import fused_add_rms_norm_fp8
+            norm = self.post_attention_layernorm
+            h, residual, h_fp8 = fused_add_rms_norm_fp8(h, residual, norm.weight, norm.eps)
+            return self.mlp(h, meta.dp_padded_tokens, keep_fp32=fp32_out, x_quant=h_fp8), residual
         h, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
         if self.is_moe:
             return self.mlp(h, meta.dp_padded_tokens, keep_fp32=fp32_out), residual

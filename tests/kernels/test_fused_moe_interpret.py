@@ -362,6 +362,10 @@ def test_fp8_kernel_matches_ref(num_tokens, top_k):
     out = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, shared=fp8_shared)
     ref = fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, shared=fp8_shared)
     assert _rel(out, ref) < 1e-5
+    # x's FP8 form made beforehand (the norm's, the same bits) gives the same sum, bit for bit
+    given = fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, shared=fp8_shared,
+                      x_quant=quant_rows_fp8(x))
+    assert torch.equal(given, out)
     # Quantisation error against the unquantised weights stays at the e4m3 level.
     assert _rel(ref, fused_moe_ref(x, w13, w2, weights, ids, shared=shared)) < 0.1
 

@@ -161,3 +161,22 @@ def test_rmsnorm_cuda_graph():
     ref_out, ref_res = fused_add_rms_norm_ref(x2, res2, w, 1e-6)
     assert torch.equal(new_res, ref_res)
     assert_nearly_equal(out, ref_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("wide", [False, True])
+def test_fp8_form_of_normed_rows_gpu(rows, wide):
+    """`fused_add_rms_norm_fp8` at the model width: the normed rows and residual of
+    `fused_add_rms_norm` and their FP8 form equal to `quant_rows_fp8`'s, bit for bit (x bf16, or
+    an MoE layer's fp32 sum)."""
+    from m3serve.kernels.fused_moe import quant_rows_fp8
+    from m3serve.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_fp8
+    x, res, w = make_rows(rows, 6144, torch.bfloat16, "cuda")
+    if wide:
+        x = x.float() + torch.randn(x.shape, device="cuda") * 1e-3
+    out, new_res, (q, s) = fused_add_rms_norm_fp8(x, res, w, 1e-6)
+    want_out, want_res = fused_add_rms_norm(x, res, w, 1e-6)
+    want_q, want_s = quant_rows_fp8(want_out)
+    assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)

@@ -65,12 +65,15 @@ def test_launchers_graph_safe(monkeypatch):
 
 
 def test_compiles_for_hopper(tmp_path):
-    def job(N, res):
+    def job(N, res, quant=False, x="*bf16"):
         block = 1 << (N - 1).bit_length()
-        sig = {p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
-        return ("m3serve.kernels.rmsnorm", "_rms_norm_kernel", dict(sig, eps="fp32"),
-                dict(HAS_RESIDUAL=res, BLOCK=block, EMULATE=False), 8 if block > 2048 else 4)
-    jobs = [job(6144, True), job(6144, False), job(32, True)]
+        sig = {p: "*bf16" for p in ("res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
+        sig.update(x_ptr=x, q_ptr="*fp8e4nv", s_ptr="*fp32", eps="fp32", min_scale="fp32")
+        return ("m3serve.kernels.rmsnorm", "_rms_norm_kernel", sig,
+                dict(HAS_RESIDUAL=res, QUANT=quant, BLOCK=block, EMULATE=False), 8 if block > 2048 else 4)
+    # plain, residual, small; the fp32 sub-layer input; the FP8 form of the normed rows
+    jobs = [job(6144, True), job(6144, False), job(32, True), job(6144, True, x="*fp32"),
+            job(6144, True, quant=True, x="*fp32")]
     assert len(compile_for_hopper(jobs, tmp_path)) == len(jobs)
 
 
@@ -86,3 +89,22 @@ def test_fp32_sublayer_output_is_rounded_first():
     assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
     with pytest.raises(ValueError, match="does not match"):
         fused_add_rms_norm(x.half(), res, w, 1e-6)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_fp8_form_of_the_normed_rows_equals_quant_rows(wide):
+    """`fused_add_rms_norm_fp8`: the normed rows and residual of `fused_add_rms_norm`, and their
+    per-token FP8 form bit-equal to `quant_rows_fp8` of the normed rows (a zero row included)."""
+    from m3serve.kernels.fused_moe import quant_rows_fp8
+    from m3serve.kernels.rmsnorm import fused_add_rms_norm_fp8
+    x, res, w = make_rows(6, 96, torch.bfloat16, "cpu")
+    x[4], res[4] = 0.0, 0.0
+    if wide:
+        x = x.float() + torch.randn(x.shape) * 1e-3
+    out, new_res, (q, s) = fused_add_rms_norm_fp8(x, res, w, 1e-6)
+    want_out, want_res = fused_add_rms_norm(x, res, w, 1e-6)
+    want_q, want_s = quant_rows_fp8(want_out)
+    assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(q.float(), want_q.float()) and torch.equal(s, want_s)
+    with pytest.raises(ValueError, match="two dimensions"):
+        fused_add_rms_norm_fp8(x[None], res[None], w, 1e-6)

@@ -88,11 +88,12 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   w2_scale: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
                   shared: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
                   first_expert: int = 0, reduce: str | None = "atomic", extra: torch.Tensor | None = None,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, x_quant: tuple | None = None) -> torch.Tensor:
     """Reference of `m3serve.kernels.fused_moe.fused_moe` (same contract and rounding points:
     reduce="sum" rounds each expert's output to x's dtype before the weighted fp32 sum; None
     means "sum" with `extra`, else "atomic" (the kernel's None follows its tile table); config
-    is accepted for signature parity and ignored)."""
+    and x_quant (x's FP8 form, which the reference makes itself: the same bits) are accepted for
+    signature parity and ignored)."""
     if reduce is None:
         reduce = "sum" if extra is not None else "atomic"
     if reduce not in ("atomic", "sum"):
