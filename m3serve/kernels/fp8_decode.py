@@ -94,9 +94,10 @@ def fp8_decode_eligible(x: torch.Tensor, wq: torch.Tensor) -> bool:
 
 
 def fp8_decode_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                      config: dict | None = None) -> torch.Tensor:
+                      config: dict | None = None, x_quant: tuple | None = None) -> torch.Tensor:
     """x [M <= 16, K] bf16/fp16/fp32, wq [N, K] e4m3, w_scale [N] fp32 -> [M, N] in x's dtype (see the
-    module docstring). `config` overrides `fp8_decode_config` (benchmarks, tests)."""
+    module docstring). `config` overrides `fp8_decode_config` (benchmarks, tests); `x_quant`:
+    x's per-token FP8 form when the caller has it (step 1 is then skipped)."""
     from m3serve.kernels.fused_moe import quant_rows_fp8
     if not fp8_decode_eligible(x, wq) or w_scale.shape != (wq.shape[0],):
         raise ValueError(f"the FP8 decode GEMM needs x [1..{MAX_ROWS}, K] of floats, wq [N, K] e4m3 and "
@@ -107,7 +108,7 @@ def fp8_decode_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     cfg = dict(config or fp8_decode_config(N, K))
     per = cfg.pop("k_per_split")
     splits = triton.cdiv(K, per)
-    xq, xs = quant_rows_fp8(x)                                                     # [M, K], [M]
+    xq, xs = x_quant if x_quant is not None else quant_rows_fp8(x)                 # [M, K], [M]
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     emulate = interpreting()
     _fp8_splitk_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), splits)](

@@ -70,12 +70,14 @@ class Attention(nn.Module):
         self.v_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, shared: SharedSelection | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, shared: SharedSelection | None = None,
+                x_quant: tuple | None = None) -> torch.Tensor:
         """x: [T, hidden] (normalised) -> [T, hidden]. `shared`: the forward's hand-over of block
         selections (an indexer layer leaves its selection there, a reusing layer reads it);
-        required by a layer that reuses."""
+        required by a layer that reuses. `x_quant`: x's per-token FP8 form for an online-FP8
+        qkv projection (`layers/linear.apply_linear`)."""
         T, D = x.shape[0], self.head_dim
-        parts = self.qkv_proj(x)
+        parts = self.qkv_proj(x, x_quant)
         q = parts[0].view(T, self.num_heads, D)
         k = parts[1].view(T, self.num_kv_heads, D)
         v = parts[2].view(T, self.num_kv_heads, D)

@@ -38,16 +38,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def apply_linear(module: nn.Module, x: torch.Tensor, x_quant: tuple | None = None) -> torch.Tensor:
     """A linear layer's forward: packed codes (`layers/packed.py`), FP8 GEMM once quantised
-    online (`layers/quant.py`), else `linear`."""
+    online (`layers/quant.py`; `x_quant`: x's per-token FP8 form when the caller has it), else
+    `linear`."""
     if packed_format(module, "weight") is not None:
         return packed_linear(x, module)
     scale = getattr(module, "weight_scale", None)
     if scale is not None:
         from m3serve.layers.quant import fp8_linear
-        return fp8_linear(x, module.weight, scale)
+        return fp8_linear(x, module.weight, scale, x_quant)
     return linear(x, module.weight)
+
+
+def takes_fp8_input(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `apply_linear(module, x)` quantises x per token for an online-FP8 GEMM on the GPU
+    (a norm before it can then make that form: `x_quant`)."""
+    return (x.is_cuda and getattr(module, "weight_scale", None) is not None
+            and packed_format(module, "weight") is None and use_triton("rms_norm", x))
 
 
 def attach_loader(param: nn.Parameter, loader, required_shards) -> nn.Parameter:
@@ -182,9 +190,10 @@ class QKVParallelLinear(nn.Module):
         check_shape(full, (rows, param.shape[1]), f"{shard_id} projection")
         param.data[off:off + n * size].copy_(full[first * size:(first + n) * size])
 
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x: [T, hidden] -> one tensor per section, [T, local_heads * size] each."""
-        return list(apply_linear(self, x).split(self.output_sizes, dim=-1))
+    def forward(self, x: torch.Tensor, x_quant: tuple | None = None) -> list[torch.Tensor]:
+        """x: [T, hidden] -> one tensor per section, [T, local_heads * size] each (`x_quant`: see
+        `apply_linear`)."""
+        return list(apply_linear(self, x, x_quant).split(self.output_sizes, dim=-1))
 
 
 class RowParallelLinear(nn.Module):

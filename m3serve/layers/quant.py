@@ -43,16 +43,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_rows_fp8_ref(x)
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (bf16) @ dequant(wq [N, K])^T with per-token activation quantisation -> [T, N]."""
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               x_quant: tuple | None = None) -> torch.Tensor:
+    """x [T, K] (bf16) @ dequant(wq [N, K])^T with per-token activation quantisation -> [T, N].
+    `x_quant`: x [T, K]'s per-token FP8 form (e4m3, fp32 scale [T]) as `quantize_rows` makes it,
+    when the caller has it (the norm before: one launch fewer)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x.is_cuda and envs.FP8_DECODE_GEMM:
         from m3serve.kernels.fp8_decode import MAX_N, MIN_K, fp8_decode_eligible, fp8_decode_linear
         if (wq.shape[0] <= MAX_N and wq.shape[1] >= MIN_K and fp8_decode_eligible(x2, wq)
                 and use_triton("fp8_decode_gemm", x2)):
-            return fp8_decode_linear(x2, wq, w_scale).reshape(*shape[:-1], wq.shape[0])
-    xq, x_scale = quantize_rows(x2)
+            return fp8_decode_linear(x2, wq, w_scale, x_quant=x_quant).reshape(*shape[:-1], wq.shape[0])
+    xq, x_scale = x_quant if x_quant is not None else quantize_rows(x2)
     if x.is_cuda:
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
                              out_dtype=x.dtype)

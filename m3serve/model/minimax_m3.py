@@ -18,7 +18,7 @@ from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.layers.attention import Attention, SharedSelection
 from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.layers.dispatch import use_triton
-from m3serve.layers.linear import attach_loader, check_shape, linear, make_param
+from m3serve.layers.linear import attach_loader, check_shape, linear, make_param, takes_fp8_input
 from m3serve.layers.moe import MoE, DenseMLP
 from m3serve.layers.norm import RMSNorm
 from m3serve.layers.rotary import RotaryEmbedding
@@ -47,18 +47,26 @@ class DecoderLayer(nn.Module):
         forward's block selections for cross-layer top-k reuse (`layers/attention.py`).
         `fp32_out`: an MoE layer returns its fp32 sum unrounded (the next fused norm rounds it:
         the same values, one cast kernel fewer); x may then be fp32 as well."""
-        h, residual = add_rms_norm(x, residual, self.input_layernorm)
-        h = self.self_attn(h, cos, sin, meta, shared)
-        if self.is_moe and self.mlp.takes_fp8_input(h):
-            # FP8 experts: the norm also makes their per-token FP8 input (one launch fewer)
-            from m3serve.kernels.rmsnorm import fused_add_rms_norm_fp8
-            norm = self.post_attention_layernorm
-            h, residual, h_fp8 = fused_add_rms_norm_fp8(h, residual, norm.weight, norm.eps)
-            return self.mlp(h, meta.dp_padded_tokens, keep_fp32=fp32_out, x_quant=h_fp8), residual
-        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm)
+        # an online-FP8 qkv / FP8 experts: the norm before also makes their per-token FP8 input
+        # (bit-equal to what they would make; one launch fewer each)
+        fp8 = residual is not None and takes_fp8_input(self.self_attn.qkv_proj, residual)
+        h, residual, h_fp8 = add_rms_norm_maybe_fp8(x, residual, self.input_layernorm, fp8)
+        h = self.self_attn(h, cos, sin, meta, shared, x_quant=h_fp8)
+        fp8 = self.is_moe and self.mlp.takes_fp8_input(h)
+        h, residual, h_fp8 = add_rms_norm_maybe_fp8(h, residual, self.post_attention_layernorm, fp8)
         if self.is_moe:
-            return self.mlp(h, meta.dp_padded_tokens, keep_fp32=fp32_out), residual
+            return self.mlp(h, meta.dp_padded_tokens, keep_fp32=fp32_out, x_quant=h_fp8), residual
         return self.mlp(h), residual
+
+
+def add_rms_norm_maybe_fp8(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fp8: bool):
+    """`add_rms_norm` -> (normed, new residual, None), or with `fp8` (a residual given, the GPU
+    path) also the normed rows' per-token FP8 form in place of None
+    (`kernels/rmsnorm.fused_add_rms_norm_fp8`)."""
+    if fp8:
+        from m3serve.kernels.rmsnorm import fused_add_rms_norm_fp8
+        return fused_add_rms_norm_fp8(x, residual, norm.weight, norm.eps)
+    return (*add_rms_norm(x, residual, norm), None)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):

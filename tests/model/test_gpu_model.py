@@ -471,3 +471,19 @@ def test_tiny_online_fp8_greedy_gpu_equals_cpu_reference(tiny_dir):
     """Online FP8 on the GPU path against the CPU reference (products of the same quantised
     operands in fp64), float32 activations: every greedy token equal."""
     assert _tiny_fp8_tokens(tiny_dir, "cuda") == _tiny_fp8_tokens(tiny_dir, "cpu")
+
+
+def test_tiny_online_fp8_norm_made_fp8_inputs_change_nothing(tiny_dir, monkeypatch):
+    """Online FP8: the norms before the qkv projection and the FP8 experts make their per-token
+    FP8 inputs (one launch fewer each); the greedy tokens are those of the projection and the
+    experts quantising for themselves (the same bits)."""
+    from m3serve.kernels import rmsnorm
+    from m3serve.layers import moe
+    from m3serve.model import minimax_m3
+    calls, real = [], rmsnorm.fused_add_rms_norm_fp8
+    monkeypatch.setattr(rmsnorm, "fused_add_rms_norm_fp8", lambda *a: calls.append(1) or real(*a))
+    fused = _tiny_fp8_tokens(tiny_dir, "cuda")
+    assert calls                                  # the norms made the FP8 inputs
+    monkeypatch.setattr(minimax_m3, "takes_fp8_input", lambda module, x: False)
+    monkeypatch.setattr(moe.MoE, "takes_fp8_input", lambda self, x: False)
+    assert _tiny_fp8_tokens(tiny_dir, "cuda") == fused
