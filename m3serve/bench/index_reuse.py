@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import time
 
@@ -180,6 +181,7 @@ def compare(args) -> dict:
                          "greedy_agreement": sum(equal) / len(equal),
                          "first_divergence": first_diff, "seconds": round(seconds, 1)})
         del driver, model
+        gc.collect()          # parameters point back at their modules' loaders: cycles hold the weights
         if args.device != "cpu":
             torch.cuda.empty_cache()
     return {"model": str(args.model), "load_format": args.load_format, "dtype": args.dtype,
