@@ -3,9 +3,14 @@
 #   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | itl L QUANT CONC PROMPTS | profile L B ISL | pd L | vllm
 #   | startup L | kvacc L | specrank N [MODES] | indexreuse [N] [QUANT] [FREQS]   (serve / itl: RANK=N for one TP N rank at full depth)
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
-# (result-file suffix). Each step prints the exact command it ran into its result file.
+# (result-file suffix), PACK=1 (at the end, every result file in $OUT goes into one
+# $OUT/results-<check>.tgz: the device returns only a few files per call). Each step prints the
+# exact command it ran into its result file.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ -n "${PACK:-}" ]; then
+  trap 'cd "$OUT" && ls *.txt > /dev/null 2>&1 && tar czf "results-${1:-tests}$(date +%s).tgz" *.txt && rm -f *.txt' EXIT
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export M3SERVE_CACHE=/tmp/m3cache
 step() { local name=$1; shift; echo "\$ $*" > "$OUT/$name.txt"; ( "$@" ) >> "$OUT/$name.txt" 2>&1; echo "[$name rc=$?]" >> "$OUT/$name.txt"; }
