@@ -41,7 +41,8 @@ def main():
 
             def scaled():
                 xq, xs = quant_rows_fp8(x)
-                return torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :], out_dtype=x.dtype)
+                return torch._scaled_mm(xq, wq.t(), scale_a=xs[:, None], scale_b=ws[None, :],
+                                        out_dtype=x.dtype)
             default = fp8_decode_config(n, k)
             row = {"shape": name, "n": n, "k": k, "m": m, "scaled_mm_us": timed(scaled),
                    "bf16_cublas_us": timed(lambda: torch.nn.functional.linear(x, w)),

@@ -9,7 +9,8 @@
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ -n "${PACK:-}" ]; then
-  trap 'cd "$OUT" && ls *.txt > /dev/null 2>&1 && tar czf "results-${1:-tests}$(date +%s).tgz" *.txt && rm -f *.txt' EXIT
+  pack() { cd "$OUT" && ls *.txt > /dev/null 2>&1 && tar czf "results-$1-$(date +%s).tgz" *.txt && rm -f *.txt; }
+  trap "pack ${1:-tests}" EXIT
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export M3SERVE_CACHE=/tmp/m3cache

@@ -106,6 +106,13 @@ def _add_step_time(times: dict, running: int, before: tuple, after: tuple, secon
     return key
 
 
+def _slowest(steps: list, n: int = 6) -> list[dict]:
+    """The n slowest of (seconds, "<running>/<arm>", requests prefilling, graph replays, eager
+    forwards) step records, as JSON-ready dicts."""
+    return [{"ms": round(t * 1e3, 1), "step": k, "prefilling": p, "graph": g, "eager": e}
+            for t, k, p, g, e in sorted(steps, reverse=True)[:n]]
+
+
 def _num_prefilling(eng) -> int | None:
     """Running requests with prompt tokens still to compute (in-process only)."""
     if eng.core is None:
@@ -286,7 +293,8 @@ def main(args) -> list[dict]:
                 changed = eng.step()
                 now = time.perf_counter()
                 if arm_before is not None:
-                    key = _add_step_time(step_times, running_before, arm_before, _step_arm_counts(eng), now - t_step)
+                    key = _add_step_time(step_times, running_before, arm_before, _step_arm_counts(eng),
+                                         now - t_step)
                     slowest.append((now - t_step, key, prefilling,
                                     runner.num_graph_steps - graph_before if runner else None,
                                     runner.num_eager_steps - eager_before if runner else None))
@@ -340,9 +348,7 @@ def main(args) -> list[dict]:
                    "max_running": max_running,
                    **_spec_figures(llm, spec_before),
                    **({"step_ms_by_running_arm": _step_time_summary(step_times),
-                       "slowest_steps": [{"ms": round(t * 1e3, 1), "step": k, "prefilling": p, "graph": g, "eager": e}
-                                         for t, k, p, g, e in sorted(slowest, reverse=True)[:6]]}
-                      if step_times else {})}
+                       "slowest_steps": _slowest(slowest)} if step_times else {})}
             results.append(row)
             print(json.dumps(row), flush=True)
     return results

@@ -210,7 +210,9 @@ def expected_max_normal(b: int) -> float:
     total = 0.0
     for i in range(n):
         x = lo + (i + 0.5) * h
-        total += x * b * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (b - 1)
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        below = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * b * density * below ** (b - 1)
     return total * h
 
 
@@ -351,7 +353,9 @@ class SpeculationGate:
         if retry is not None:                    # a retry ends once its acceptance is clear too
             timed = timed and self._retry_clear(state, retry)
         # a retry may take the verify steps a choice needs (DECIDE_ROWS over the running requests)
-        limit = EXPLORE_LIMIT + (SETTLE + -(-DECIDE_ROWS // max(1, state.running)) if retry is not None else 0)
+        limit = EXPLORE_LIMIT
+        if retry is not None:
+            limit += SETTLE + -(-DECIDE_ROWS // max(1, state.running))
         if not timed and state.probe_steps <= limit:
             return state.probe
         arm, state.probe = state.probe, None

@@ -144,7 +144,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """`fused_add_rms_norm` of x, residual [T, N] that also returns the normed rows' per-token
     FP8 form (e4m3 [T, N], fp32 scale [T]) -- bit-equal to `fused_moe.quant_rows_fp8` of the
     normed output, whose launch it saves (the FP8 experts' input)."""

@@ -185,7 +185,8 @@ class MoE(nn.Module):
                                    f"{x.shape[0]}, got {dp_padded_tokens}")
             pad = dp_padded_tokens - x.shape[0]
             tokens = self.dp.all_gather(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
-        out = self._routed(tokens, fold_shared=not exchange, x_quant=None if exchange else x_quant)  # fp32 [N, H]
+        out = self._routed(tokens, fold_shared=not exchange,
+                           x_quant=None if exchange else x_quant)            # fp32 [N, H]
         if exchange:
             out = self.dp.reduce_scatter(out)[:x.shape[0]] + self.shared_experts(x).float()
         out = self.tp.all_reduce(out)
@@ -304,7 +305,8 @@ class MoE(nn.Module):
         return ex.num_local * 3 * ex.inter_local * self.cfg.hidden_size * x.element_size() <= DEQUANT_MOE_MAX_BYTES
 
     def _fused(self, moe_fn, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               fold_shared: bool, alignment: tuple | None = None, x_quant: tuple | None = None) -> torch.Tensor:
+               fold_shared: bool, alignment: tuple | None = None,
+               x_quant: tuple | None = None) -> torch.Tensor:
         """Routed experts (+ the shared expert) in one fused call (bf16, FP8 or packed weights);
         `alignment`: `moe_route_align`'s, for the Triton kernel; `x_quant`: x's FP8 form."""
         cfg, ex, sh = self.cfg, self.experts, self.shared_experts

@@ -105,6 +105,7 @@ def test_fp8_form_of_the_normed_rows_equals_quant_rows(wide):
     want_out, want_res = fused_add_rms_norm(x, res, w, 1e-6)
     want_q, want_s = quant_rows_fp8(want_out)
     assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
-    assert q.dtype == torch.float8_e4m3fn and torch.equal(q.float(), want_q.float()) and torch.equal(s, want_s)
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(s, want_s)
     with pytest.raises(ValueError, match="two dimensions"):
         fused_add_rms_norm_fp8(x[None], res[None], w, 1e-6)

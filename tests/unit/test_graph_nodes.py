@@ -28,8 +28,8 @@ def test_summary_counts_kernels_not_copies():
 
 def test_short_names_drop_templates_and_arguments():
     from m3serve.worker.graph_nodes import short_name
-    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::Foo<float>>(int, float)") \
-        == "void at::native::vectorized_elementwise_kernel"
+    name = "void at::native::vectorized_elementwise_kernel<4, at::native::Foo<float>>(int, float)"
+    assert short_name(name) == "void at::native::vectorized_elementwise_kernel"
     assert short_name("_rmsnorm_fwd") == "_rmsnorm_fwd" and short_name(None) == "?"
     assert len(short_name("x" * 200)) == 72
 
