@@ -341,6 +341,9 @@ class Scheduler:
         short_of_blocks = False
         width = self._draft_width()          # drafts each request verifies (None: a plain step)
         speculate = width is not None
+        # the gate answers 0 only where its arm is plain steps and prompt tokens are due: the
+        # draft pass then writes the prompt's draft KV, and proposals would only be dropped
+        propose = not (self.num_lookahead_tokens and width == 0)
         if speculate and self.num_lookahead_tokens and self._last_deferred:
             # A step with drafts needs its requests' newest tokens on the host (the drafts are
             # proposed from them), but the previous plain step left them on the device: this
@@ -489,6 +492,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
             deferred=deferred, sampled_req_ids=sampled if deferred else [], speculate=speculate,
+            propose=propose,
             kv_offload=self.kv_manager.take_offload_work(),
             encoder_cache_frees=self.encoder_cache.take_freed(),
         )

@@ -152,6 +152,10 @@ class SchedulerOutput:
     decode: `core/spec_gate.py`; none in a switch step, the first after plain steps) and
     proposing the next ones (False: a plain decode step, by disable_by_batch_size or measured
     speed)."""
+    propose: bool = True
+    """With `speculate`: whether the draft pass proposes drafts (False: it only writes the step's
+    tokens into the draft's KV -- a step that computes prompt tokens in a bucket whose arm is
+    plain steps, where the next plain step would drop any proposal; eager steps honour it)."""
     deferred: bool = False
     """Async scheduling: the step's sampled tokens stay on the device (the next step's inputs
     take them from there) and its output comes with the next call (`ModelRunnerOutput.previous`).

@@ -72,7 +72,8 @@ newest tokens on the host: when drafts follow a deferred plain step, the schedul
 step that only lands its tokens (`Scheduler.num_landing_steps`), then a switch step (width 0:
 no drafts to verify yet, it proposes them), which is timed for no arm. A step that may compute
 prompt tokens runs the draft pass whatever the bucket chose (it writes the prompt's draft KV);
-in a bucket that chose plain steps its decodes verify none.
+in a bucket that chose plain steps its decodes verify none and, on the eager path, it proposes
+none either (`SchedulerOutput.propose`: the next plain step would drop them).
 
 A timed step is decode-only (each request computes its next token and exactly the arm's number
 of drafts) and of the same arm and bucket as the step before it; its time is from the previous

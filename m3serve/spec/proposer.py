@@ -103,6 +103,15 @@ class Proposer:
         return self.draft_steps(token, prev, step.positions[step.last_index], tables,
                                 step.last_position_cpu, step.draft_valid_from)
 
+    @torch.inference_mode()
+    def write_only(self, step: StepForDraft) -> None:
+        """The draft over every token of the step, writing its KV, and no drafts (the first pass
+        of `propose` without the steps after it)."""
+        next_ids = torch.roll(step.input_ids.long(), -1)
+        next_ids[step.last_index] = step.last_token
+        self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index,
+                        step.draft_block_tables, step.next_media)
+
     def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    hidden: torch.Tensor, last_index: torch.Tensor,
                    draft_block_tables: torch.Tensor | None = None,

@@ -306,7 +306,11 @@ class ModelRunner:
         self.num_eager_steps += 1
         verified = self.step_sampler.verify(so, batch, fwd.hidden, drafts)
         start = self._draft_start(batch, fwd, verified, self._media_embeds(batch, shift=1))
-        proposals = self.proposer.propose(start).tolist()
+        if so.propose:
+            proposals = self.proposer.propose(start).tolist()
+        else:   # only the draft's KV of this step's tokens (see SchedulerOutput.propose)
+            self.proposer.write_only(start)
+            proposals = [[] for _ in range(batch.num_reqs)]
         self.batch.advance(batch)
         return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done,
                                                     verified.logprobs, verified.prompt_logprobs)

@@ -95,6 +95,8 @@ class PlainStepRunner(DraftingRunner):
         for rid, drafts in so.scheduled_spec_decode_tokens.items():
             assert drafts == self.proposed.get(rid, [])[:len(drafts)], (rid, drafts, "not proposed")
         out = super().execute(so)
+        if so.speculate and not so.propose:       # the draft pass only wrote its KV
+            out.spec_token_ids = [[] for _ in out.req_ids]
         # per request, what its last scheduled step proposed (a request the next step cannot
         # fit keeps its drafts for the step after)
         for rid, drafts in zip(out.req_ids, out.spec_token_ids):
@@ -127,11 +129,11 @@ class RandomWidths:
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 4), num_blocks=st.integers(12, 40),
        budget=st.sampled_from([7, 16, 64]))
 def test_switches_and_widths_keep_the_books(seed, k, num_blocks, budget):
-    """Each step runs plain, proposes only, or verifies the first j of each request's k drafts
-    (the measured gate's arms, here at random), through preemptions, chunking, aborts and steps
-    that cannot schedule a request: a step verifies at most j drafts of each request, each the
-    one proposed after its previous step, every verified draft is counted once, and the books
-    and the tokens stay exact."""
+    """Each step runs plain, only writes the draft's KV (the gate's 0: no proposals), or verifies
+    the first j of each request's k drafts (the measured gate's arms, here at random), through
+    preemptions, chunking, aborts and steps that cannot schedule a request: a step verifies at
+    most j drafts of each request, each the one proposed after its previous step, every verified
+    draft is counted once, and the books and the tokens stay exact."""
     rng = random.Random(seed)
     block_size = 4
     kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
@@ -150,6 +152,7 @@ def test_switches_and_widths_keep_the_books(seed, k, num_blocks, budget):
     def check(so):
         width = gate.widths[-1]
         assert so.speculate == (width is not None)
+        assert so.propose == (width != 0)           # a gate's 0: plain arm, prompt due
         assert all(len(d) <= (width or 0) for d in so.scheduled_spec_decode_tokens.values())
         verified[0] += sum(1 for d in so.scheduled_spec_decode_tokens.values() if d)
     _drive(run, rng, wanted, 600, 0.03, check)

@@ -321,3 +321,47 @@ def test_fp8_kv_keeps_the_draft_cache_in_the_model_dtype(tiny_dir, drafts, kind)
     caches = drafter.draft.kv_caches if kind == "dspark" else [drafter.draft.kv_cache]
     assert all(c.dtype == torch.float32 for c in caches)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_prompt_steps_under_plain_arms_write_draft_kv_without_proposing(tiny_dir, drafts, kind):
+    """A gate whose arm is plain steps answers 0 where prompt tokens are due: such a step runs
+    the draft over its tokens (the draft's KV) but proposes nothing (`SchedulerOutput.propose`,
+    the next plain step would drop the proposals). Later the gate drafts again: the requests
+    start from switch steps, and the greedy outputs equal speculation off throughout."""
+    prompts = _prompts()[:6]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(tiny_dir), **_flags())
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=_spec(kind, drafts),
+              **_flags(kind))
+    core = llm.engine.core
+    sched, proposer = core.scheduler, llm.engine.worker.runner.proposer
+    k, steps, calls = sched.num_lookahead_tokens, [0], {"propose": 0, "write_only": 0}
+
+    class PlainThenDrafts:
+        """Plain steps (0 where a prompt is due) for the first 30 steps, then k drafts."""
+        rule = "scripted"
+
+        def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None):
+            steps[0] += 1
+            if steps[0] > 30:
+                return k
+            return 0 if prompt_due() else None
+
+        def scheduled(self, step):
+            pass
+
+        def observe(self, step, num_requests=None, verified=()):
+            pass
+    sched.spec_gate = PlainThenDrafts()
+    for name in calls:
+        real = getattr(proposer, name)
+        setattr(proposer, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
+                or _real(*a))
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == want
+    assert calls["write_only"] > 0 and calls["propose"] > 0 and sched.spec_stats.num_drafts > 0
+    _check_clean(llm)
