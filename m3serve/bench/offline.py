@@ -123,7 +123,7 @@ def _num_prefilling(eng) -> int | None:
 
 def _step_time_summary(times: dict) -> dict:
     """{"<running>/<arm>": [steps, total ms]} ordered by running requests then arm: where a
-    speculative run's decode time went (`_add_step_time`)."""
+    run's decode time went (`_add_step_time`)."""
     def order(key):
         running, arm = key.split("/")
         return -int(running), arm

@@ -85,12 +85,17 @@ def fp8_decode_config(N: int, K: int) -> dict:
 
 def fp8_decode_eligible(x: torch.Tensor, wq: torch.Tensor) -> bool:
     """1..MAX_ROWS rows of bf16, fp16 or fp32 activations against an e4m3 weight [N, K], unit last
-    strides. (Where it measured faster than `_scaled_mm` -- N <= 4096 and K >= 4096, a TP rank's
-    fused qkv -- is `layers/quant.fp8_linear`'s choice, not this check's.)"""
+    strides (what the kernel can take; `fp8_decode_chosen` adds where it measured faster)."""
     return (x.dim() == 2 and wq.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.shape[1] == wq.shape[1] and wq.dtype == torch.float8_e4m3fn
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and x.stride(-1) == 1 and wq.stride(-1) == 1)
+
+
+def fp8_decode_chosen(x: torch.Tensor, wq: torch.Tensor) -> bool:
+    """Whether the opted-in path takes this product: eligible, and a weight of the shape it
+    measured faster for (N <= MAX_N, K >= MIN_K)."""
+    return wq.shape[0] <= MAX_N and wq.shape[1] >= MIN_K and fp8_decode_eligible(x, wq)
 
 
 def fp8_decode_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

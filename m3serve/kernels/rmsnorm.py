@@ -131,16 +131,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
     CUDA-graph safe: no host sync; two allocations sized from x.shape and one launch.
     """
-    N = _check(x, weight)
-    if residual.shape != x.shape or x.dtype not in (residual.dtype, torch.float32):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
-                         f"x {tuple(x.shape)} {x.dtype}")
-    x2, r2 = _rows(x), _rows(residual)
-    out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-    new_res = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-    if x2.shape[0]:
-        _launch(x2, r2, weight, out.view(-1, N), new_res.view(-1, N), eps, N)
-    return out, new_res
+    return _fused_add(x, residual, weight, eps, quant=False)[:2]
 
 
 def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -148,15 +139,26 @@ def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torc
     """`fused_add_rms_norm` of x, residual [T, N] that also returns the normed rows' per-token
     FP8 form (e4m3 [T, N], fp32 scale [T]) -- bit-equal to `fused_moe.quant_rows_fp8` of the
     normed output, whose launch it saves (the FP8 experts' input)."""
-    N = _check(x, weight)
-    if x.dim() != 2 or residual.shape != x.shape or x.dtype not in (residual.dtype, torch.float32):
+    if x.dim() != 2:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
                          f"x {tuple(x.shape)} {x.dtype} (two dimensions)")
+    return _fused_add(x, residual, weight, eps, quant=True)
+
+
+def _fused_add(x, residual, weight, eps, quant: bool) -> tuple:
+    """(normed, new residual, (e4m3 rows, scales) with `quant` else None): the one launch behind
+    `fused_add_rms_norm` and `fused_add_rms_norm_fp8`."""
+    N = _check(x, weight)
+    if residual.shape != x.shape or x.dtype not in (residual.dtype, torch.float32):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
     x2, r2 = _rows(x), _rows(residual)
     out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
     new_res = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    fp8 = None
+    if quant:
+        fp8 = (torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device),
+               torch.empty(x2.shape[0], dtype=torch.float32, device=x.device))
     if x2.shape[0]:
-        _launch(x2, r2, weight, out, new_res, eps, N, q, scale)
-    return out, new_res, (q, scale)
+        _launch(x2, r2, weight, out.view(-1, N), new_res.view(-1, N), eps, N, *(fp8 or ()))
+    return out, new_res, fp8

@@ -51,9 +51,8 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x.is_cuda and envs.FP8_DECODE_GEMM:
-        from m3serve.kernels.fp8_decode import MAX_N, MIN_K, fp8_decode_eligible, fp8_decode_linear
-        if (wq.shape[0] <= MAX_N and wq.shape[1] >= MIN_K and fp8_decode_eligible(x2, wq)
-                and use_triton("fp8_decode_gemm", x2)):
+        from m3serve.kernels.fp8_decode import fp8_decode_chosen, fp8_decode_linear
+        if fp8_decode_chosen(x2, wq) and use_triton("fp8_decode_gemm", x2):
             return fp8_decode_linear(x2, wq, w_scale, x_quant=x_quant).reshape(*shape[:-1], wq.shape[0])
     xq, x_scale = x_quant if x_quant is not None else quantize_rows(x2)
     if x.is_cuda:

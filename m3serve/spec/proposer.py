@@ -95,10 +95,7 @@ class Proposer:
     def propose(self, step: StepForDraft) -> torch.Tensor:
         """-> draft tokens [R, k] int64 (rows whose last position is not a real continuation,
         such as partial prefill chunks, get tokens that the caller discards)."""
-        next_ids = torch.roll(step.input_ids.long(), -1)
-        next_ids[step.last_index] = step.last_token
-        token, prev = self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index,
-                                      step.draft_block_tables, step.next_media)
+        token, prev = self._first_pass_of(step)
         tables = step.block_tables if step.draft_block_tables is None else step.draft_block_tables
         return self.draft_steps(token, prev, step.positions[step.last_index], tables,
                                 step.last_position_cpu, step.draft_valid_from)
@@ -107,10 +104,15 @@ class Proposer:
     def write_only(self, step: StepForDraft) -> None:
         """The draft over every token of the step, writing its KV, and no drafts (the first pass
         of `propose` without the steps after it)."""
+        self._first_pass_of(step)
+
+    def _first_pass_of(self, step: StepForDraft):
+        """`first_pass` over a step: each row's next token (the step's own, or the emitted one
+        after each request's last verified position)."""
         next_ids = torch.roll(step.input_ids.long(), -1)
         next_ids[step.last_index] = step.last_token
-        self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index,
-                        step.draft_block_tables, step.next_media)
+        return self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index,
+                               step.draft_block_tables, step.next_media)
 
     def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    hidden: torch.Tensor, last_index: torch.Tensor,
