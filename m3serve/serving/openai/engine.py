@@ -74,7 +74,10 @@ class ServingEngine:
         if len(text) > self.max_prompt_chars:
             raise ValueError(f"prompt is too long: {len(text)} characters cannot fit in this model's "
                              f"maximum context length of {self.max_total_tokens} tokens")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it: a 1M-character
+        # prompt would stall the event loop, and every other request, for seconds)
+        [encoding] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def check_fan_out(self, num_prompts: int, n: int) -> None:
         """ValueError when prompts x n sequences could never wait in the engine's queue at once."""
