@@ -6,7 +6,8 @@ Batches are windows of `seq_len + 1` tokens at seeded random offsets of the code
 joined by the end-of-text marker), a `docs_fraction` of them from the docs stream. The loss is
 next-token cross-entropy plus the indexers' KL loss; AdamW with linear warm-up and cosine decay;
 the MoE routing biases follow the auxiliary-loss-free balancing rule. One seed, one thread
-count and one machine give the same weights (torch's CPU kernels are deterministic).
+count and one machine give the same weights (the training forward avoids the CPU kernels whose
+sums depend on thread timing: `model/trainable.py`).
 """
 from __future__ import annotations
 

@@ -75,9 +75,11 @@ def _moe(w, p: str, cfg: M3Config, x: torch.Tensor, stats: ForwardStats) -> torc
         rows, slot = (sel == e).nonzero(as_tuple=True)
         if rows.numel() == 0:
             continue
-        q, xe = f"{p}experts.{e}.", x[rows]
+        # index_select / index_add, not advanced indexing: their backward sums in a fixed order
+        q, xe = f"{p}experts.{e}.", x.index_select(0, rows)
         h = swiglu_oai(xe @ w[q + "w1.weight"].t(), xe @ w[q + "w3.weight"].t(), cfg.swiglu_alpha, cfg.swiglu_limit)
-        out = out.index_add(0, rows, weights[rows, slot, None] * (h @ w[q + "w2.weight"].t()))
+        gate = weights.reshape(-1).index_select(0, rows * cfg.num_experts_per_tok + slot)[:, None]
+        out = out.index_add(0, rows, gate * (h @ w[q + "w2.weight"].t()))
     return cfg.routed_scaling_factor * out + _mlp(w, p + "shared_experts.", cfg, x)
 
 
@@ -207,7 +209,8 @@ class TrainableM3(nn.Module):
         B, S = ids.shape
         if S % cfg.index_block_size:
             raise ValueError(f"sequence length {S} must be a multiple of the index block size {cfg.index_block_size}")
-        x = w["model.embed_tokens.weight"][ids]                                        # [B, S, H]
+        # F.embedding: its backward, unlike advanced indexing's, sums in the same order on every run
+        x = F.embedding(ids, w["model.embed_tokens.weight"])                          # [B, S, H]
         cos, sin = rope_cos_sin(cfg, torch.arange(S).repeat(B), x.dtype)               # [B * S, rotary / 2]
         stats, streams = ForwardStats(), []
         for i in range(cfg.num_hidden_layers):

@@ -73,7 +73,7 @@ def dspark_forward(w, cfg, rope_cfg, taps: torch.Tensor, tokens: torch.Tensor, a
         x = x + h @ w[p + "mlp.down_proj.weight"].t()
     base = gemma_rms_norm(x, w["final_norm.weight"], eps) @ head.t()                 # [M, V]
     prev = tokens.gather(1, qpos.reshape(B, -1)).reshape(-1)                        # token at a + i
-    markov = w["markov_head.markov_w1.weight"][prev] @ w["markov_head.markov_w2.weight"].t()
+    markov = F.embedding(prev, w["markov_head.markov_w1.weight"]) @ w["markov_head.markov_w2.weight"].t()
     return (base + markov).view(B, A, k, -1)
 
 
