@@ -39,7 +39,7 @@ def unsupported(option: str, value, supported) -> ValueError:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None
-    """Checkpoint directory or hub repo id (default: the embedded tiny model, random weights)."""
+    """Checkpoint directory or hub repo id (default: the embedded tiny model, trained, a toy: docs/tiny_model.md)."""
     dtype: str = field(default="auto", metadata=_choices(DTYPES))
     """Dtype of weights and activations; auto: the checkpoint's torch_dtype (bfloat16 for MiniMax-M3)."""
     max_model_len: int | None = field(default=None, metadata=_metavar("TOKENS"))
@@ -704,6 +704,8 @@ class EngineConfig:
             if spec.synthetic_acceptance_length is not None:
                 _synthetic_length(spec.synthetic_acceptance_length, k)
             object.__setattr__(spec, "num_speculative_tokens", k)
+        if spec.method == "eagle3" and spec.model is None:
+            eagle3_draft_dir(None, self.model.model)     # the target's eagle3/ folder, or the error naming it
         if self.kv_transfer.enabled and self.speculative.enabled:
             raise ValueError("--kv-transfer-config cannot be combined with --speculative-config yet: "
                              "a decode worker would also need the draft's KV of the prompt")
