@@ -197,6 +197,9 @@ class TrainableM3(nn.Module):
     def __init__(self, cfg: M3Config, weights: dict[str, torch.Tensor]):
         super().__init__()
         self.cfg = cfg
+        if cfg.index_topk_freq != 1:
+            raise ValueError(f"index_topk_freq {cfg.index_topk_freq}: the training forward runs every sparse "
+                             f"layer's own indexer (cross-layer top-k reuse off)")
         missing = set(canonical_shapes(cfg)) - set(weights)
         if missing:
             raise ValueError(f"weights lack {sorted(missing)[:5]} ({len(missing)} tensors)")
