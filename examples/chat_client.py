@@ -1,7 +1,7 @@
 """Start `m3serve serve` on the embedded tiny model (or MODEL), then stream a chat answer through
 the official `openai` client and print it as it arrives; the server is stopped at the end.
 
-    python examples/chat_client.py                      # tiny model, random weights: gibberish text
+    python examples/chat_client.py                      # the tiny model (trained, a toy): docs-like text
     python examples/chat_client.py --port 8000          # the server it starts listens on port 8000
     python examples/chat_client.py --base-url http://127.0.0.1:8000/v1   # an already running server
 """

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     route_mod.add_cli_args(rt)
     rt.set_defaults(func=route_mod.main)
 
-    tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint")
+    tiny = sub.add_parser("make-tiny", help="write the tiny random MiniMax-M3 checkpoint (the embedded default is trained: docs/tiny_model.md)")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
     from m3serve.model.flavor import FLAVORS

@@ -39,7 +39,7 @@ def unsupported(option: str, value, supported) -> ValueError:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None
-    """Checkpoint directory or hub repo id (default: the embedded tiny model, random weights)."""
+    """Checkpoint directory or hub repo id (default: the embedded tiny model, trained, a toy: docs/tiny_model.md)."""
     dtype: str = field(default="auto", metadata=_choices(DTYPES))
     """Dtype of weights and activations; auto: the checkpoint's torch_dtype (bfloat16 for MiniMax-M3)."""
     max_model_len: int | None = field(default=None, metadata=_metavar("TOKENS"))
@@ -364,7 +364,7 @@ _SPEC_NOT_APPLICABLE = ("attention_backend", "use_local_argmax_reduction")   # r
 class SpeculativeConfig:
     """`--speculative-config` JSON (or `LLM(speculative_config={...})`), vLLM's keys:
     method (eagle3 | mtp | dspark), model (the draft; MTP: default the target checkpoint;
-    DSpark: default the target's dspark/ folder), num_speculative_tokens (k; DSpark: default
+    DSpark and EAGLE3: default the target's dspark/ or eagle3/ folder), num_speculative_tokens (k; DSpark: default
     the draft's dspark_block_size, filled in by `EngineConfig`), draft_tensor_parallel_size
     (1 = the draft replicated on every rank, or the target's TP), rejection_sample_method
     (standard | synthetic),
@@ -406,9 +406,6 @@ def _parse_speculative(raw) -> dict:
     if method not in _SPEC_METHODS:
         raise ValueError(f"speculative_config.method must be one of {list(_SPEC_METHODS)}, got {method!r}")
     model = raw.get("model")
-    if method == "eagle3" and not model:
-        raise ValueError("speculative_config.model (the EAGLE3 draft: a directory or hub id) is required "
-                         "with method 'eagle3'")
     if model is not None and not isinstance(model, str):
         raise ValueError(f"speculative_config.model must be a path or hub id, got {model!r}")
     k = raw.get("num_speculative_tokens")
@@ -464,6 +461,19 @@ def dspark_config_path(draft: str | None, target: str | None) -> Path:
             raise ValueError(f"speculative_config: DSpark draft of {target!r}: dspark/config.json could "
                              f"not be fetched ({e}); pass num_speculative_tokens and model") from e
     return Path(target) / "dspark" / "config.json"
+
+
+def eagle3_draft_dir(draft: str | None, target: str | None, config_only: bool = False) -> Path:
+    """The EAGLE3 draft's folder: `draft` (a directory or hub id), else the target's eagle3/
+    folder (the embedded tiny model ships one); a target without one needs `draft`."""
+    from m3serve.model.files import default_model_dir, resolve_model_dir
+    if draft is not None:
+        return resolve_model_dir(draft, config_only=config_only)
+    folder = (default_model_dir() if target is None else Path(target)) / "eagle3"
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"speculative_config.model (the EAGLE3 draft: a directory or hub id) is required "
+                         f"with method 'eagle3': the target has no eagle3/ folder ({folder})")
+    return folder
 
 
 def read_dspark_config(path: Path) -> tuple[dict, dict]:
@@ -694,6 +704,8 @@ class EngineConfig:
             if spec.synthetic_acceptance_length is not None:
                 _synthetic_length(spec.synthetic_acceptance_length, k)
             object.__setattr__(spec, "num_speculative_tokens", k)
+        if spec.method == "eagle3" and spec.model is None:
+            eagle3_draft_dir(None, self.model.model)     # the target's eagle3/ folder, or the error naming it
         if self.kv_transfer.enabled and self.speculative.enabled:
             raise ValueError("--kv-transfer-config cannot be combined with --speculative-config yet: "
                              "a decode worker would also need the draft's KV of the prompt")

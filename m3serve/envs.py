@@ -60,7 +60,7 @@ def cpu_exact_positions() -> int:
 
 CPU_EXACT_POSITIONS = cpu_exact_positions()
 
-# Where the embedded tiny model is built.
+# m3serve's cache folder (the smg workers manifest of `m3serve route`).
 CACHE_DIR = os.environ.get("M3SERVE_CACHE", str(Path.home() / ".cache" / "m3serve"))
 
 

@@ -225,8 +225,7 @@ def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig, model: str
     the ranks its layers are split over and their number, or MTP's module count."""
     import json
 
-    from m3serve.config import SpeculativeConfig, dspark_config_path, read_dspark_config
-    from m3serve.model.files import resolve_model_dir
+    from m3serve.config import SpeculativeConfig, dspark_config_path, eagle3_draft_dir, read_dspark_config
 
     spec = SpeculativeConfig(spec_json)
     if spec.method == "dspark":
@@ -239,7 +238,7 @@ def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig, model: str
                 "head_dim": text.get("head_dim") or text.get("hidden_size", heads) // heads,
                 "tensor_parallel_size": spec.draft_tensor_parallel_size or parallel.tensor_parallel_size}
     if spec.method == "eagle3":
-        raw = json.loads((resolve_model_dir(spec.model, config_only=True) / "config.json").read_text())
+        raw = json.loads((eagle3_draft_dir(spec.model, model, config_only=True) / "config.json").read_text())
         heads = raw["num_attention_heads"]
         draft_tp = spec.draft_tensor_parallel_size or parallel.tensor_parallel_size
         return {"method": "eagle3", "num_key_value_heads": raw.get("num_key_value_heads", heads),

@@ -1,8 +1,8 @@
-"""Time one long prefill of the embedded tiny model on the CPU, through `LLM` (max_tokens 1): what
-an agent client's first prompt costs the CI machine (docs/performance.md, "CPU prefill of the
-tiny model").
+"""Time one long prefill of the embedded tiny model (or --model DIR, e.g. `make-tiny`'s random
+one) on the CPU, through `LLM` (max_tokens 1): what an agent client's first prompt costs the CI
+machine (docs/performance.md, "CPU prefill of the tiny model").
 
-    taskset -c 0,1 python scripts/cpu_prefill_bench.py [NUM_TOKENS] [--profile]
+    taskset -c 0,1 python scripts/cpu_prefill_bench.py [NUM_TOKENS] [--model DIR] [--profile]
 """
 import argparse
 import random
@@ -17,10 +17,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("num_tokens", type=int, nargs="?", default=30000)
     parser.add_argument("--profile", action="store_true", help="print cProfile's top 25 functions")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
     args = parser.parse_args()
     print(f"torch threads: {torch.get_num_threads()}", flush=True)
     start = time.perf_counter()
-    llm = LLM(max_model_len=max(131072, args.num_tokens + 1))
+    llm = LLM(model=args.model, max_model_len=max(131072, args.num_tokens + 1))
     print(f"engine built in {time.perf_counter() - start:.1f} s", flush=True)
     rng = random.Random(0)
     ids = [rng.randrange(3, 2000) for _ in range(args.num_tokens)]

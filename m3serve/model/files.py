@@ -1,18 +1,15 @@
 """Where a model's files are, without torch: the checkpoint directory of a model name (local
 directory, Hugging Face hub id, or None for the embedded tiny model) and its tokenizer.
 
-The API process uses only this module of `model/`, so it never imports torch for a real
-checkpoint; building the tiny model on first use is the one place that does.
+The API process uses only this module of `model/`, so it never imports torch. The embedded tiny
+model is a trained checkpoint shipped in the package (`model/tiny_trained/`, made by
+`scripts/train_tiny.py`); the random one is `make-tiny`'s.
 """
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 from tokenizers import Tokenizer
-
-from m3serve import envs
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 
@@ -35,34 +32,16 @@ def resolve_model_dir(model: str | Path, config_only: bool = False) -> Path:
         raise ValueError(f"model {model!r}: not a local directory and the hub download failed: {e}") from e
 
 
-# The files that define the embedded tiny model's bytes (tests/unit/test_tiny_model.py pins them).
-_TINY_INPUTS = ("model/tiny.py", "model/config.py", "model/tokenizer_build.py", "model/tiny_tokenizer.json",
-                "model/chat_template.jinja")
+TRAINED_TINY_DIR = Path(__file__).resolve().parent / "tiny_trained"
 
 
-def tiny_model_cache_dir(seed: int = 0) -> Path:
-    """Where the embedded tiny model lives: a cache folder keyed by the files that define it
-    and the seed."""
-    pkg = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for name in _TINY_INPUTS:
-        digest.update((pkg / name).read_bytes())
-    return Path(envs.CACHE_DIR) / f"tiny-{seed}-{digest.hexdigest()[:12]}"
-
-
-def default_model_dir(seed: int = 0) -> Path:
-    """The embedded tiny model, built on first use (the build imports torch) into its cache
-    folder."""
-    path = tiny_model_cache_dir(seed)
-    if not (path / "model.safetensors").is_file():
-        from m3serve.model.tiny import make_tiny
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny(tmp, seed)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    return path
+def default_model_dir() -> Path:
+    """The embedded tiny model: the trained checkpoint in the package, with its drafts
+    (`dspark/`, `eagle3/`, bundled MTP)."""
+    if not (TRAINED_TINY_DIR / "model.safetensors").is_file():
+        raise ValueError(f"the embedded tiny model is missing ({TRAINED_TINY_DIR}/model.safetensors): "
+                         f"reinstall m3serve, or rebuild it with scripts/train_tiny.py")
+    return TRAINED_TINY_DIR
 
 
 def model_directory(model: str | None) -> Path:

@@ -183,13 +183,13 @@ def _checkpoint_entries(files, canonical):
 
 
 def _load_eagle3(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
-    from m3serve.model.files import resolve_model_dir
+    from m3serve.config import eagle3_draft_dir
     from m3serve.model.loader import fill_parameters, weight_files
     from m3serve.spec.eagle3 import (Eagle3Draft, Eagle3Drafter, canonical_eagle3_name, eagle3_shapes,
                                      eagle3_to_param, load_eagle3_config)
 
     tp, dtype = (parallel.tp if draft_tp > 1 else GroupInfo()), target.dtype
-    draft_dir = resolve_model_dir(spec.model)
+    draft_dir = eagle3_draft_dir(spec.model, str(target_dir))
     cfg = load_eagle3_config(draft_dir, target_cfg)
     if load_format == "dummy":
         own_head, own_embed, files = cfg.draft_vocab_size != cfg.vocab_size, False, None

@@ -122,7 +122,6 @@ def test_server_synthetic_acceptance_is_flagged(tiny_dir, drafts, tmp_path):
 
 @pytest.mark.parametrize("bad,words", [
     ('{"method": "medusa", "num_speculative_tokens": 3}', "method must be one of"),
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "model (the EAGLE3 draft"),
     ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "synthetic_acceptance_length": 2}', "needs rejection_sample_method"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic", '
@@ -137,6 +136,18 @@ def test_bad_speculative_config(bad, words):
     with pytest.raises(ValueError) as e:
         SpeculativeConfig(bad)
     assert words in str(e.value)
+
+
+def test_eagle3_without_a_model_needs_a_target_with_an_eagle3_folder(tiny_dir):
+    """The draft folder defaults to the target's eagle3/ (the embedded model ships one); a target
+    without one is refused when the engine's config is built, naming what is missing."""
+    from m3serve.config import EngineConfig
+
+    spec = '{"method": "eagle3", "num_speculative_tokens": 3}'
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_kwargs(model=str(tiny_dir), speculative_config=spec)
+    assert "model (the EAGLE3 draft" in str(e.value) and f"{tiny_dir}/eagle3" in str(e.value)
+    assert EngineConfig.from_kwargs(model=None, speculative_config=spec).speculative.method == "eagle3"
 
 
 def test_draft_checkpoint_errors_name_the_tensor(tiny_dir, drafts, tmp_path):
