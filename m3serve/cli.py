@@ -41,7 +41,7 @@ def cmd_make_tiny(args) -> int:
         if args.flavor != "m3":
             raise ValueError("--flavor picks the target model's layout; with --draft, write the target "
                              "first (make-tiny DIR --flavor ...) and pass it as --target")
-        from m3serve.spec.tiny_drafts import make_draft
+        from m3serve.distill.tiny_drafts import make_draft
 
         path = make_draft(args.dir, args.draft, args.target, seed=args.seed, weights=not args.no_weights)
         print(f"wrote a random {args.draft} draft checkpoint to {path}")
@@ -49,7 +49,7 @@ def cmd_make_tiny(args) -> int:
             if not args.draft.startswith("eagle3"):
                 raise ValueError("--train-steps distils EAGLE3 drafts only")
             from m3serve.model.files import model_directory
-            from m3serve.spec.distill import distill_eagle3
+            from m3serve.distill.eagle3 import distill_eagle3
             report = distill_eagle3(path, Path(args.target) if args.target else model_directory(None),
                                     args.train_steps, seed=args.seed)
             print(f"distilled it from the target's greedy outputs: {report}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 
 # Closed sets of values (flags list them in --help; errors name them all)
@@ -74,11 +73,9 @@ class ModelConfig:
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", _json_object_option(self.hf_overrides, "hf_overrides"))
         object.__setattr__(self, "limit_mm_per_prompt", _mm_limits(self.limit_mm_per_prompt))
-        if self.mm_processor_kwargs is not None:
-            from m3serve.multimodal.processor import ProcessorOptions
-            kwargs = _json_object_option(self.mm_processor_kwargs, "mm_processor_kwargs")
-            ProcessorOptions.from_kwargs(kwargs)      # checked here, applied per request
-            object.__setattr__(self, "mm_processor_kwargs", kwargs)
+        if self.mm_processor_kwargs is not None:      # its keys are checked by engine_args.build_engine_config
+            object.__setattr__(self, "mm_processor_kwargs",
+                               _json_object_option(self.mm_processor_kwargs, "mm_processor_kwargs"))
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise unsupported("quantization", self.quantization, QUANTIZATION_METHODS)
         if self.load_format not in LOAD_FORMATS:
@@ -258,57 +255,9 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.data_parallel_size
 
     @property
-    def layout(self) -> "RankLayout":
-        return RankLayout(self.tensor_parallel_size, self.data_parallel_size, self.nnodes)
-
-    @property
     def uses_processes(self) -> bool:
         """True when the engine runs as rank processes (the mp executor), not in-process."""
         return self.world_size > 1 or self.distributed_executor_backend == "mp"
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Where global rank `rank` sits among tp x dp ranks spread over `nnodes` hosts: rank
-    r = dp_rank * tp + tp_rank, so a TP group (one DP replica) is tp consecutive ranks and a DP
-    group is the ranks sharing a TP rank across replicas; node n hosts ranks
-    [n * per_node, (n + 1) * per_node), each on the GPU numbered by its local rank."""
-    tp: int
-    dp: int
-    nnodes: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp
-
-    @property
-    def per_node(self) -> int:
-        return self.world_size // self.nnodes
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
-    def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.per_node
-
-    def local_rank(self, rank: int) -> int:
-        return rank % self.per_node
-
-    def leader_of(self, rank: int) -> int:
-        """The TP-rank-0 process of `rank`'s DP replica: it runs that replica's engine core."""
-        return rank - rank % self.tp
-
-    def tp_group_ranks(self, dp_rank: int) -> list[int]:
-        return list(range(dp_rank * self.tp, (dp_rank + 1) * self.tp))
-
-    def dp_group_ranks(self, tp_rank: int) -> list[int]:
-        return [d * self.tp + tp_rank for d in range(self.dp)]
-
-    def node_ranks(self, node: int) -> list[int]:
-        return list(range(node * self.per_node, (node + 1) * self.per_node))
 
 
 _CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -423,7 +372,7 @@ def _parse_speculative(raw) -> dict:
                          f"got {rule!r}")
     length = raw.get("synthetic_acceptance_length")
     if rule == "synthetic":
-        length = _synthetic_length(length, k or 16)      # DSpark's default k: checked again once known
+        length = synthetic_length(length, k or 16)      # DSpark's default k: checked again once known
     elif length is not None:
         raise ValueError("speculative_config.synthetic_acceptance_length needs rejection_sample_method "
                          "'synthetic' (it is a benchmarking mode, never on by default)")
@@ -436,70 +385,12 @@ def _parse_speculative(raw) -> dict:
     return out
 
 
-def _synthetic_length(length, k: int) -> float:
+def synthetic_length(length, k: int) -> float:
     if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1.0 <= length <= k + 1:
         raise ValueError(f"speculative_config.synthetic_acceptance_length must be a number in "
                          f"[1, num_speculative_tokens + 1 = {k + 1}] with rejection_sample_method "
                          f"'synthetic', got {length!r}")
     return float(length)
-
-
-def dspark_config_path(draft: str | None, target: str | None) -> Path:
-    """The DSpark draft's config.json: in the draft folder `draft`, else in the target's dspark/
-    folder (a hub target: its dspark/config.json alone is fetched)."""
-    if draft is not None:
-        from m3serve.model.files import resolve_model_dir
-        return resolve_model_dir(draft, config_only=True) / "config.json"
-    if target is None:
-        from m3serve.model.files import default_model_dir
-        target = str(default_model_dir())
-    if not Path(target).exists() and str(target).count("/") == 1:
-        try:
-            from huggingface_hub import hf_hub_download
-            return Path(hf_hub_download(str(target), "dspark/config.json"))
-        except Exception as e:
-            raise ValueError(f"speculative_config: DSpark draft of {target!r}: dspark/config.json could "
-                             f"not be fetched ({e}); pass num_speculative_tokens and model") from e
-    return Path(target) / "dspark" / "config.json"
-
-
-def eagle3_draft_dir(draft: str | None, target: str | None, config_only: bool = False) -> Path:
-    """The EAGLE3 draft's folder: `draft` (a directory or hub id), else the target's eagle3/
-    folder (the embedded tiny model ships one); a target without one needs `draft`."""
-    from m3serve.model.files import default_model_dir, resolve_model_dir
-    if draft is not None:
-        return resolve_model_dir(draft, config_only=config_only)
-    folder = (default_model_dir() if target is None else Path(target)) / "eagle3"
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"speculative_config.model (the EAGLE3 draft: a directory or hub id) is required "
-                         f"with method 'eagle3': the target has no eagle3/ folder ({folder})")
-    return folder
-
-
-def read_dspark_config(path: Path) -> tuple[dict, dict]:
-    """(the whole config.json, its text_config, or the whole where it has none) of a DSpark
-    draft; ValueError naming the file when it cannot be read."""
-    from m3serve.model.config import read_config_json
-    try:
-        raw = read_config_json(Path(path).parent, "DSpark draft")
-    except ValueError as e:
-        raise ValueError(f"speculative_config: DSpark draft config {path} cannot be read ({e}); name the "
-                         f"draft folder in speculative_config.model") from None
-    text = raw.get("text_config", raw)
-    if not isinstance(text, dict):
-        raise ValueError(f"DSpark draft config {path}: 'text_config' must be an object (got {text!r})")
-    return raw, text
-
-
-def _dspark_block_size(draft: str | None, target: str | None) -> int:
-    """The DSpark draft's `dspark_block_size`: the default number of speculative tokens."""
-    path = dspark_config_path(draft, target)
-    raw, text = read_dspark_config(path)
-    size = text.get("dspark_block_size", raw.get("dspark_block_size"))
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 16:
-        raise ValueError(f"DSpark draft config {path}: 'dspark_block_size' must be an integer in [1, 16] "
-                         f"(got {size!r})")
-    return size
 
 
 KV_CONNECTORS = ("NixlConnector",)
@@ -698,14 +589,6 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self):
-        spec = self.speculative
-        if spec.method == "dspark" and spec.num_speculative_tokens == 0:
-            k = _dspark_block_size(spec.model, self.model.model)
-            if spec.synthetic_acceptance_length is not None:
-                _synthetic_length(spec.synthetic_acceptance_length, k)
-            object.__setattr__(spec, "num_speculative_tokens", k)
-        if spec.method == "eagle3" and spec.model is None:
-            eagle3_draft_dir(None, self.model.model)     # the target's eagle3/ folder, or the error naming it
         if self.kv_transfer.enabled and self.speculative.enabled:
             raise ValueError("--kv-transfer-config cannot be combined with --speculative-config yet: "
                              "a decode worker would also need the draft's KV of the prompt")

@@ -1,7 +1,7 @@
 """Process groups and collectives: which rank this process is, in which groups, and the few
 collectives the model uses (all-reduce, all-gather, reduce-scatter) on explicit groups.
 
-Ranks are laid out as `config.RankLayout` says (TP groups of consecutive ranks). `ParallelInfo` is what the model layers get: the TP group, the DP group and whether experts are
+Ranks are laid out as `RankLayout` says (TP groups of consecutive ranks). `ParallelInfo` is what the model layers get: the TP group, the DP group and whether experts are
 partitioned (expert parallelism); the MoE layers span all DP x TP ranks.
 
 Without an initialised group (single process, or tests that build every rank's shards in one
@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from m3serve.config import RankLayout
-
+from m3serve.rank_layout import RankLayout
 
 # torch renamed the single-tensor collectives; the new names where they exist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -70,3 +70,26 @@ def flag_help(doc: str, default, is_bool: bool) -> str:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
+
+
+def build_engine_config(**kwargs) -> EngineConfig:
+    """`EngineConfig` from flat keywords, completed from the files it names: a DSpark draft's
+    default number of speculative tokens (its `dspark_block_size`), the check that an EAGLE3
+    target without a named draft has an eagle3/ folder, and `mm_processor_kwargs`' keys. The
+    config classes themselves read no file; every front end builds its engine config here."""
+    from m3serve.config import synthetic_length
+    from m3serve.model.draft_files import dspark_block_size, eagle3_draft_dir
+
+    config = EngineConfig.from_kwargs(**kwargs)
+    spec = config.speculative
+    if spec.method == "dspark" and spec.num_speculative_tokens == 0:
+        k = dspark_block_size(spec.model, config.model.model)
+        if spec.synthetic_acceptance_length is not None:
+            synthetic_length(spec.synthetic_acceptance_length, k)
+        object.__setattr__(spec, "num_speculative_tokens", k)
+    if spec.method == "eagle3" and spec.model is None:
+        eagle3_draft_dir(None, config.model.model)     # the target's eagle3/ folder, or the error naming it
+    if config.model.mm_processor_kwargs is not None:
+        from m3serve.multimodal.processor import ProcessorOptions
+        ProcessorOptions.from_kwargs(config.model.mm_processor_kwargs)     # checked here, applied per request
+    return config

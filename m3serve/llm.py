@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from m3serve.config import EngineConfig
+from m3serve.engine_args import build_engine_config
 from m3serve.model.config import load_config
 from m3serve.model.files import load_tokenizer, model_directory
 from m3serve.outputs import RequestOutput
@@ -40,13 +41,13 @@ class LLMEngine:
         self.core = self.worker = self.client = None
         self._stopped = False
         if config.parallel.uses_processes:
-            from m3serve.core.core_client import engine_config_for_process
-            from m3serve.core.sync_client import SyncEngineClient
+            from m3serve.engine.core_client import engine_config_for_process
+            from m3serve.engine.sync_client import SyncEngineClient
             self.client = SyncEngineClient(engine_config_for_process(config, self.model_dir))
             self.model_config = load_config(self.model_dir, config.model.hf_overrides)
             self.front = self.client
         else:
-            from m3serve.core.engine_core import EngineCore
+            from m3serve.engine.engine_core import EngineCore
             from m3serve.executor.uniproc import UniProcExecutor
             executor = UniProcExecutor(config, self.model_dir, progress=progress)
             self.worker, self.model_config = executor.worker, executor.model_config
@@ -185,7 +186,7 @@ class LLM:
     (`max_num_seqs=8`, `enable_prefix_caching=False`, `tensor_parallel_size=2`, ...)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_flags):
-        config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_flags)
+        config = build_engine_config(model=model, dtype=dtype, **engine_flags)
         self.engine = LLMEngine(config)
         self._sampling_defaults = load_sampling_defaults(config.generation, self.engine.model_dir)
         if self._sampling_defaults:

@@ -225,7 +225,8 @@ def draft_kv(spec_json: str, cfg: M3Config, parallel: ParallelConfig, model: str
     the ranks its layers are split over and their number, or MTP's module count."""
     import json
 
-    from m3serve.config import SpeculativeConfig, dspark_config_path, eagle3_draft_dir, read_dspark_config
+    from m3serve.config import SpeculativeConfig
+    from m3serve.model.draft_files import dspark_config_path, eagle3_draft_dir, read_dspark_config
 
     spec = SpeculativeConfig(spec_json)
     if spec.method == "dspark":

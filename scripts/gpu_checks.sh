@@ -143,7 +143,7 @@ if [ "${1:-}" = specrank ]; then
   python -m m3serve bench make-realshape $dir --layers 60 --dense-layers 3 --tp-rank $N > /dev/null
   python -m m3serve make-tiny $dir --draft dspark --target $dir --no-weights > /dev/null
   python -m m3serve make-tiny /tmp/eg_rank$N --draft eagle3-gqa --target $dir --no-weights > /dev/null
-  python -c "import json, sys; from pathlib import Path; from m3serve.spec.tiny_drafts import dspark_config_dict
+  python -c "import json, sys; from pathlib import Path; from m3serve.distill.tiny_drafts import dspark_config_dict
 p = Path('/tmp/dsrep$N'); p.mkdir(exist_ok=True); (p / 'config.json').write_text(json.dumps(dspark_config_dict(Path('$dir'), replicated=True)))"
   syn='"rejection_sample_method": "synthetic", "synthetic_acceptance_length"'
   # mtp: the release's config names 7 MTP modules (its BF16 files ship none); dummy weights

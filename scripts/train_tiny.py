@@ -8,8 +8,8 @@ them where the package ships them (docs/tiny_model.md says what this makes and w
    with the files named (`--accept-corpus-changes` trains anyway and writes the new manifest).
 2. The target (`m3serve/model/train_tiny.py`), written as a checkpoint with the held-out text.
 3. The drafts' data: the target's greedy continuations of corpus windows, and corpus windows as
-   they are, with the target's features over them (`m3serve/spec/draft_data.py`); then EAGLE3 (`spec/distill.py`, in DIR/eagle3), MTP
-   (`spec/distill_mtp.py`, bundled as DIR/mtp.safetensors) and DSpark (`spec/distill_dspark.py`,
+   they are, with the target's features over them (`m3serve/distill/draft_data.py`); then EAGLE3 (`distill/eagle3.py`, in DIR/eagle3), MTP
+   (`distill/mtp.py`, bundled as DIR/mtp.safetensors) and DSpark (`distill/dspark.py`,
    in DIR/dspark).
 4. Measurements: held-out perplexity of the trained and the random (`make-tiny`) model, each
    draft's mean acceptance length on held-out prompts; written to DIR/training_report.json and
@@ -138,13 +138,13 @@ def main() -> None:
 
 def train_drafts(out: Path, code: torch.Tensor, docs: torch.Tensor, args) -> dict:
     from m3serve.model.config import load_config
-    from m3serve.spec.distill import distill_eagle3
-    from m3serve.spec.distill_dspark import distill_dspark
-    from m3serve.spec.distill_mtp import distill_mtp, write_mtp_bundled
-    from m3serve.spec.draft_data import TargetFeatures, greedy_sequences, target_features
-    from m3serve.spec.dspark import load_dspark_config
-    from m3serve.spec.eagle3 import load_eagle3_config
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.eagle3 import distill_eagle3
+    from m3serve.distill.dspark import distill_dspark
+    from m3serve.distill.mtp import distill_mtp, write_mtp_bundled
+    from m3serve.distill.draft_data import TargetFeatures, greedy_sequences, target_features
+    from m3serve.spec_decode.dspark import load_dspark_config
+    from m3serve.spec_decode.eagle3 import load_eagle3_config
+    from m3serve.distill.tiny_drafts import make_draft
 
     start = time.perf_counter()
     target_cfg = load_config(out)
@@ -199,7 +199,7 @@ def measure_heldout(out: Path, heldout: torch.Tensor) -> dict:
 
 
 def measure_acceptance(out: Path, heldout: torch.Tensor, seed: int) -> dict:
-    from m3serve.spec.draft_data import acceptance
+    from m3serve.distill.draft_data import acceptance
 
     prompts = windows(heldout, NUM_EVAL_PROMPTS, PROMPT_LEN, torch.Generator().manual_seed(seed + 3))
     configs = {"eagle3": {"method": "eagle3", "model": str(out / "eagle3"), "num_speculative_tokens": 3},

@@ -772,6 +772,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     percentiles, percentile_metrics, goodput = setup.percentiles, setup.percentile_metrics, setup.goodput
     tokenizer_path = setup.tokenizer_path
     if args.dataset_name in AGENTIC_DATASETS:
+        # a deliberate cycle inside bench/: the agentic runner is built on this module's
+        # request and metric helpers, and this run dispatches to it for agentic datasets
         from m3serve.bench.agentic_serve import run_from_args
 
         metrics = await run_from_args(args, setup)

@@ -88,7 +88,7 @@ class Scheduler:
         self.remote_waiting: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self._failed_outputs: list[EngineCoreOutput] = []
-        # Structured outputs (worker.structured.GrammarCompiles, or None: no compiling here):
+        # Structured outputs (structured.compiler.GrammarCompiles, or None: no compiling here):
         # requests whose grammar is being compiled wait here, outside the queue, holding nothing.
         self.grammars = grammars
         self.grammar_waiting: dict[str, Request] = {}

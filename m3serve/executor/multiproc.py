@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from m3serve.rank_layout import RankLayout
 from m3serve.config import EngineConfig
 from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.distributed import destroy_rank_groups
@@ -48,7 +49,7 @@ class MultiprocExecutor:
                  progress: bool = False):
         self.config, self.rank, self.on_fatal = config, rank, on_fatal
         self.model_dir = model_dir
-        self.layout = layout = config.parallel.layout
+        self.layout = layout = RankLayout.of(config.parallel)
         self.needs_lockstep = layout.dp > 1
         self.global_busy = False          # whether any replica had work at the last agreement
         self.stop_requested = False       # this replica was told to shut down (`request_stop`)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from m3serve import envs
+from m3serve.rank_layout import RankLayout
 from m3serve.config import EngineConfig
 from m3serve.distributed import RankGroups, destroy_rank_groups, init_rank_groups
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
@@ -29,7 +30,7 @@ def join_world(config: EngineConfig, rank: int, master_port: int) -> tuple[RankG
     share, and every process group."""
     from m3serve.worker.worker import resolve_device
 
-    layout = config.parallel.layout
+    layout = RankLayout.of(config.parallel)
     device = resolve_device(config.model.device, layout.local_rank(rank))
     if device.type == "cpu":           # ranks of one host share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.per_node))

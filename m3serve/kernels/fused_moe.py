@@ -14,12 +14,10 @@ import triton.language as tl
 
 from m3serve.kernels.packed_gemm import (PACK_CODES, SCALE_BLOCK, even_odd_columns, fp4_tiles,
                                          mxfp8_tile)
+from m3serve.kernels.ref.fused_moe import FP8_MIN_SCALE, max_aligned_blocks, moe_route_ref
 from m3serve.kernels.rmsnorm import cast_rne
 from m3serve.kernels.tma import tma_ready
 
-FP8_MAX = 448.0
-# Floor of a per-token activation scale, so an all-zero row quantises to zeros instead of NaN.
-FP8_MIN_SCALE = 1e-12
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -148,11 +146,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
         _route_topk_kernel[(num_tokens,)](part, b, weights, ids, num_tokens, routed_scaling_factor,
                                           E=num_experts, SPLITS=splits, TOP_K=top_k, num_warps=4)
         return weights, ids
-    scores = torch.sigmoid(x.float() @ gate_weight.float().t())           # [T, E]
-    ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices         # [T, K]
-    weights = scores.gather(1, ids)                                         # [T, K]
-    weights = weights / weights.sum(-1, keepdim=True) * routed_scaling_factor
-    return weights, ids.to(torch.int32)
+    return moe_route_ref(x, gate_weight, bias, top_k, routed_scaling_factor)
 
 
 @triton.jit
@@ -246,14 +240,6 @@ def _align_scatter_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, num_ch
 
 
 _ONE_LAUNCH_PAIRS = 2048   # pairs one program plans and places in a single launch
-
-
-def max_aligned_blocks(num_pairs: int, num_slots: int, block_m: int) -> int:
-    """Upper bound on the blocks `moe_align` can produce for num_pairs (token, choice) pairs.
-
-    Each non-empty slot wastes less than one block, and at most min(slots, pairs) are non-empty.
-    """
-    return triton.cdiv(num_pairs, block_m) + min(num_slots, num_pairs)
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, first_expert: int = 0,

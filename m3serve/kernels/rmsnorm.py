@@ -94,7 +94,7 @@ def norm_warps(block: int) -> int:
 
 
 def _launch(x2, r2, weight, out2, res_out2, eps, N, q2=None, scale=None):
-    from m3serve.kernels.fused_moe import FP8_MIN_SCALE
+    from m3serve.kernels.ref.fused_moe import FP8_MIN_SCALE
     BLOCK = triton.next_power_of_2(N)
     num_warps = norm_warps(BLOCK)
     has_res, quant = r2 is not None, q2 is not None

@@ -1,10 +1,12 @@
-"""Attention metadata for one forward over a flattened batch, and the reference ops' slot write
-into a paged cache."""
+"""Attention metadata for one forward over a flattened batch, each query token's position and
+cache slot, and the reference ops' slot write into a paged cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from m3serve.layers.dispatch import use_triton
 
 
 @dataclass
@@ -48,3 +50,25 @@ def write_cache_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: tor
     if scale is not None:
         v = (v.float() / scale).clamp(-448.0, 448.0)
     flat[slot_mapping[keep]] = v.to(cache.dtype)
+
+
+def positions_and_slots(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, num_tokens: int, block_size: int,
+                        one_token_each: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position [T] int64 and cache slot [T] int64 of every query token, on the device. The
+    queries of request r are the last tokens of its context of seq_lens[r] tokens."""
+    n = seq_lens.shape[0]
+    if one_token_each and use_triton("step_inputs", seq_lens):
+        from m3serve.kernels.step_inputs import decode_positions_slots
+        return decode_positions_slots(seq_lens, block_tables, block_size)
+    if one_token_each:
+        req = torch.arange(n, device=seq_lens.device)                          # [T = R]
+        positions = (seq_lens - 1).long()
+    else:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]                    # [R]
+        req = torch.repeat_interleave(torch.arange(n, device=seq_lens.device), q_lens,
+                                      output_size=num_tokens)                  # [T]
+        offset = torch.arange(num_tokens, device=seq_lens.device) - query_start_loc[:-1][req]
+        positions = (seq_lens - q_lens)[req].long() + offset
+    pages = block_tables[req, positions // block_size].long()
+    return positions, pages * block_size + positions % block_size

@@ -173,6 +173,8 @@ def packed_linear(x: torch.Tensor, module: nn.Module, attr: str = "weight") -> t
         from m3serve.kernels.packed_gemm import packed_matmul
         g = getattr(module, attr + "_global_scale") if fmt.has_global else None
         return packed_matmul(x, codes, scales, g, fmt.kind, fmt.global_divides)
+    # a deliberate cycle inside layers/: linear.py routes packed weights here, and the
+    # dequantised fallback is an ordinary linear
     from m3serve.layers.linear import linear
     return linear(x, dequantized(module, attr, x.dtype))
 

@@ -1,5 +1,5 @@
 """A batched, differentiable MiniMax-M3 text model over canonical weights: what trains the
-embedded tiny model (`model/train_tiny.py`) and its MTP draft (`spec/distill_mtp.py`).
+embedded tiny model (`model/train_tiny.py`) and its MTP draft (`distill/mtp.py`).
 
 The math is the dense reference's (`model/reference.py`, whose norm, RoPE and SwiGLU helpers it
 calls; `tests/model/test_trainable.py` holds the two equal), over a batch of equal-length
@@ -237,7 +237,7 @@ def mtp_layer_shapes(cfg: M3Config, prefix: str) -> dict[str, tuple[int, ...]]:
 
 def read_canonical(model_dir, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """A checkpoint's text tensors in canonical names as fp32 (only `names` when given)."""
-    from m3serve.model.loader import canonicalize, iter_checkpoint, materialize, weight_files
+    from m3serve.model.checkpoint import canonicalize, iter_checkpoint, materialize, weight_files
 
     out = {}
     for _, key, t in iter_checkpoint(weight_files(Path(model_dir))):

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from m3serve import envs, memtrace
-from m3serve.core.errors import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
+from m3serve.engine.errors import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
 from m3serve.serving.anthropic import routes as anthropic_routes
 from m3serve.serving.chat_template import load_chat_template
 from m3serve.serving.lifecycle import Drain, DrainingServer, describe_engine, raise_fd_limit
@@ -395,9 +395,8 @@ def run_server(args) -> None:
     the app starts and stopped with it."""
     import uvicorn
 
-    from m3serve.config import EngineConfig
-    from m3serve.core.core_client import EngineCoreClient, engine_config_for_process
-    from m3serve.engine_args import engine_kwargs
+    from m3serve.engine.core_client import EngineCoreClient, engine_config_for_process
+    from m3serve.engine_args import build_engine_config, engine_kwargs
     from m3serve.model.files import load_tokenizer, model_directory
     from m3serve.plan import check_checkpoint_layout
     from m3serve.sampling_defaults import describe as describe_defaults
@@ -405,13 +404,13 @@ def run_server(args) -> None:
     from m3serve.serving.server_args import not_applicable_given, server_config
 
     server = server_config(args)
-    engine = EngineConfig.from_kwargs(**engine_kwargs(args))
+    engine = build_engine_config(**engine_kwargs(args))
     for line in not_applicable_given(args):
         logger.info("accepted, not applicable: %s", line)
     if engine.compilation.not_applicable:
         logger.info("--compilation-config keys not applicable here, ignored: %s", engine.compilation.not_applicable)
     if engine.parallel.node_rank > 0:     # another host of a multi-node engine: no API here
-        from m3serve.core.engine_group import run_headless
+        from m3serve.engine.engine_group import run_headless
         raise SystemExit(run_headless(engine))
     sock = listen_socket(server.host, server.port)
     logger.info("listening on %s; /ready answers 200 once the model is loaded", server.url)

@@ -5,8 +5,8 @@ and non-streaming form) and the name -> parser registry behind `--reasoning-pars
 """
 from __future__ import annotations
 
-THINK_OPEN = "<mm:think>"
-THINK_CLOSE = "</mm:think>"
+from m3serve.model.markup import THINK_CLOSE, THINK_OPEN
+
 THINKING_MODES = ("enabled", "disabled", "adaptive")
 
 # Streaming states of MiniMaxM3ReasoningParser.

@@ -13,6 +13,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from m3serve.model.markup import NAMESPACE
 from m3serve.serving.reasoning import partial_suffix_len
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,6 @@ def warn_dropped_tool(api: str, kind: str, why: str) -> None:
         _dropped_kinds.add((api, kind))
         logger.warning("%s: dropping tools of type %r: %s (the model is not told about them)", api, kind, why)
 
-NAMESPACE = "]<]minimax[>["
 TOOL_CALL_START = NAMESPACE + "<tool_call>"
 TOOL_CALL_END = NAMESPACE + "</tool_call>"
 INVOKE_START = NAMESPACE + "<invoke"

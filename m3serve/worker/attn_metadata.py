@@ -15,31 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from m3serve.layers.attention_metadata import AttentionMetadata
-from m3serve.layers.dispatch import use_triton
+from m3serve.layers.attention_metadata import AttentionMetadata, positions_and_slots
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
-
-
-def positions_and_slots(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        block_tables: torch.Tensor, num_tokens: int, block_size: int,
-                        one_token_each: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position [T] int64 and cache slot [T] int64 of every query token, on the device. The
-    queries of request r are the last tokens of its context of seq_lens[r] tokens."""
-    n = seq_lens.shape[0]
-    if one_token_each and use_triton("step_inputs", seq_lens):
-        from m3serve.kernels.step_inputs import decode_positions_slots
-        return decode_positions_slots(seq_lens, block_tables, block_size)
-    if one_token_each:
-        req = torch.arange(n, device=seq_lens.device)                          # [T = R]
-        positions = (seq_lens - 1).long()
-    else:
-        q_lens = query_start_loc[1:] - query_start_loc[:-1]                    # [R]
-        req = torch.repeat_interleave(torch.arange(n, device=seq_lens.device), q_lens,
-                                      output_size=num_tokens)                  # [T]
-        offset = torch.arange(num_tokens, device=seq_lens.device) - query_start_loc[:-1][req]
-        positions = (seq_lens - q_lens)[req].long() + offset
-    pages = block_tables[req, positions // block_size].long()
-    return positions, pages * block_size + positions % block_size
 
 
 class StepBuffers:

@@ -319,7 +319,7 @@ class ModelRunner:
         """The proposer's start: each request's last verified position and the token after it;
         `next_media` (`_media_embeds(batch, shift=1)`): the rows whose next token is an image
         or video placeholder and its features."""
-        from m3serve.spec.proposer import StepForDraft
+        from m3serve.spec_decode.proposer import StepForDraft
 
         R, emitted = batch.num_reqs, verified.emitted
         ends = batch.query_start_loc[1:].astype(np.int64)

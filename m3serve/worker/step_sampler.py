@@ -78,7 +78,7 @@ class StepSampler:
         self.vocab_size = model.cfg.vocab_size
         self.is_driver = is_driver
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed)) if samples else None
-        self.grammars = None          # worker.structured.GrammarBook on the sampling rank (set by the worker)
+        self.grammars = None          # structured.compiler.GrammarBook on the sampling rank (set by the worker)
         self.rejection = None         # spec.rejection.RejectionSampler when speculating (set by the worker)
         self.failed: dict[str, str] = {}   # the last sampled step's requests that cannot go on: why
         self.deferred: DeferredTokens | None = None

@@ -78,7 +78,7 @@ class Worker:
         self.draft_window = self.num_draft_blocks = self.draft_pool_bytes = 0
         spec = config.speculative
         if spec.enabled:
-            from m3serve.spec.proposer import Proposer
+            from m3serve.spec_decode.proposer import Proposer
             self.proposer = Proposer(spec, self.model, cfg, model_dir, parallel, self.device,
                                      config.model.load_format, config.model.seed, self.max_model_len)
             draft_specs = self.proposer.cache_specs(self.kv_dtype.itemsize, self.index_dtype.itemsize)
@@ -143,11 +143,11 @@ class Worker:
             from m3serve.worker.media import EncoderOutputs
             self.runner.encoder_outputs = EncoderOutputs(self.model.dtype)
         if self.is_driver or self.proposer is not None:      # the ranks that sample
-            from m3serve.worker.structured import GrammarBook
+            from m3serve.structured.compiler import GrammarBook
             self.runner.step_sampler.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
             self.runner.step_sampler.grammars.warm_up(self.device)
         if self.proposer is not None:
-            from m3serve.spec.rejection import RejectionSampler
+            from m3serve.worker.rejection import RejectionSampler
             spec = config.speculative
             self.proposer.allocate_caches(self.num_draft_blocks or num_blocks, self.block_size, self.kv_dtype,
                                           self.index_dtype)

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from m3serve.core.engine_group import free_port  # noqa: F401  (the servers' tests take ports here)
+from m3serve.engine.engine_group import free_port  # noqa: F401  (the servers' tests take ports here)
 from m3serve.model.files import load_tokenizer
 from m3serve.protocol import CoreOutput, EngineReady, EngineStats
 

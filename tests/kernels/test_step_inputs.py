@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 def test_positions_and_slots_exact():
     from m3serve.kernels.step_inputs import decode_positions_slots
     from m3serve.layers.dispatch import reference_ops
-    from m3serve.worker.attn_metadata import positions_and_slots
+    from m3serve.layers.attention_metadata import positions_and_slots
     R = 300
     seq = torch.randint(1, 9000, (R,), device="cuda", dtype=torch.int32)
     tables = torch.randint(0, 60000, (R, 80), device="cuda", dtype=torch.int32)

@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from m3serve.kernels.step_inputs import decode_positions_slots, embedding_rows, rope_cos_sin  # noqa: E402
 from m3serve.layers.dispatch import reference_ops  # noqa: E402
 from m3serve.layers.rotary import RotaryEmbedding  # noqa: E402
-from m3serve.worker.attn_metadata import positions_and_slots  # noqa: E402
+from m3serve.layers.attention_metadata import positions_and_slots  # noqa: E402
 
 
 def test_positions_and_slots_match_torch():

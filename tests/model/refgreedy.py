@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from m3serve.model.config import load_config
-from m3serve.model.loader import canonicalize, iter_checkpoint, materialize, weight_files
+from m3serve.model.checkpoint import canonicalize, iter_checkpoint, materialize, weight_files
 from m3serve.model.reference import ReferenceM3
 
 

@@ -108,7 +108,7 @@ def test_on_by_default_where_it_applies():
     """vLLM's rule: on unless turned off, speculative engines included (their plain steps are
     deferred); off beside DP > 1 (not combined yet), and asking for both is a clear error."""
     from m3serve.config import EngineConfig
-    from m3serve.core.engine_core import async_scheduling_applies
+    from m3serve.engine.engine_core import async_scheduling_applies
 
     spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
     assert async_scheduling_applies(EngineConfig.from_kwargs())

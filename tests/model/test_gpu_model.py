@@ -140,7 +140,7 @@ def test_tiny_speculative_graphs_gpu(tiny_dir, tmp_path):
     the CPU reference without speculation (a random draft: nearly every draft rejected)."""
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
     from test_engine import prompts
 
     draft = make_draft(tmp_path / "eagle3", "eagle3", tiny_dir)
@@ -168,7 +168,7 @@ def test_tiny_dspark_gpu(tiny_dir, tmp_path):
 
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
     from test_engine import prompts
 
     target = tmp_path / "target"
@@ -211,7 +211,7 @@ def test_tiny_measured_gate_gpu(tiny_dir, tmp_path, rule):
     follow them after a step that lands their tokens."""
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
     from test_engine import prompts
 
     draft = make_draft(tmp_path / "eagle3", "eagle3", tiny_dir)
@@ -249,7 +249,7 @@ def test_tiny_draft_widths_and_switch_graphs_gpu(tiny_dir, tmp_path):
     from m3serve.core.spec_gate import SpeculationGate
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
     from test_engine import prompts
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "spec"))
     from test_spec_engine import _oracle
@@ -300,7 +300,7 @@ def test_tiny_speculative_graphs_structured_gpu(tiny_dir, tmp_path):
 
     from m3serve.llm import LLM
     from m3serve.sampling_params import SamplingParams, StructuredOutputsParams
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
     from test_engine import prompts
 
     pytest.importorskip("xgrammar")

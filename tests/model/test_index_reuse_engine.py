@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.distributed as dist
 
-from m3serve.core.engine_group import free_port
+from m3serve.engine.engine_group import free_port
 from m3serve.llm import LLM
 from m3serve.model.loader import load_model
 from m3serve.model.reference import ReferenceM3

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from m3serve.bench.realshape import rank_text_config
-from m3serve.core.engine_group import free_port
+from m3serve.engine.engine_group import free_port
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.model.config import parse_config
 from m3serve.model.loader import load_model

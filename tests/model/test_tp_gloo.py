@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from m3serve.core.engine_group import free_port
+from m3serve.engine.engine_group import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, ids: list[int], out_path: str):

@@ -57,7 +57,7 @@ def test_killed_rank_is_named_and_ends_the_engine(tiny_dir):
     import os
     import signal
 
-    from m3serve.core.errors import EngineDeadError
+    from m3serve.engine.errors import EngineDeadError
 
     llm = LLM(str(tiny_dir), tensor_parallel_size=2, dtype="float32")
     follower = next(r for r in llm.engine.engine_states()[0].ranks if r["rank"] == 1)["pid"]
@@ -77,7 +77,7 @@ def test_frozen_rank_is_named_and_ends_the_engine(tiny_dir):
     import os
     import signal
 
-    from m3serve.core.errors import EngineDeadError
+    from m3serve.engine.errors import EngineDeadError
 
     llm = LLM(str(tiny_dir), tensor_parallel_size=2, dtype="float32")
     follower = next(r for r in llm.engine.engine_states()[0].ranks if r["rank"] == 1)["pid"]

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))     # the s
 def drafts(tiny_dir, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
 
     root = tmp_path_factory.mktemp("drafts")
     out = {kind: make_draft(root / kind, kind, tiny_dir, seed=5) for kind in ("eagle3", "eagle3-gqa", "mtp")}
@@ -41,7 +41,7 @@ def vision_drafts(tiny_vision_dir, tmp_path_factory):
     """Drafts for the tiny vision checkpoint: an EAGLE3 head and a standalone MTP checkpoint
     (served beside it), and a copy of it with a DSpark draft in its dspark/ folder (the target
     to serve)."""
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
 
     root = tmp_path_factory.mktemp("vision_drafts")
     out = {kind: make_draft(root / kind, kind, tiny_vision_dir, seed=5) for kind in ("eagle3", "mtp")}

@@ -20,7 +20,7 @@ from m3serve.llm import LLM
 from m3serve.model.config import load_config
 from m3serve.model.reference import apply_rope, gemma_rms_norm, rope_cos_sin, swiglu_oai
 from m3serve.sampling_params import SamplingParams
-from m3serve.spec.dspark import PREFIX
+from m3serve.spec_decode.dspark import PREFIX
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from refgreedy import reference_model  # noqa: E402  (the dense reference over a checkpoint)
@@ -198,7 +198,7 @@ def test_lossless_on_the_all_msa_target(tiny_m31_dir, tmp_path):
     replaced by the true continuation, every third one wrong)."""
     from test_spec_engine import _oracle, _prompts
 
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
 
     target = tmp_path / "m31"
     shutil.copytree(tiny_m31_dir, target)

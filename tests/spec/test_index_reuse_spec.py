@@ -7,7 +7,7 @@ import torch
 
 from m3serve.llm import LLM
 from m3serve.sampling_params import SamplingParams
-from m3serve.spec.tiny_drafts import make_draft
+from m3serve.distill.tiny_drafts import make_draft
 from test_spec_engine import _check_clean, _oracle
 
 REUSE = {"text_config": {"use_index_cache": True, "index_topk_freq": 2}}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from m3serve.sampling_params import SamplingParams
-from m3serve.spec.rejection import RejectionSampler, synthetic_acceptance_rate
+from m3serve.worker.rejection import RejectionSampler, synthetic_acceptance_rate
 from m3serve.worker.sampler import SamplingMetadata, make_generator
 
 V = 8

@@ -141,13 +141,13 @@ def test_bad_speculative_config(bad, words):
 def test_eagle3_without_a_model_needs_a_target_with_an_eagle3_folder(tiny_dir):
     """The draft folder defaults to the target's eagle3/ (the embedded model ships one); a target
     without one is refused when the engine's config is built, naming what is missing."""
-    from m3serve.config import EngineConfig
+    from m3serve.engine_args import build_engine_config
 
     spec = '{"method": "eagle3", "num_speculative_tokens": 3}'
     with pytest.raises(ValueError) as e:
-        EngineConfig.from_kwargs(model=str(tiny_dir), speculative_config=spec)
+        build_engine_config(model=str(tiny_dir), speculative_config=spec)
     assert "model (the EAGLE3 draft" in str(e.value) and f"{tiny_dir}/eagle3" in str(e.value)
-    assert EngineConfig.from_kwargs(model=None, speculative_config=spec).speculative.method == "eagle3"
+    assert build_engine_config(model=None, speculative_config=spec).speculative.method == "eagle3"
 
 
 def test_draft_checkpoint_errors_name_the_tensor(tiny_dir, drafts, tmp_path):

@@ -28,7 +28,7 @@ K = 3
 
 
 def _constraints() -> dict[str, StructuredOutputsParams]:
-    from m3serve.serving.tool_grammar import tool_call_grammar
+    from m3serve.structured.tool_grammar import tool_call_grammar
 
     return {"json": StructuredOutputsParams(json=COLOR, disable_any_whitespace=True),
             "regex": StructuredOutputsParams(regex=REGEX),
@@ -69,7 +69,7 @@ class Oracle:
     token its grammar refuses."""
 
     def __init__(self, llm, requests, want, eos: int, tiny_dir, mistakes=True):
-        from m3serve.worker.structured import compile_grammar
+        from m3serve.structured.compiler import compile_grammar
 
         self.llm, self.mistakes = llm, mistakes
         vocab = llm.engine.worker.runner.vocab_size

@@ -6,7 +6,7 @@ import pytest
 from m3serve.llm import LLM
 from m3serve.model.files import default_model_dir, load_tokenizer
 from m3serve.sampling_params import SamplingParams
-from m3serve.spec.draft_data import acceptance
+from m3serve.distill.draft_data import acceptance
 
 PROMPT_LEN, NEW_TOKENS, NUM_PROMPTS = 32, 48, 12
 
@@ -39,7 +39,7 @@ def test_shipped_draft_accepts_above_the_floor(prompts_and_greedy, spec, floor):
 
 
 def test_eagle3_without_a_model_reads_the_targets_eagle3_folder(tmp_path):
-    from m3serve.config import eagle3_draft_dir
+    from m3serve.model.draft_files import eagle3_draft_dir
 
     assert eagle3_draft_dir(None, None) == default_model_dir() / "eagle3"
     assert eagle3_draft_dir(None, str(default_model_dir())) == default_model_dir() / "eagle3"

@@ -22,8 +22,7 @@ else:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from m3serve.cli import build_parser  # noqa: E402
-from m3serve.config import EngineConfig  # noqa: E402
-from m3serve.engine_args import engine_kwargs  # noqa: E402
+from m3serve.engine_args import build_engine_config, engine_kwargs  # noqa: E402
 from m3serve.serving.server_args import server_config  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -112,7 +111,7 @@ def parse(argv: list[str]):
     if args.command == "serve":
         if args.model_tag is not None:
             args.model = args.model_tag
-        return args, EngineConfig.from_kwargs(**engine_kwargs(args)), server_config(args)
+        return args, build_engine_config(**engine_kwargs(args)), server_config(args)
     if args.command == "route":
         from m3serve.route import router_command
         return args, router_command(args), None

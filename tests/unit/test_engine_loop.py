@@ -5,8 +5,8 @@ import pytest
 
 from m3serve import protocol
 from m3serve.config import EngineConfig
-from m3serve.core.engine_core import EngineCore
-from m3serve.core.engine_proc import EngineLoop
+from m3serve.engine.engine_core import EngineCore
+from m3serve.engine.engine_proc import EngineLoop
 from m3serve.protocol import AddRequests, EngineCoreRequest
 from m3serve.sampling_params import SamplingParams
 from m3serve.executor.uniproc import UniProcExecutor

@@ -1,7 +1,7 @@
 """What crosses between the engine processes and the API: the stats of DP replicas combined
 (counts summed, histograms by bucket, KV usage over the summed pools), and a message that does
 not decode."""
-from m3serve.core.engine_group import ReplicaBook
+from m3serve.engine.engine_group import ReplicaBook
 from m3serve.protocol import ITERATION_TOKEN_BUCKETS, EngineStats
 
 
@@ -23,7 +23,7 @@ def test_an_admission_that_does_not_decode_is_refused_alone():
     admission with an error instead of stopping the engine loop."""
     import msgspec
 
-    from m3serve.core.engine_proc import _decode_or_refuse
+    from m3serve.engine.engine_proc import _decode_or_refuse
     from m3serve.protocol import AbortRequests, encode
 
     raw = {"type": "add", "parent_id": "p1", "requests": [{"request_id": 5}]}   # wrong types
@@ -41,8 +41,8 @@ def test_a_dead_engine_is_the_same_error_for_both_clients():
     `except EngineDeadError` (the 503 handler's) covers both."""
     import pytest
 
-    from m3serve.core.errors import EngineDeadError
-    from m3serve.core.sync_client import SyncEngineClient
+    from m3serve.engine.errors import EngineDeadError
+    from m3serve.engine.sync_client import SyncEngineClient
 
     client = SyncEngineClient.__new__(SyncEngineClient)        # no processes: only its books
     client.dead_reason = "rank 1 (pid 7) exited with code -9"

@@ -2,8 +2,8 @@
 outside the kernel's ephemeral range, each bindable, never the same twice in one process."""
 import socket
 
-from m3serve.core import engine_group
-from m3serve.core.engine_group import free_port
+from m3serve.engine import engine_group
+from m3serve.engine.engine_group import free_port
 
 
 def test_runs_are_bindable_distinct_and_outside_the_ephemeral_range():

@@ -1,4 +1,4 @@
-"""Grammars are compiled off the engine loop (worker.structured.GrammarCompiles): a request
+"""Grammars are compiled off the engine loop (structured.compiler.GrammarCompiles): a request
 waits for its grammar in its own state while the loop steps the others; a grammar past its time
 bound, too large, or invalid fails only its request; the compiler is warm before the first
 constrained request arrives. The tiny model, in-process."""
@@ -11,17 +11,17 @@ pytest.importorskip("xgrammar", reason="structured outputs need xgrammar")
 
 from m3serve import protocol  # noqa: E402
 from m3serve.config import EngineConfig  # noqa: E402
-from m3serve.core.engine_core import EngineCore  # noqa: E402
-from m3serve.core.engine_proc import EngineLoop  # noqa: E402
+from m3serve.engine.engine_core import EngineCore  # noqa: E402
+from m3serve.engine.engine_proc import EngineLoop  # noqa: E402
 from m3serve.core.request import RequestStatus  # noqa: E402
 from m3serve.executor.uniproc import UniProcExecutor  # noqa: E402
 from m3serve.protocol import AddRequests, EngineCoreRequest  # noqa: E402
 from m3serve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
-from m3serve.serving.tool_grammar import tool_call_grammar  # noqa: E402
-from m3serve.worker import structured  # noqa: E402
+from m3serve.structured.tool_grammar import tool_call_grammar  # noqa: E402
+from m3serve.structured import compiler as structured  # noqa: E402
 
 SLOW = 'root ::= "slow"'          # compiled by the stand-in below in SLOW_S seconds
-SLOW_S = 3.0
+SLOW_S = 6.0     # the other requests, a forced-tool grammar among them, finish well inside it (2 busy cores)
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 

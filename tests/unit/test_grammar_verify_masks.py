@@ -1,4 +1,4 @@
-"""The grammar masks of a verify step (worker.structured.GrammarBook.verify_masks): one row per
+"""The grammar masks of a verify step (structured.compiler.GrammarBook.verify_masks): one row per
 verified position, each equal to a fresh matcher's mask after the drafts before it; the
 request's matcher is left where it was; rows after a draft the grammar refuses, or after the
 grammar's end, carry no mask (and filling them does not fail). And the sampling mode of a
@@ -13,7 +13,7 @@ import xgrammar as xgr  # noqa: E402
 from m3serve.core.sampling_mode import SamplingMode, sampling_mode  # noqa: E402
 from m3serve.model.tokenizer_build import SPECIAL_TOKENS  # noqa: E402
 from m3serve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
-from m3serve.worker.structured import GrammarBook, compile_grammar  # noqa: E402
+from m3serve.structured.compiler import GrammarBook, compile_grammar  # noqa: E402
 
 V = 2048
 

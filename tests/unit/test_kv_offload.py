@@ -382,7 +382,7 @@ def test_a_tier_smaller_than_a_block_is_refused(tiny_dir):
 
 
 def test_dp_replicas_tier_stats_add_up():
-    from m3serve.core.engine_group import ReplicaBook
+    from m3serve.engine.engine_group import ReplicaBook
     from m3serve.protocol import EngineStats
     a = EngineStats(external_prefix_cache_hits=96, kv_offload_bytes_to_gpu=10, kv_offload_evictions=1,
                     kv_offload_usage=1.0, kv_offload_num_slots=100)

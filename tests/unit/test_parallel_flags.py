@@ -3,7 +3,8 @@ values refused with the numbers named, and the layout arithmetic the executors r
 import pytest
 
 from m3serve.cli import build_parser
-from m3serve.config import EngineConfig, ParallelConfig, RankLayout
+from m3serve.config import EngineConfig, ParallelConfig
+from m3serve.rank_layout import RankLayout
 from m3serve.engine_args import engine_kwargs
 
 
@@ -21,7 +22,7 @@ def test_vllm_flag_names():
                  "--distributed-executor-backend", "mp"]).parallel
     assert (p.tensor_parallel_size, p.data_parallel_size, p.enable_expert_parallel) == (8, 2, True)
     assert (p.nnodes, p.node_rank, p.master_addr, p.master_port) == (2, 1, "10.0.0.1", 29600)
-    assert p.world_size == 16 and p.layout.per_node == 8 and p.uses_processes
+    assert p.world_size == 16 and RankLayout.of(p).per_node == 8 and p.uses_processes
 
 
 def test_torchrun_variables_are_defaults(monkeypatch):
@@ -69,7 +70,7 @@ def test_api_process_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, m3serve.serving.api_server, m3serve.core.core_client, m3serve.core.sync_client, "
+    code = ("import sys, m3serve.serving.api_server, m3serve.engine.core_client, m3serve.engine.sync_client, "
             "m3serve.model.files, m3serve.plan, m3serve.engine_args; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert 'm3serve.llm' not in sys.modules")

@@ -146,7 +146,7 @@ def test_draft_kv_counted(real, tmp_path):
     replicated to 1 (512 B). MTP: a module's K/V + index key per token per draft step."""
     from m3serve.bench.realshape import write_realshape_dir
     from m3serve.plan import draft_kv
-    from m3serve.spec.tiny_drafts import make_draft
+    from m3serve.distill.tiny_drafts import make_draft
 
     target = write_realshape_dir(tmp_path / "rs", 60, dense_layers=3)
     for kind, tp, want in (("eagle3", 1, 32768), ("eagle3-gqa", 1, 2048), ("eagle3", 8, 4096),

@@ -19,7 +19,7 @@ import pytest
 
 from m3serve.core import spec_gate as sg
 from m3serve.core.spec_gate import Acceptance, SpeculationGate, bucket_of, draft_widths
-from m3serve.spec.rejection import synthetic_acceptance_rate
+from m3serve.worker.rejection import synthetic_acceptance_rate
 
 PLAIN_MS = {1: 5.71, 4: 7.34, 16: 13.17}
 TABLE = {"eagle3": (3, 2.78, {1: 3.44, 4: 5.58, 16: 9.76}),     # k, acceptance, peer TPOT ms

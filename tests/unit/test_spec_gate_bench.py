@@ -20,7 +20,7 @@ from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import ModelRunnerOutput
 from m3serve.sampling_params import SamplingParams
-from m3serve.spec.rejection import synthetic_acceptance_rate
+from m3serve.worker.rejection import synthetic_acceptance_rate
 
 ISL, OSL, WARM = 1024, 128, GATE_WARM_UP_TOKENS
 SIZES = (1, 4, 16, 64)

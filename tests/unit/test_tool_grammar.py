@@ -8,8 +8,8 @@ import pytest
 
 import m3serve.model
 from m3serve.serving.chat_template import render_chat
-from m3serve.serving.tool_grammar import tool_call_grammar
-from m3serve.serving.tool_parser import NAMESPACE as NS
+from m3serve.structured.tool_grammar import tool_call_grammar
+from m3serve.model.markup import NAMESPACE as NS
 from m3serve.serving.tool_parser import MiniMaxM3ToolParser
 
 xgr = pytest.importorskip("xgrammar")

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from m3serve.serving.tool_parser import NAMESPACE as NS
+from m3serve.model.markup import NAMESPACE as NS
 from m3serve.serving.tool_parser import MiniMaxM3ToolParser, get_tool_parser
 
 

@@ -6,17 +6,31 @@ from __future__ import annotations
 
 import torch
 
-from m3serve.kernels.fused_moe import (
-    FP8_MAX,
-    FP8_MIN_SCALE,
-    max_aligned_blocks,
-    moe_route,
-)
-
+FP8_MAX = 448.0          # largest finite float8_e4m3fn
+# Floor of a per-token activation scale, so an all-zero row quantises to zeros instead of NaN.
+FP8_MIN_SCALE = 1e-12
 # Floor of a weight row's scale (docs/model.md §8.3), so an all-zero row stays finite.
 FP8_MIN_WEIGHT_SCALE = 1.0 / (FP8_MAX * 512)
 
-moe_route_ref = moe_route  # the router is plain PyTorch already
+
+
+def moe_route_ref(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                  routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `moe_route` (same contract): sigmoid scores in fp32, top-k of the biased
+    scores, the chosen scores renormalised and scaled."""
+    scores = torch.sigmoid(x.float() @ gate_weight.float().t())           # [T, E]
+    ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices         # [T, K]
+    weights = scores.gather(1, ids)                                         # [T, K]
+    weights = weights / weights.sum(-1, keepdim=True) * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def max_aligned_blocks(num_pairs: int, num_slots: int, block_m: int) -> int:
+    """Upper bound on the blocks `moe_align` can produce for num_pairs (token, choice) pairs.
+
+    Each non-empty slot wastes less than one block, and at most min(slots, pairs) are non-empty.
+    """
+    return -(-num_pairs // block_m) + min(num_slots, num_pairs)
 
 
 def moe_align_ref(ids: torch.Tensor, num_experts: int, block_m: int, *, first_expert: int = 0,

@@ -89,7 +89,7 @@ def expected_tensors(cfg: M3Config, scheme: QuantScheme | None):
 def canonical_module(key: str) -> str | None:
     """The canonical module name of a checkpoint tensor in the original naming (its last
     component dropped), or None for tensors outside the text model's layers."""
-    from m3serve.model.loader import canonicalize
+    from m3serve.model.checkpoint import canonicalize
     module, _, _ = key.rpartition(".")
     try:
         pairs = canonicalize(module + ".weight", None)
@@ -160,7 +160,7 @@ def dequantized_checkpoint(model_dir) -> dict[str, torch.Tensor]:
     to fp32 by their format's rule (the weights the dense reference runs on)."""
     from m3serve.kernels.ref.packed import dequantize
     from m3serve.model.config import read_config_json
-    from m3serve.model.loader import canonicalize, iter_checkpoint, materialize, weight_files
+    from m3serve.model.checkpoint import canonicalize, iter_checkpoint, materialize, weight_files
     from pathlib import Path
     model_dir = Path(model_dir)
     scheme = detect_scheme(read_config_json(model_dir))

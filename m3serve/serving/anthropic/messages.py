@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.errors import EngineDeadError, EngineError, RequestFailed
+from m3serve.engine.errors import EngineDeadError, EngineError, RequestFailed
 from m3serve.sampling_params import SamplingParams, StructuredOutputsParams
 from m3serve.serving.anthropic.blocks import BlockBuilder
 from m3serve.serving.anthropic.convert import ChatForm, chat_form
 from m3serve.serving.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
 from m3serve.serving.chat_template import render_chat
 from m3serve.serving.openai.common import ServerContext, admit, internal_error, run_unless_disconnected
-from m3serve.serving.reasoning import THINK_CLOSE
-from m3serve.serving.tool_grammar import tool_call_grammar
+from m3serve.model.markup import THINK_CLOSE
+from m3serve.structured.tool_grammar import tool_call_grammar
 from m3serve.serving.tool_parser import get_tool_parser
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from m3serve.core.errors import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
+from m3serve.engine.errors import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
 from m3serve.serving.anthropic import messages
 from m3serve.serving.anthropic.protocol import OVERLOADED_STATUS, CountTokensRequest, MessagesRequest, error_body
 from m3serve.serving.openai.common import ClientDisconnected, internal_error

@@ -9,7 +9,7 @@ import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.errors import EngineError
+from m3serve.engine.errors import EngineError
 from m3serve.sampling_params import StructuredOutputsParams
 from m3serve.serving.chat_template import render_chat, template_kwargs
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field, merge,
@@ -19,7 +19,7 @@ from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import ChatCompletionRequest
 from m3serve.serving.output_processor import SequenceState
 from m3serve.serving.reasoning import get_reasoning_parser
-from m3serve.serving.tool_grammar import tool_call_grammar
+from m3serve.structured.tool_grammar import tool_call_grammar
 from m3serve.serving.tool_parser import get_tool_parser
 
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from m3serve.core.errors import EngineDeadError, RequestFailed
+from m3serve.engine.errors import EngineDeadError, RequestFailed
 from m3serve.serving.openai.engine import ServingEngine
 from m3serve.serving.openai.protocol import APIError, error_body
 from m3serve.serving.output_processor import RequestState

@@ -8,7 +8,7 @@ import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from m3serve.core.errors import EngineError
+from m3serve.engine.errors import EngineError
 from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field,
                                            merge, sse, engine_error_event, usage_block)
 from m3serve.serving.openai.engine import clamp_logprob, prompt_logprobs_field, top_entries

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tokenizers import Tokenizer
 
 from m3serve import envs
-from m3serve.core.errors import EngineError, RequestFailed
+from m3serve.engine.errors import EngineError, RequestFailed
 from m3serve.outputs import PositionLogprobs
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.metrics import ServerMetrics

@@ -16,7 +16,7 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from m3serve.core.errors import EngineDeadError, RequestFailed
+from m3serve.engine.errors import EngineDeadError, RequestFailed
 from m3serve.sampling_params import StructuredOutputsParams
 from m3serve.serving.chat_template import EFFORT_TO_THINKING_MODE, REASONING_EFFORTS
 from m3serve.serving.openai.chat import _Choice, render_request
@@ -27,7 +27,7 @@ from m3serve.serving.openai.responses_input import (ResponseStore,
                                                     output_messages, response_format)
 from m3serve.serving.openai.responses_protocol import KNOWN_INCLUDES, ResponsesRequest
 from m3serve.serving.signing import ReasoningSigner
-from m3serve.serving.tool_grammar import tool_call_grammar
+from m3serve.structured.tool_grammar import tool_call_grammar
 
 STORE_FLAG = "--enable-response-store"
 

@@ -24,7 +24,7 @@ import zmq
 from m3serve import envs, memtrace
 from m3serve import protocol
 from m3serve.config import EngineConfig
-from m3serve.core.engine_core import EngineCore
+from m3serve.engine.engine_core import EngineCore
 from m3serve.protocol import AddResult, CoreOutput, CoreOutputs, EngineStats
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from m3serve.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear
 from m3serve.layers.norm import RMSNorm
 from m3serve.layers.rotary import RotaryEmbedding, apply_rotary
 from m3serve.model.config import M3Config, read_config_json
-from m3serve.spec.drafter import Drafter
+from m3serve.spec_decode.drafter import Drafter
 
 
 @dataclass(frozen=True)

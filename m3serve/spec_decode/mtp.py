@@ -26,7 +26,7 @@ from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.layers.linear import ReplicatedLinear
 from m3serve.layers.norm import RMSNorm
 from m3serve.model.config import M3Config, layer_shapes
-from m3serve.spec.drafter import Drafter
+from m3serve.spec_decode.drafter import Drafter
 
 _MTP = re.compile(r"^(?:language_model\.model\.|model\.)?mtp\.layers\.(\d+)\.(.+)$")
 
@@ -128,7 +128,7 @@ def mtp_shapes(cfg: M3Config, num_modules: int) -> dict[str, tuple[int, ...]]:
 def canonical_mtp_names(name: str, tensor, num_modules: int):
     """A checkpoint tensor -> [(canonical name, tensor)] for a loaded module, [] for another
     module, None for a tensor that is not MTP's."""
-    from m3serve.model.loader import canonicalize
+    from m3serve.model.checkpoint import canonicalize
 
     match = _MTP.match(name)
     if not match:

@@ -204,7 +204,7 @@ class GrammarCompiles:
 def _warm_up(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> None:
     """Import xgrammar, build the compiler for the default stop token and compile a tool-call
     grammar, so that the first constrained request pays none of it."""
-    from m3serve.serving.tool_grammar import tool_call_grammar
+    from m3serve.structured.tool_grammar import tool_call_grammar
 
     started = time.monotonic()
     tool = {"type": "function", "function": {"name": "f", "parameters": {

@@ -1,7 +1,7 @@
 """Distilling MiniMax-M3 MTP modules for a target from its own greedy sequences (the trained
 tiny model's MTP draft, `scripts/train_tiny.py`).
 
-Module m's forward is `spec/mtp.py`'s, written over canonical tensors with
+Module m's forward is `spec_decode/mtp.py`'s, written over canonical tensors with
 `model/trainable.py`'s decoder layer (MSA + MoE, the indexer trained by its own loss):
   e = embed(token[p + 1]) (0 at position 0), z = eh_proj([enorm(e), hnorm(h_prev[p])]),
   h_new = layer(z), logits = lm_head(final_layernorm(h_new)) -> token p + 2,

@@ -1,6 +1,6 @@
-"""The interface every draft kind implements (EAGLE3 in `spec/eagle3.py`, MTP in `spec/mtp.py`,
-DSpark in `spec/dspark.py`): its cache groups, its first pass over the target's step (`first`)
-and how it turns that into k drafts (`steps`). `spec/proposer.py` loads one and runs it: it
+"""The interface every draft kind implements (EAGLE3 in `spec_decode/eagle3.py`, MTP in `spec_decode/mtp.py`,
+DSpark in `spec_decode/dspark.py`): its cache groups, its first pass over the target's step (`first`)
+and how it turns that into k drafts (`steps`). `spec_decode/proposer.py` loads one and runs it: it
 builds the first pass's inputs and the one-token steps' attention metadata, so a draft kind
 knows nothing of the engine's batch. Sequential drafts (EAGLE3, MTP) implement `prepare` and
 `propose` and inherit the loop; a block-parallel one (DSpark) overrides `first` and `steps`.

@@ -13,8 +13,8 @@ import zmq
 
 from m3serve import protocol
 from m3serve.config import EngineConfig
-from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
-from m3serve.core.errors import EngineDeadError
+from m3serve.engine.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
+from m3serve.engine.errors import EngineDeadError
 
 _POLL_MS = 200
 

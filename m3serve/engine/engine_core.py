@@ -60,7 +60,7 @@ class EngineCore:
                                             executor.kv_rank_metadata())
         async_on = async_scheduling_applies(config)
         device_type = getattr(executor, "device_type", "cpu")
-        from m3serve.worker.structured import GrammarCompiles
+        from m3serve.structured.compiler import GrammarCompiles
         # compiled off the loop (and warmed now), so that no grammar holds up a step
         self.grammars = GrammarCompiles(executor.model_dir, cfg.vocab_size, cfg.eos_token_id,
                                         config.structured_outputs.grammar_compile_timeout_seconds)
@@ -100,7 +100,7 @@ class EngineCore:
         its grammar, compiled off this thread; a grammar that fails finishes its request with
         a client error."""
         if request.sampling_params.structured_outputs is not None:
-            from m3serve.worker.structured import check_request
+            from m3serve.structured.compiler import check_request
             check_request(request.sampling_params)
         if request.mm_inputs:
             self._check_media(request)

@@ -23,6 +23,7 @@ import time
 import types
 from contextlib import contextmanager
 
+from m3serve.rank_layout import RankLayout
 from m3serve.config import EngineConfig
 from m3serve.protocol import EngineDead, EngineReady, EngineStats
 
@@ -125,13 +126,13 @@ class EngineProcesses:
 
     def __init__(self, config: EngineConfig, endpoints: EngineEndpoints):
         self.config, self.endpoints = config, endpoints
-        layout = config.parallel.layout
+        layout = RankLayout.of(config.parallel)
         node = config.parallel.node_rank
         self.local_replicas = [d for d in range(layout.dp) if layout.node_of(d * layout.tp) == node]
         self.procs: dict[int, multiprocessing.Process] = {}
 
     def start(self) -> None:
-        from m3serve.core.engine_proc import run_engine_process
+        from m3serve.engine.engine_proc import run_engine_process
 
         ctx = multiprocessing.get_context("spawn")  # never fork: CUDA and threads do not survive it
         for d in self.local_replicas:
@@ -266,7 +267,7 @@ def run_headless(config: EngineConfig) -> int:
 
     from m3serve.model.files import model_directory
 
-    layout, node = config.parallel.layout, config.parallel.node_rank
+    layout, node = RankLayout.of(config.parallel), config.parallel.node_rank
     model_dir = str(model_directory(config.model.model))
     endpoints = EngineEndpoints(config)
     engines = EngineProcesses(config, endpoints)

@@ -1,4 +1,4 @@
-"""The proposer: loads a draft kind (`spec/drafter.py`: the EAGLE3 head, the MTP modules or the
+"""The proposer: loads a draft kind (`spec_decode/drafter.py`: the EAGLE3 head, the MTP modules or the
 DSpark block drafter) and after each step proposes k draft tokens per request with it.
 
 After a step the proposer runs the draft over every token the target just processed (its
@@ -26,8 +26,8 @@ from m3serve.core.kv_cache.specs import CacheGroupSpec
 from m3serve.distributed import GroupInfo, ParallelInfo
 from m3serve.layers.attention_metadata import AttentionMetadata
 from m3serve.model.config import M3Config
-from m3serve.spec.drafter import Drafter
-from m3serve.worker.attn_metadata import positions_and_slots
+from m3serve.spec_decode.drafter import Drafter
+from m3serve.layers.attention_metadata import positions_and_slots
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class StepForDraft:
 
 
 class Proposer:
-    """Runs one draft kind (`spec/drafter.py`) after each target step: k draft tokens per request."""
+    """Runs one draft kind (`spec_decode/drafter.py`) after each target step: k draft tokens per request."""
 
     def __init__(self, spec, target, target_cfg: M3Config, target_dir: Path, parallel: ParallelInfo,
                  device: torch.device, load_format: str, seed: int, max_model_len: int):
@@ -156,7 +156,7 @@ class Proposer:
 
 def _dummy_entries(shapes: dict, seed: int, device):
     """Random draft weights (`--load-format dummy`), each tensor from its own seed."""
-    from m3serve.model.loader import LazyTensor
+    from m3serve.model.checkpoint import LazyTensor
 
     for index, (name, shape) in enumerate(shapes.items()):
         def make(name=name, shape=shape, index=index):
@@ -174,7 +174,7 @@ def _dummy_entries(shapes: dict, seed: int, device):
 
 
 def _checkpoint_entries(files, canonical):
-    from m3serve.model.loader import iter_checkpoint
+    from m3serve.model.checkpoint import iter_checkpoint
 
     for path, key, tensor in iter_checkpoint(files):
         pairs = canonical(key, tensor)
@@ -183,9 +183,10 @@ def _checkpoint_entries(files, canonical):
 
 
 def _load_eagle3(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
-    from m3serve.config import eagle3_draft_dir
-    from m3serve.model.loader import fill_parameters, weight_files
-    from m3serve.spec.eagle3 import (Eagle3Draft, Eagle3Drafter, canonical_eagle3_name, eagle3_shapes,
+    from m3serve.model.draft_files import eagle3_draft_dir
+    from m3serve.model.checkpoint import weight_files
+    from m3serve.model.loader import fill_parameters
+    from m3serve.spec_decode.eagle3 import (Eagle3Draft, Eagle3Drafter, canonical_eagle3_name, eagle3_shapes,
                                      eagle3_to_param, load_eagle3_config)
 
     tp, dtype = (parallel.tp if draft_tp > 1 else GroupInfo()), target.dtype
@@ -220,8 +221,9 @@ def _load_eagle3(spec, target, target_cfg, target_dir, parallel, draft_tp, devic
 def _load_mtp(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
     from m3serve.model.config import load_config
     from m3serve.model.files import resolve_model_dir
-    from m3serve.model.loader import fill_parameters, weight_files
-    from m3serve.spec.mtp import MTPDraft, MTPDrafter, canonical_mtp_names, mtp_shapes, mtp_to_param
+    from m3serve.model.checkpoint import weight_files
+    from m3serve.model.loader import fill_parameters
+    from m3serve.spec_decode.mtp import MTPDraft, MTPDrafter, canonical_mtp_names, mtp_shapes, mtp_to_param
 
     if parallel.dp.size > 1:
         raise ValueError("MTP drafting with data_parallel_size > 1 is not supported (its MoE "
@@ -277,7 +279,7 @@ def _dspark_dummy_entries(shapes: dict, dtypes: dict, seed: int, device):
     """Random DSpark weights (`--load-format dummy`, `_dummy_entries`' draws); the packed
     projections quantised from them, codes and scales."""
     from m3serve.kernels.ref.packed import quantize_mxfp8
-    from m3serve.model.loader import LazyTensor
+    from m3serve.model.checkpoint import LazyTensor
 
     plain = {n: s for n, s in shapes.items() if not n.endswith("weight_scale_inv")}
     for source, name, [(cname, lazy)] in _dummy_entries(plain, seed, device):
@@ -291,8 +293,9 @@ def _dspark_dummy_entries(shapes: dict, dtypes: dict, seed: int, device):
 
 
 def _load_dspark(spec, target, target_cfg, target_dir, parallel, draft_tp, device, load_format, seed):
-    from m3serve.model.loader import fill_parameters, weight_files
-    from m3serve.spec.dspark import (DSparkDraft, DSparkDrafter, canonical_dspark_name, dspark_dtypes,
+    from m3serve.model.checkpoint import weight_files
+    from m3serve.model.loader import fill_parameters
+    from m3serve.spec_decode.dspark import (DSparkDraft, DSparkDrafter, canonical_dspark_name, dspark_dtypes,
                                      dspark_shapes, dspark_to_param, load_dspark_config)
 
     draft_dir = _dspark_dir(spec, target_dir)

@@ -1,7 +1,7 @@
 """Distilling a DSpark draft for a target from its own greedy sequences (the trained tiny model's
 `dspark/` folder, `scripts/train_tiny.py`).
 
-The forward is `spec/dspark.py`'s, written over canonical tensors for a batch of anchors: the
+The forward is `spec_decode/dspark.py`'s, written over canonical tensors for a batch of anchors: the
 context K/V of every position from `hidden_norm(fc(taps))` (no input norm), and for an anchor at
 position a the query block [token a, noise x (k - 1)] at positions a .. a + k - 1, whose queries
 see every block key and the context keys at positions <= a - 1 inside the sliding window; the
@@ -85,7 +85,7 @@ def distill_dspark(draft_dir: Path, target_dir: Path, data, epochs: int, seed: i
     loss weighs `position_decay` ** i (normalised)."""
     from m3serve.model.config import load_config
     from m3serve.model.trainable import ParamStore, init_weights, read_canonical
-    from m3serve.spec.dspark import dspark_shapes, load_dspark_config
+    from m3serve.spec_decode.dspark import dspark_shapes, load_dspark_config
 
     target_cfg = load_config(target_dir)
     cfg = load_dspark_config(draft_dir, target_cfg)
@@ -133,7 +133,7 @@ def _save(tensors: dict[str, torch.Tensor], cfg, draft_dir: Path) -> None:
     from safetensors.torch import save
 
     from m3serve.kernels.ref.packed import quantize_mxfp8
-    from m3serve.spec.dspark import PREFIX
+    from m3serve.spec_decode.dspark import PREFIX
 
     out = {}
     for name, t in tensors.items():

@@ -1,5 +1,5 @@
-"""The errors of an engine client, the same for the server's (`core/core_client.py`) and the
-offline `LLM`'s (`core/sync_client.py`): a caller handles a refused, failed or dead engine one
+"""The errors of an engine client, the same for the server's (`engine/core_client.py`) and the
+offline `LLM`'s (`engine/sync_client.py`): a caller handles a refused, failed or dead engine one
 way whichever client it holds."""
 from __future__ import annotations
 

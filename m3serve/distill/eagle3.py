@@ -2,7 +2,7 @@
 eagle3 --train-steps N`, and the trained tiny model's draft in `scripts/train_tiny.py`), so that
 the draft accepts tokens for real.
 
-Data (`spec/draft_data.py`): greedy continuations by the engine, of random prompts or of given
+Data (`distill/draft_data.py`): greedy continuations by the engine, of random prompts or of given
 ones. For every position t of a sequence the target's tapped streams are recorded; the draft
 learns to predict token t + 2 from (taps at t, token t + 1) -- and, unrolled as at inference,
 token t + 2 + j from its own hidden state of step j - 1 -- with dense causal attention over the
@@ -47,7 +47,7 @@ def random_prompt_features(target_dir: Path, taps: tuple[int, ...], num: int, pr
     """The target's greedy continuations of `num` random-token prompts and its features over
     them (the data of `make-tiny --draft eagle3 --train-steps N`)."""
     from m3serve.model.config import load_config
-    from m3serve.spec.draft_data import greedy_sequences, target_features
+    from m3serve.distill.draft_data import greedy_sequences, target_features
 
     g = torch.Generator().manual_seed(seed)
     vocab = load_config(target_dir).vocab_size
@@ -66,7 +66,7 @@ def distill_eagle3(draft_dir: Path, target_dir: Path, steps: int, seed: int = 0,
     from m3serve.distributed import GroupInfo
     from m3serve.model.config import load_config
     from m3serve.model.loader import load_model
-    from m3serve.spec.eagle3 import Eagle3Draft, load_eagle3_config
+    from m3serve.spec_decode.eagle3 import Eagle3Draft, load_eagle3_config
 
     if unroll < 1:
         raise ValueError(f"unroll must be >= 1, got {unroll}")

@@ -57,7 +57,7 @@ from m3serve.layers.moe import DenseMLP
 from m3serve.layers.norm import RMSNorm, gemma_rms_norm
 from m3serve.layers.rotary import RotaryEmbedding, apply_rotary
 from m3serve.model.config import FULL, M3Config
-from m3serve.spec.drafter import Drafter
+from m3serve.spec_decode.drafter import Drafter
 
 ARCHITECTURE = "DSparkMiniMaxDraftModel"
 PREFIX = "language_model.model.dspark."
@@ -100,7 +100,7 @@ def load_dspark_config(draft_dir: Path, target: M3Config) -> DSparkConfig:
     """Read and check `dspark/config.json` against the target it drafts for; what this engine
     does not implement (another Markov head, hybrid context fusion, MoE or sparse draft layers)
     is refused by name rather than guessed."""
-    from m3serve.config import read_dspark_config
+    from m3serve.model.draft_files import read_dspark_config
 
     path = Path(draft_dir) / "config.json"
     raw, text = read_dspark_config(path)

@@ -20,8 +20,8 @@ import zmq.asyncio
 
 from m3serve import protocol
 from m3serve.config import EngineConfig
-from m3serve.core.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
-from m3serve.core.errors import EngineDeadError, EngineError, EngineOverloaded, ShuttingDown
+from m3serve.engine.engine_group import EngineEndpoints, EngineProcesses, ReplicaBook, send_shutdown
+from m3serve.engine.errors import EngineDeadError, EngineError, EngineOverloaded, ShuttingDown
 from m3serve.protocol import EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,7 @@ from __future__ import annotations
 import json
 import math
 
-from m3serve.serving.reasoning import THINK_CLOSE, THINK_OPEN
-from m3serve.serving.tool_parser import NAMESPACE
+from m3serve.model.markup import NAMESPACE, THINK_CLOSE, THINK_OPEN
 
 # Deeper schemas than this are admitted as free text below that depth.
 MAX_SCHEMA_DEPTH = 16

@@ -91,7 +91,7 @@ def make_draft(out_dir: str | Path, kind: str, target_dir: str | Path | None = N
 
 
 def _eagle3_weights(raw: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    from m3serve.spec.eagle3 import Eagle3Config, eagle3_shapes
+    from m3serve.spec_decode.eagle3 import Eagle3Config, eagle3_shapes
 
     cfg = Eagle3Config(raw["hidden_size"], raw["num_attention_heads"], raw["num_key_value_heads"],
                        raw["head_dim"], raw["intermediate_size"], raw["rms_norm_eps"], raw["rope_theta"],
@@ -167,7 +167,7 @@ def dspark_config_dict(target_dir: Path, replicated: bool = False) -> dict:
 
 def _dspark_weights(draft_dir: Path, target_dir: Path, gen: torch.Generator) -> dict[str, torch.Tensor]:
     from m3serve.kernels.ref.packed import quantize_mxfp8
-    from m3serve.spec.dspark import PREFIX, dspark_shapes, load_dspark_config
+    from m3serve.spec_decode.dspark import PREFIX, dspark_shapes, load_dspark_config
 
     cfg = load_dspark_config(draft_dir, load_config(target_dir))
     out = {}
