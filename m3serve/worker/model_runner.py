@@ -50,30 +50,47 @@ class ModelRunner:
     def __init__(self, model, block_size: int, num_blocks: int, device: torch.device,
                  max_model_len: int, max_num_reqs: int, max_num_tokens: int,
                  kv_cache_dtype: torch.dtype | None = None, index_cache_dtype: torch.dtype | None = None,
-                 seed: int = 0, is_driver: bool = True, sample_everywhere: bool = False,
-                 extra_positions: int = 0, draft_tables: bool = False):
+                 seed: int = 0, is_driver: bool = True, extra_positions: int = 0, draft_tables: bool = False,
+                 *, vision=None, proposer=None, rejection=None, grammars=None,
+                 spec_graph_sizes: list[int] = (), spec_graph_widths: list[int] = ()):
+        """Everything a step needs, whole: the paged caches of `num_blocks` blocks and the step
+        buffers for up to `max_num_reqs` requests and `max_num_tokens` tokens. With a vision
+        tower `vision` (model.vision.VisionEncoder) its outputs' store is made here; with a draft
+        `proposer` (spec_decode.proposer.Proposer, its caches allocated) every rank samples,
+        `rejection` (worker.rejection.RejectionSampler) verifies its drafts, and on a GPU the
+        speculative decode graphs for `spec_graph_sizes` x `spec_graph_widths` are made (captured
+        by `spec_graphs.capture`). `grammars` (structured.compiler.GrammarBook) masks the
+        sampling rank's constrained requests."""
         self.model, self.cfg = model, model.cfg
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, device
         self.max_model_len = max_model_len
         self.is_driver = is_driver
         self.vocab_size = self.cfg.vocab_size
         # every rank samples when speculating (the proposer starts from the emitted tokens)
-        samples = is_driver or sample_everywhere
+        samples = is_driver or proposer is not None
         self.batch = InputBatch(max_model_len, block_size, device, capacity=max_num_reqs,
                                 make_generators=samples, extra_positions=extra_positions,
                                 draft_tables=draft_tables)
         self.buffers = StepBuffers(max_num_reqs, max_num_tokens, self.batch.max_blocks, block_size, device,
                                    draft_tables=draft_tables)
-        self.step_sampler = StepSampler(model, self.batch, device, max_num_reqs, is_driver, samples, seed)
+        self.step_sampler = StepSampler(model, self.batch, device, max_num_reqs, is_driver, samples, seed,
+                                        grammars=grammars, rejection=rejection)
         self.kv_cache_dtype = kv_cache_dtype or model.dtype
         self.index_cache_dtype = index_cache_dtype or model.dtype
         self.dp_exchange = model.parallel.dp.active
         self.graphs: DecodeGraphs | None = None
-        self.proposer = None          # spec.proposer.Proposer when speculating (set by the worker)
-        self.spec_graphs = None       # worker.spec_graphs.SpecDecodeGraphs, with the proposer on a GPU
-        self.vision = None            # model.vision.VisionEncoder when images are served (set by the worker)
+        self.proposer = proposer
+        self.vision = vision
         self.media: dict = {}         # request id -> worker.media.MediaFeatures
         self.encoder_outputs = None   # worker.media.EncoderOutputs, with the vision encoder
+        if vision is not None:
+            from m3serve.worker.media import EncoderOutputs
+            self.encoder_outputs = EncoderOutputs(model.dtype)
+        self.spec_graphs = None       # worker.spec_graphs.SpecDecodeGraphs, with the proposer on a GPU
+        if proposer is not None and spec_graph_sizes:
+            from m3serve.worker.spec_graphs import SpecDecodeGraphs
+            self.spec_graphs = SpecDecodeGraphs(model, proposer, self.buffers, list(spec_graph_sizes),
+                                                extra_positions, max_model_len, list(spec_graph_widths))
         self.num_graph_steps = self.num_eager_steps = 0
         self._allocate_caches()
 

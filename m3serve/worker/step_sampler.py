@@ -72,14 +72,14 @@ class StepSampler:
     """Samples one step's tokens from the forward's logits and builds its output."""
 
     def __init__(self, model, batch: InputBatch, device: torch.device, max_num_reqs: int,
-                 is_driver: bool, samples: bool, seed: int = 0):
+                 is_driver: bool, samples: bool, seed: int = 0, *, grammars=None, rejection=None):
         self.model, self.batch, self.device = model, batch, device
         self.head = model.lm_head
         self.vocab_size = model.cfg.vocab_size
         self.is_driver = is_driver
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed)) if samples else None
-        self.grammars = None          # structured.compiler.GrammarBook on the sampling rank (set by the worker)
-        self.rejection = None         # spec.rejection.RejectionSampler when speculating (set by the worker)
+        self.grammars = grammars      # structured.compiler.GrammarBook on the sampling rank
+        self.rejection = rejection    # worker.rejection.RejectionSampler when speculating
         self.failed: dict[str, str] = {}   # the last sampled step's requests that cannot go on: why
         self.deferred: DeferredTokens | None = None
         # async scheduling: two pinned buffers (each with its copy's event), used in turn, so a

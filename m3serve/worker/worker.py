@@ -132,35 +132,33 @@ class Worker:
         max_reqs = max([config.scheduler.max_num_seqs, *sizes])
         k = config.speculative.num_speculative_tokens
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(
-            self.model, self.block_size, num_blocks, self.device, self.max_model_len, max_reqs,
-            max(config.scheduler.max_num_batched_tokens, max_reqs * (k + 1)), kv_cache_dtype=self.kv_dtype,
-            index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
-            sample_everywhere=self.proposer is not None,
-            extra_positions=config.speculative.num_speculative_tokens, draft_tables=self.draft_window > 0)
-        self.runner.vision = self.vision
-        if self.vision is not None:
-            from m3serve.worker.media import EncoderOutputs
-            self.runner.encoder_outputs = EncoderOutputs(self.model.dtype)
+        grammars = rejection = None
         if self.is_driver or self.proposer is not None:      # the ranks that sample
             from m3serve.structured.compiler import GrammarBook
-            self.runner.step_sampler.grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
-            self.runner.step_sampler.grammars.warm_up(self.device)
+            grammars = GrammarBook(self.model_dir, self.model_config.vocab_size)
+            grammars.warm_up(self.device)
+        graph_sizes, graph_widths, rule = [], [], None
         if self.proposer is not None:
+            from m3serve.core.spec_gate import rule_of
             from m3serve.worker.rejection import RejectionSampler
             spec = config.speculative
             self.proposer.allocate_caches(self.num_draft_blocks or num_blocks, self.block_size, self.kv_dtype,
                                           self.index_dtype)
-            self.runner.proposer = self.proposer
-            self.runner.step_sampler.rejection = RejectionSampler(
+            rejection = RejectionSampler(
                 spec.rejection_sample_method, spec.synthetic_acceptance_length, spec.num_speculative_tokens,
                 torch.Generator(device=self.device).manual_seed(config.model.seed + 1))
-        if sizes and self.proposer is not None:
-            from m3serve.core.spec_gate import rule_of
-            from m3serve.worker.spec_graphs import SpecDecodeGraphs, spec_graph_widths
             rule = rule_of(config, self.device.type)
-            self.runner.spec_graphs = SpecDecodeGraphs(self.model, self.proposer, self.runner.buffers, sizes,
-                                                       k, self.max_model_len, spec_graph_widths(k, rule))
+            if sizes:
+                from m3serve.worker.spec_graphs import spec_graph_widths
+                graph_sizes, graph_widths = sizes, spec_graph_widths(k, rule)
+        self.runner = ModelRunner(
+            self.model, self.block_size, num_blocks, self.device, self.max_model_len, max_reqs,
+            max(config.scheduler.max_num_batched_tokens, max_reqs * (k + 1)), kv_cache_dtype=self.kv_dtype,
+            index_cache_dtype=self.index_dtype, seed=config.model.seed, is_driver=self.is_driver,
+            extra_positions=k, draft_tables=self.draft_window > 0, vision=self.vision,
+            proposer=self.proposer, rejection=rejection, grammars=grammars,
+            spec_graph_sizes=graph_sizes, spec_graph_widths=graph_widths)
+        if sizes and self.proposer is not None:
             self.runner.spec_graphs.capture(self.runner.batch)
             # the steps that decode without drafts: at disable_by_batch_size and above, or at
             # any size the measured rule may turn drafts off for (core/spec_gate.py)
