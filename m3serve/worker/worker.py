@@ -180,20 +180,10 @@ class Worker:
             logger.info("warmed up the prefill kernels in %.1f s", time.perf_counter() - start)
             if self.vision is not None:
                 self._warm_up_vision()
-        connectors = []
-        if config.kv_transfer.enabled:
-            connectors.append(self._register_kv_transfer())
         self.num_cpu_blocks = self.available_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
-        if self.num_cpu_blocks:
-            from m3serve.worker.kv_offload import KVOffloadWorker
-            start = time.perf_counter()
-            offload = KVOffloadWorker(self._cache_planes(), self.num_cpu_blocks, self.device)
-            logger.info("CPU tier: %d blocks (%.2f GiB of %shost memory on this rank) in %.1f s",
-                        self.num_cpu_blocks, self.num_cpu_blocks * offload.bytes_per_block / (1 << 30),
-                        "pinned " if offload.cuda else "", time.perf_counter() - start)
-            connectors.append(offload)
         from m3serve.core.kv_connector import MultiConnectorWorker, combine
-        self.kv_connector = combine(connectors, MultiConnectorWorker)
+        from m3serve.kv_connectors import worker_connectors
+        self.kv_connector = combine(worker_connectors(config, self), MultiConnectorWorker)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
                     self.block_size, (num_blocks - 1) * self.block_size, self.device)
         if self.draft_window:
@@ -201,7 +191,7 @@ class Worker:
                         "%d running requests", self.num_draft_blocks, self.draft_pool_bytes / (1 << 30),
                         self.draft_window, config.scheduler.max_num_seqs)
 
-    def _cache_planes(self) -> list[tuple[str, torch.Tensor]]:
+    def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
         """Every cache tensor indexed by block id, as (group, view with the block id first):
         each layer's K and V, each sparse layer's index keys, and the draft's caches on these
         block ids (a window draft's own pool is not among them: the CPU tier carries none of it)."""
@@ -226,20 +216,16 @@ class Worker:
         torch.cuda.synchronize(self.device)
         logger.info("warmed up the vision encoder in %.1f s", time.perf_counter() - start)
 
-    def _register_kv_transfer(self):
-        """The P/D connector's worker side, with this rank's cache planes (every layer's K/V,
-        every sparse layer's index keys) handed to it."""
-        from m3serve.disagg.connector import make_worker_connector
+    def transfer_planes(self) -> list[tuple]:
+        """This rank's cache planes as P/D transfer registers them: per layer (index, K/V
+        cache, index cache or None, first KV head held here, total KV heads)."""
         from m3serve.layers.linear import kv_head_range
 
         total = self.model_config.num_key_value_heads
         first, _ = kv_head_range(total, self.parallel.tp)
         runner = self.runner
-        planes = [(i, kv, index, first, total)
-                  for i, (kv, index) in enumerate(zip(runner.kv_caches, runner.index_caches))]
-        connector = make_worker_connector(self.config.kv_transfer, self.parallel.tp.rank, self.device)
-        connector.register_kv_caches(planes)
-        return connector
+        return [(i, kv, index, first, total)
+                for i, (kv, index) in enumerate(zip(runner.kv_caches, runner.index_caches))]
 
     @property
     def cpu_tier(self):

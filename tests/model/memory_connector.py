@@ -118,7 +118,7 @@ class MemoryTierScheduler(KVConnectorScheduler):
 
 
 class MemoryTierWorker(KVConnectorWorker):
-    """Copies whole blocks of every cache plane (`Worker._cache_planes()`) to and from the store."""
+    """Copies whole blocks of every cache plane (`Worker.cache_planes()`) to and from the store."""
     name = "memory"
 
     def __init__(self, store: MemoryStore, planes: list[tuple[str, torch.Tensor]]):
