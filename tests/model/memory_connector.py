@@ -85,7 +85,7 @@ class MemoryTierScheduler(KVConnectorScheduler):
                 self._pending.store_block_ids.append(block_id)
                 self._pending.store_keys.append(key)
                 queued.add(key)
-        return None
+        # returns None: nothing is kept, the blocks are freed as usual
 
     def build_metadata(self):
         work, self._pending = self._pending, MemoryWork()

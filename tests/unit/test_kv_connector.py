@@ -77,7 +77,6 @@ class ShadowConnector(KVConnectorScheduler):
     def on_load_end(self, request, failure):
         if failure is not None:
             self.failed.add(request.request_id)
-        return None
 
     def abort(self, request_id):
         self.aborted.append(request_id)

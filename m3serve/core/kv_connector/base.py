@@ -133,7 +133,7 @@ class KVConnectorScheduler:
         rather than preempting."""
         return False
 
-    def find(self, name: str) -> "KVConnectorScheduler | None":
+    def find(self, name: str) -> KVConnectorScheduler | None:
         """The connector called `name` (this one or, in a composite, one of its parts)."""
         return self if name == self.name else None
 
@@ -166,7 +166,7 @@ class KVConnectorWorker:
     def step_reports(self, metadata: dict[str, Any]) -> dict[str, Any]:
         return {self.name: self.report()} if self.name in metadata else {}
 
-    def find(self, name: str) -> "KVConnectorWorker | None":
+    def find(self, name: str) -> KVConnectorWorker | None:
         return self if name == self.name else None
 
     def shutdown(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from m3serve.core.kv_connector.base import ExternalHit, KVConnectorScheduler, KVConnectorWorker
+from m3serve.core.kv_connector.base import KVConnectorScheduler, KVConnectorWorker
 
 
 class MultiConnectorScheduler(KVConnectorScheduler):
