@@ -51,7 +51,8 @@ class LLMEngine:
             from m3serve.executor.uniproc import UniProcExecutor
             executor = UniProcExecutor(config, self.model_dir, progress=progress)
             self.worker, self.model_config = executor.worker, executor.model_config
-            self.core = self.front = EngineCore(config, executor)
+            from m3serve.kv_connectors import scheduler_connectors
+            self.core = self.front = EngineCore(config, executor, scheduler_connectors)
         self.eos_token_id = self.model_config.eos_token_id
         from m3serve.multimodal.processor import ProcessorOptions
         from m3serve.multimodal.processor_config import load_processor_settings
@@ -163,7 +164,7 @@ class LLMEngine:
         if self.client is not None:
             return self.client.states()
         core = self.core
-        while ((core.scheduler.has_finished_requests() or core.scheduler.has_offload_work)
+        while ((core.scheduler.has_finished_requests() or core.scheduler.kv_transfer_is_urgent)
                and not core.scheduler.has_unfinished_requests()):
             core.step()                  # report finished requests to the worker (and finish the
                                          # copies to the CPU tier), as the next steps would

@@ -15,12 +15,12 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    WAITING_FOR_REMOTE_KV = 3   # holds its blocks while a prefill worker's KV is pulled into them
+    WAITING_FOR_KV = 3          # holds its blocks while a KV connector loads into them (a P/D
+                                # pull, a copy back from the CPU tier, ...)
     WAITING_FOR_GRAMMAR = 4     # no blocks; its structured-outputs grammar is being compiled
-    WAITING_FOR_CPU_KV = 5      # holds its blocks while its prefix is copied back from the CPU tier
-    FINISHED_STOPPED = 6
-    FINISHED_LENGTH = 7
-    FINISHED_ABORTED = 8
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
 
     @property
     def is_finished(self) -> bool:
@@ -61,8 +61,11 @@ class Request:
         self.cache_salt = cache_salt
         # disagg.params.KVTransferParams: prefill for a decode worker, or pull the prompt's KV
         self.kv_transfer_params = kv_transfer_params
-        self.num_external_tokens = 0   # prompt tokens whose KV a pull brings (0 = none)
-        self.num_restored_tokens = 0   # tokens of its last admission loaded from the CPU tier
+        # tokens of its last admission whose KV a KV connector loaded (past its GPU prefix
+        # hit; 0 = none), and whether any load of it was required (a P/D pull: its blocks are
+        # never given up to make room, unlike those of an optional load such as the CPU tier's)
+        self.num_external_tokens = 0
+        self.kv_load_required = False
         # its prefix lookup is counted in the hit-rate counters (once per admission, not per
         # step it waits at the head of the queue)
         self.lookup_counted = False

@@ -4,8 +4,9 @@ One rule, no phases: every request's `num_computed_tokens` chases its token coun
 tokens) within the step's token budget. Running requests go first (decode, next prefill chunk),
 then waiting ones in arrival order (a long prompt is split across steps: chunked prefill). When
 the KV pool runs dry, the most recently admitted running request is preempted and recomputed later.
-A prefix the GPU pool lost but the CPU tier holds is loaded back first, the request waiting
-outside the queue meanwhile (like one pulling its KV from a prefill worker).
+KV that arrives from elsewhere (a prefix the CPU tier holds, a prompt a prefill worker computed)
+comes through one KV connector (`core/kv_connector`): the request waits outside the queue in
+`WAITING_FOR_KV` while it is loaded into its blocks, then returns to the head of the queue.
 """
 from __future__ import annotations
 
@@ -82,20 +83,19 @@ class Scheduler:
         self.spec_gate = SpeculationGate(num_speculative_tokens, disable_spec_by_batch_size, measure_speculation)
         self.num_plain_steps = 0        # steps a draft model ran without drafts
         self.num_steps_by_width: dict[int, int] = {}   # ... and with each number of drafts verified
-        # KV transfer (disagg.connector.KVTransferScheduler, or None): requests whose prompt KV
-        # is being pulled from a prefill worker, and finished ones held for a decode worker.
+        # The KV connector (core.kv_connector.KVConnectorScheduler: one, a composite of several,
+        # or None): requests whose KV it loads wait in `kv_waiting` with their status before and
+        # the tokens they have computed once it is in (an aborted one stays until its load is
+        # over); finished ones whose blocks it keeps for another engine wait in `held`.
         self.connector = kv_connector
-        self.remote_waiting: dict[str, Request] = {}
+        self.kv_waiting: dict[str, tuple[Request, RequestStatus, int]] = {}
         self.held: dict[str, Request] = {}
+        self.num_kv_loads = 0             # loads started (every connector) since start
         self._failed_outputs: list[EngineCoreOutput] = []
         # Structured outputs (structured.compiler.GrammarCompiles, or None: no compiling here):
         # requests whose grammar is being compiled wait here, outside the queue, holding nothing.
         self.grammars = grammars
         self.grammar_waiting: dict[str, Request] = {}
-        # CPU tier: requests whose prefix is being copied back, with their status before and the
-        # tokens they have computed once it is in (an aborted one stays until its copy is over)
-        self.loading: dict[str, tuple[Request, RequestStatus, int]] = {}
-        self.num_restores = 0
         # --long-prefill-token-threshold: no request computes more tokens than this in one step
         # (a long prompt is chunked, so the decodes sharing its steps wait less); drafts fit
         threshold = scheduler_config.effective_long_prefill_threshold(max_model_len)
@@ -154,12 +154,12 @@ class Scheduler:
         p = request.kv_transfer_params
         if p is None or not (p.do_remote_decode or p.do_remote_prefill):
             return
-        role = None if self.connector is None else self.connector.config.kv_role
-        if p.do_remote_decode and (role is None or not self.connector.config.is_producer):
+        role = None if self.connector is None else self.connector.kv_role
+        if p.do_remote_decode and role not in ("kv_producer", "kv_both"):
             raise ValueError(f"kv_transfer_params.do_remote_decode asks this server to prefill for a "
                              f"decode worker, but it is not a KV producer (--kv-transfer-config "
                              f"kv_role: {role or 'none'})")
-        if p.do_remote_prefill and (role is None or not self.connector.config.is_consumer):
+        if p.do_remote_prefill and role not in ("kv_consumer", "kv_both"):
             raise ValueError(f"kv_transfer_params.do_remote_prefill asks this server to pull KV from a "
                              f"prefill worker, but it is not a KV consumer (--kv-transfer-config "
                              f"kv_role: {role or 'none'})")
@@ -176,13 +176,10 @@ class Scheduler:
         for rid in to_abort:
             request = self.requests[rid]
             self.grammar_waiting.pop(rid, None)
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                # a pull may still write into its blocks: they are freed when it is over
+            if request.status == RequestStatus.WAITING_FOR_KV:
+                # a load may still write into its blocks: they are freed when it is over
                 self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
-                self.connector.abort_pull(rid)
-            elif request.status == RequestStatus.WAITING_FOR_CPU_KV:
-                # likewise a load from the CPU tier (`offload_done` frees them)
-                self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
+                self.connector.abort(rid)
             else:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
 
@@ -223,13 +220,7 @@ class Scheduler:
         return len(self.waiting) + len(self.grammar_waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return (len(self.running) + self.num_waiting + len(self.remote_waiting)
-                + sum(not r.is_finished for r, _, _ in self.loading.values()))
-
-    @property
-    def has_offload_work(self) -> bool:
-        """Copies to or from the CPU tier are due or in flight: keep calling schedule()."""
-        return self.kv_manager.has_offload_work
+        return len(self.running) + self.num_waiting + sum(not r.is_finished for r, _, _ in self.kv_waiting.values())
 
     @property
     def has_grammar_work(self) -> bool:
@@ -238,9 +229,14 @@ class Scheduler:
 
     @property
     def has_kv_transfer_work(self) -> bool:
-        """KV is held for, or pulled from, another worker: keep calling schedule()."""
-        return self.connector is not None and (self.connector.has_pending or bool(self.remote_waiting)
+        """The KV connector loads, copies or holds KV: keep calling schedule()."""
+        return self.connector is not None and (self.connector.has_pending or bool(self.kv_waiting)
                                                or bool(self.held) or bool(self._failed_outputs))
+
+    @property
+    def kv_transfer_is_urgent(self) -> bool:
+        """A load or copy is under way: an idle engine polls often (every wait may be TTFT)."""
+        return self.connector is not None and self.connector.needs_fast_poll
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -319,7 +315,7 @@ class Scheduler:
         May return an empty step (no tokens) that only reports finished_req_ids.
         """
         if self.connector is not None:
-            self._connector_events()
+            self._kv_events()
         if self.grammar_waiting:
             self._grammar_events()
         budget = self.config.max_num_batched_tokens
@@ -335,8 +331,9 @@ class Scheduler:
         # Requests with a token in flight cannot be preempted (it would be lost): when blocks run
         # out, this step schedules what fits and the next one, after the tokens land, preempts.
         in_flight = self.async_scheduling and any(r.num_output_placeholders for r in self.running)
-        # Blocks being copied to the CPU tier come back within a step or two: wait, not preempt.
-        if self.kv_manager.offload is not None and self.kv_manager.offload.num_stores_in_flight:
+        # Blocks a connector copies out (to the CPU tier) come back within a step or two: wait,
+        # not preempt.
+        if self.connector is not None and self.connector.has_blocks_in_flight:
             in_flight = True
         short_of_blocks = False
         width = self._draft_width()          # drafts each request verifies (None: a plain step)
@@ -416,22 +413,12 @@ class Scheduler:
                 count = not request.lookup_counted
                 request.lookup_counted = True
                 hit_blocks, num_hit = self.kv_manager.get_computed_blocks(request, count)
-                if self.connector is not None and self.connector.wants_pull(request):
-                    started = self._start_pull(request, hit_blocks, num_hit)
+                if self.connector is not None:
+                    started = self._start_kv_load(request, hit_blocks, num_hit, count)
+                    if started:
+                        continue
                     if started is None:
                         break    # no blocks for it yet
-                    if started:
-                        continue
-                elif self.kv_manager.offload is not None:
-                    started = self._start_load(request, hit_blocks, num_hit, count)
-                    if started:
-                        continue
-                    if started is None:      # not enough free blocks for it yet
-                        if self.running or self.kv_manager.has_offload_work:
-                            break            # they come back as requests end and copies land
-                        if self._release_restored(request):
-                            continue
-                        # nothing else will free any: admit it without the tier's blocks
             num_new = min(request.num_tokens - num_hit, budget, self._long_cap)
             if request.mm_spans:
                 num_new, encodes = self._encoder_plan(request, num_hit, num_new, encoder_left)
@@ -440,8 +427,8 @@ class Scheduler:
             new_block_ids = self.kv_manager.allocate_slots(request, num_new, 0 if pulled else num_hit, hit_blocks,
                                                            num_lookahead_tokens=self.num_lookahead_tokens)
             if new_block_ids is None:
-                if not self.running and self._release_restored(request):
-                    continue     # the blocks other restored requests held may be enough now
+                if not self.running and self._release_loaded(request):
+                    continue     # the blocks other loaded requests held may be enough now
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.lookup_counted = False           # a later admission (after preemption) counts again
@@ -490,10 +477,9 @@ class Scheduler:
             sampling_modes=modes,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
-            kv_connector_metadata=self.connector.build_metadata() if self.connector is not None else None,
+            kv_connector_metadata=self.connector.build_step_metadata() or None if self.connector is not None else None,
             deferred=deferred, sampled_req_ids=sampled if deferred else [], speculate=speculate,
             propose=propose,
-            kv_offload=self.kv_manager.take_offload_work(),
             encoder_cache_frees=self.encoder_cache.take_freed(),
         )
         self.finished_req_ids = set()
@@ -532,107 +518,89 @@ class Scheduler:
         """The request's mode this step (its in-flight token counts as an output)."""
         return sampling_mode(request.sampling_params, request.num_output_tokens + request.num_output_placeholders)
 
-    # ---------------------------------------------------------------- KV transfer
+    # ---------------------------------------------------------------- KV from elsewhere
 
-    def _start_pull(self, request: Request, hit_blocks, num_hit: int) -> bool | None:
-        """Give a decode-leg request the blocks of its prompt's KV but the last token, and
-        start pulling what the prefix cache did not have. None: not enough free blocks; False:
-        nothing to pull (admit it as usual)."""
-        num_kv = request.num_tokens - 1      # the last prompt token is computed here, for logits
-        if num_kv <= num_hit:
-            self.connector.skip_pull(request)
-            request.kv_transfer_params = None
+    def _start_kv_load(self, request: Request, hit_blocks, num_hit: int, count: bool) -> bool | None:
+        """Ask the connector what it can load past the GPU hit; if anything, give the request
+        blocks for it and park it in `kv_waiting` while it loads. True: parked (or blocks were
+        released: try the head again); False: nothing to load (admit it as usual); None: not
+        enough free blocks for it yet (wait)."""
+        hit = self.connector.get_num_new_matched_tokens(request, num_hit, hit_blocks, count)
+        if hit is None or hit.num_tokens <= 0:
             return False
-        if self.kv_manager.allocate_slots(request, 0, num_kv, hit_blocks) is None:
-            return None
-        self.waiting.popleft()
-        request.lookup_counted = False
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.num_cached_tokens = num_hit
-        request.num_external_tokens = num_kv
-        self.remote_waiting[request.request_id] = request
-        self.connector.begin_pull(request, self.kv_manager.get_block_ids(request.request_id),
-                                  num_hit // self.kv_manager.block_size, num_kv)
-        return True
-
-    # ---------------------------------------------------------------- CPU tier
-
-    def _start_load(self, request: Request, hit_blocks, num_hit: int, count: bool = True) -> bool | None:
-        """Load the blocks past the GPU hit that the CPU tier holds into fresh blocks of the
-        request, which waits in `loading` meanwhile. None: not enough free blocks; False:
-        the tier has none of them (admit it as usual)."""
-        slots = self.kv_manager.get_cpu_hits(request, len(hit_blocks), count)
-        if not slots:
-            return False
-        # only when the whole prompt fits now: a loaded request waits holding its blocks, and
-        # several such waiting for each other's blocks would stall (see `_release_restored`)
         kv = self.kv_manager
-        need = (cdiv(request.num_tokens + self.num_lookahead_tokens, kv.block_size) - len(hit_blocks)
-                + sum(1 for b in hit_blocks if b.ref_cnt == 0))
-        if need > kv.num_free_blocks or not kv.start_load(request, hit_blocks, num_hit, slots):
+        num_computed = num_hit + hit.num_tokens
+        if hit.optional:
+            # only when the whole prompt fits now: a loaded request waits holding its blocks, and
+            # several such waiting for each other's blocks would stall (see `_release_loaded`)
+            need = (cdiv(request.num_tokens + self.num_lookahead_tokens, kv.block_size) - len(hit_blocks)
+                    + sum(1 for b in hit_blocks if b.ref_cnt == 0))
+            if need > kv.num_free_blocks:
+                if self.running or hit.blocks_come_back:
+                    return None          # they come back as requests end and copies land
+                if self._release_loaded(request):
+                    return True          # try its admission again: their blocks may be enough
+                return False             # nothing else will free any: admit it without the load
+        if kv.allocate_slots(request, 0, num_computed, hit_blocks) is None:
             return None
         self.waiting.popleft()
         request.lookup_counted = False
-        num_computed = num_hit + len(slots) * self.kv_manager.block_size
-        self.loading[request.request_id] = (request, request.status, num_computed)
-        request.status = RequestStatus.WAITING_FOR_CPU_KV
-        request.num_restored_tokens = num_computed - num_hit
-        self.num_restores += 1
+        self.kv_waiting[request.request_id] = (request, request.status, num_computed)
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_external_tokens = hit.num_tokens
+        request.kv_load_required |= not hit.optional
+        self.num_kv_loads += 1
+        self.connector.start_load(request, kv.get_block_ids(request.request_id), num_hit)
         return True
 
-    def _release_restored(self, head: Request) -> bool:
+    def _release_loaded(self, head: Request) -> bool:
         """Nothing runs and the head of the queue cannot get its blocks: requests behind it
-        that hold restored blocks let go of them (they stay in the GPU prefix cache, so a later
-        admission hits them there). Whether any did."""
+        that hold blocks an optional load brought let go of them (they stay in the GPU prefix
+        cache, so a later admission hits them there). Whether any did."""
         released = False
         for request in self.waiting:
-            if (request is not head and request.num_restored_tokens and not request.num_external_tokens
+            if (request is not head and request.num_external_tokens and not request.kv_load_required
                     and self.kv_manager.has_blocks(request.request_id)):
                 self.kv_manager.free(request)
-                request.num_computed_tokens = request.num_restored_tokens = 0
+                request.num_computed_tokens = request.num_external_tokens = 0
                 released = True
         return released
 
-    def offload_done(self, report) -> None:
-        """The workers' progress on the CPU-tier copies: requests whose prefix is in go back to
-        the head of the queue with it computed; aborted ones free their blocks only now."""
-        for req_id in self.kv_manager.complete_offload(report):
-            request, status, num_computed = self.loading.pop(req_id)
-            if request.status == RequestStatus.FINISHED_ABORTED:
-                self.kv_manager.free(request)
-                continue
-            request.num_computed_tokens = num_computed
-            self.kv_manager.cache_blocks(request, num_computed)   # others may hit them now
-            request.status = status
-            self.waiting.appendleft(request)
+    def update_kv_connectors(self, kv_connector_output: dict[str, list]) -> None:
+        """The ranks' reports of a step (`ModelRunnerOutput.kv_connector_output`), applied as soon
+        as the step returns (before its tokens, and whether or not they are deferred); loads
+        that are over land at once."""
+        self.connector.update_step_output(kv_connector_output)
+        self._land_kv()
 
-    def _connector_events(self) -> None:
+    def _kv_events(self) -> None:
         for req_id in self.connector.holds_to_free():
             request = self.held.pop(req_id, None)
             if request is not None:
                 self.kv_manager.free(request)
-        for req_id, failure in self.connector.pulls_over():
-            request = self.remote_waiting.pop(req_id)
+        self._land_kv()
+
+    def _land_kv(self) -> None:
+        """Loads that are over: the request returns to the head of the queue with the loaded
+        tokens computed; after a failure it computes them itself (or fails, by the connector's
+        policy); an aborted one frees its blocks only now, when nothing writes into them."""
+        for req_id, failure in self.connector.take_finished_loads():
+            request, status, num_computed = self.kv_waiting.pop(req_id)
             if request.status == RequestStatus.FINISHED_ABORTED:
-                self.kv_manager.free(request)          # nothing writes into its blocks any more
+                self.kv_manager.free(request)
                 continue
-            request.kv_transfer_params = None
             if failure is None:
-                request.num_computed_tokens = request.num_external_tokens
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
-                continue
-            self.kv_manager.free(request)
-            request.num_cached_tokens = request.num_external_tokens = 0
-            if self.connector.config.kv_load_failure_policy == "fail":
+                request.num_computed_tokens = num_computed
+            else:
+                self.kv_manager.free(request)
+                request.num_cached_tokens = request.num_external_tokens = 0
+                request.kv_load_required = False
+            error = self.connector.on_load_end(request, failure)
+            if error is not None:
                 self._finish(request, RequestStatus.FINISHED_ABORTED, free=False)
-                self._failed_outputs.append(EngineCoreOutput(
-                    req_id, [], "error", None, error=f"pulling the prompt's KV from the prefill worker "
-                                                     f"failed: {failure}"))
+                self._failed_outputs.append(EngineCoreOutput(req_id, [], "error", None, error=error))
                 continue
-            self.connector.stats.fallbacks += 1
-            logger.warning("request %s: pulling its KV failed (%s); computing its prompt here", req_id, failure)
-            request.status = RequestStatus.WAITING
+            request.status = status
             self.waiting.appendleft(request)
 
     def _grammar_events(self) -> None:
@@ -669,8 +637,6 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop rules, cache full blocks, free finished requests."""
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
-        if self.connector is not None and model_runner_output.kv_connector_output is not None:
-            self.connector.update(model_runner_output.kv_connector_output)
         outputs: list[EngineCoreOutput]
         outputs, self._failed_outputs = self._failed_outputs, []
         finished: set[str] = set()
@@ -742,11 +708,12 @@ class Scheduler:
             by_id = {o.request_id: o for o in outputs}
             for req_id in finished:
                 request = self.requests[req_id]
-                if (self.connector is not None and request.status == RequestStatus.FINISHED_LENGTH
-                        and self.connector.wants_hold(request)):
-                    # its KV waits for the decode worker (a stop or EOS ends the request there too)
-                    by_id[req_id].kv_transfer_params = self.connector.hold(
-                        request, self.kv_manager.get_block_ids(req_id))
+                params = None
+                if self.connector is not None and request.status == RequestStatus.FINISHED_LENGTH:
+                    params = self.connector.request_finished(request, self.kv_manager.get_block_ids(req_id))
+                if params is not None:
+                    # its KV waits for the other engine (a stop or EOS ends the request there too)
+                    by_id[req_id].kv_transfer_params = params
                     self.held[req_id] = request
                     self._finish(request, request.status, free=False)
                 else:
@@ -828,20 +795,19 @@ class Scheduler:
         problems = []
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
-        pulling = [rid for rid, r in self.remote_waiting.items() if not r.is_finished]
         compiling = list(self.grammar_waiting)
-        loading = [rid for rid, (r, _, _) in self.loading.items() if not r.is_finished]
-        everyone = running_ids + waiting_ids + pulling + compiling + loading
+        loading = [rid for rid, (r, _, _) in self.kv_waiting.items() if not r.is_finished]
+        everyone = running_ids + waiting_ids + compiling + loading
         if len(set(everyone)) != len(everyone):
             problems.append(f"a request is queued twice: running={running_ids} waiting={waiting_ids} "
-                            f"pulling={pulling} compiling={compiling} loading={loading}")
+                            f"compiling={compiling} loading={loading}")
         if set(everyone) != set(self.requests):
-            problems.append("running + waiting + pulling + compiling + loading differ from the known requests")
-        for r, _, _ in self.loading.values():
-            if r.status not in (RequestStatus.WAITING_FOR_CPU_KV, RequestStatus.FINISHED_ABORTED):
-                problems.append(f"{r!r} is loading from the CPU tier")
+            problems.append("running + waiting + compiling + loading differ from the known requests")
+        for r, _, _ in self.kv_waiting.values():
+            if r.status not in (RequestStatus.WAITING_FOR_KV, RequestStatus.FINISHED_ABORTED):
+                problems.append(f"{r!r} is waiting for KV from a connector")
             if not self.kv_manager.has_blocks(r.request_id):
-                problems.append(f"{r!r} is loading from the CPU tier without blocks")
+                problems.append(f"{r!r} is waiting for KV from a connector without blocks")
         for r in self.grammar_waiting.values():
             if r.status != RequestStatus.WAITING_FOR_GRAMMAR:
                 problems.append(f"{r!r} is waiting for its grammar")
@@ -853,14 +819,10 @@ class Scheduler:
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 problems.append(f"{r!r} is in waiting")
-        for r in self.remote_waiting.values():
-            if r.status not in (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.FINISHED_ABORTED):
-                problems.append(f"{r!r} is waiting for remote KV")
         holders = set(self.kv_manager.request_ids)
-        # requests whose pull has ended wait at the head of the queue with their blocks
-        may_hold = set(running_ids) | set(self.remote_waiting) | set(self.held) | set(self.loading) | {
-            r.request_id for r in self.waiting
-            if getattr(r, "num_external_tokens", 0) or getattr(r, "num_restored_tokens", 0)}
+        # requests whose load has ended wait at the head of the queue with their blocks
+        may_hold = set(running_ids) | set(self.kv_waiting) | set(self.held) | {
+            r.request_id for r in self.waiting if getattr(r, "num_external_tokens", 0)}
         if not holders <= may_hold:
             problems.append(f"requests that may not hold blocks do: {sorted(holders - may_hold)}")
         if self.kv_manager.draft is not None:

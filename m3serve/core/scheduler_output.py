@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from m3serve.disagg.messages import KVConnectorMetadata, RankResult
 from m3serve.core.sampling_mode import SamplingMode
 from m3serve.protocol import CoreOutput, MultiModalInput
 from m3serve.sampling_params import SamplingParams
@@ -91,7 +90,8 @@ class CachedRequestData:
 
 
 class KVOffloadWork(msgspec.Struct):
-    """Copies between the GPU block pool and the CPU tier that every rank makes this step, each
+    """The CPU tier connector's step metadata ("cpu_tier").
+    Copies between the GPU block pool and the CPU tier that every rank makes this step, each
     of its own shard, on a side stream (in this order: the stores, then the loads). A message
     with any copy is one batch; batches complete in the order they were sent."""
     store_block_ids: list[int] = []
@@ -111,8 +111,9 @@ class KVOffloadWork(msgspec.Struct):
 
 
 class KVOffloadReport(msgspec.Struct):
-    """The ranks' progress on the copies: batches completed on every rank since start, and
-    the driver rank's time spent copying each way (seconds, since start)."""
+    """The CPU tier connector's report: batches completed since start (on one rank; over all
+    of them, the smallest count), and the time spent copying each way (seconds, since start;
+    the driver rank's counts)."""
     num_batches_done: int = 0
     seconds_to_cpu: float = 0.0
     seconds_to_gpu: float = 0.0
@@ -141,8 +142,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     """Requests preempted in this step; the worker removes them from its batch and forgets their
     block ids, but keeps their tokens for a later resume."""
-    kv_connector_metadata: KVConnectorMetadata | None = None
-    """KV-transfer work of the ranks this step (pulls to start, whether to report); None = none."""
+    kv_connector_metadata: dict[str, msgspec.Raw] | None = None
+    """KV connectors' work for the ranks this step, by connector name (`core/kv_connector`):
+    each value is that connector's own msgspec struct (P/D pulls to start, CPU-tier copies, ...;
+    across processes it arrives as `msgspec.Raw`, decoded by the connector). Every rank reports
+    on each connector named here. None = no connector has work."""
     sampling_modes: dict[str, SamplingMode] = field(default_factory=dict)
     """req_id -> how its next token is drawn (`core/sampling_mode.py`), for every scheduled
     request: decided here once per step; the worker samples by it and never re-derives it."""
@@ -164,8 +168,6 @@ class SchedulerOutput:
     sampled_req_ids: list[str] = field(default_factory=list)
     """Deferred steps: the requests whose context is complete after the step (their sampled token
     is real; the others are partial prefill chunks)."""
-    kv_offload: KVOffloadWork | None = None
-    """Copies to and from the CPU tier this step (None = none, nothing in flight)."""
     encoder_cache_frees: list[str] = field(default_factory=list)
     """Encoder outputs (`multimodal.inputs.encoder_key`) every rank drops from its store before
     this step runs: the scheduler's encoder cache evicted them (`core/encoder_cache.py`)."""
@@ -191,15 +193,14 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     """Per request, the draft tokens proposed for its next step ([] = none); None when the
     engine does not speculate."""
-    kv_connector_output: list[RankResult] | None = None
-    """When the step's metadata asked for it: every rank's report of its KV pulls, in TP order."""
+    kv_connector_output: dict[str, list] | None = None
+    """For a step with `kv_connector_metadata`: by connector name, every rank's report (TP
+    order; each the connector's own struct, or `msgspec.Raw` from another process)."""
     previous: "ModelRunnerOutput | None" = None
     """Async scheduling: the output of the previous step when that step was deferred."""
     failed: dict[str, str] = field(default_factory=dict)
     """req_id -> why the request cannot go on, by what it asked for (its sampled token is void):
     the scheduler finishes it with that client error and the step's other requests go on."""
-    kv_offload: KVOffloadReport | None = None
-    """When the step's `kv_offload.poll` asked for it: the copies completed on every rank."""
 
 
 # One request's news after a step (tokens accepted and, if it ended, why): the protocol's record,

@@ -1,5 +1,6 @@
-"""The scheduler's half of KV transfer (`KVTransferScheduler`, transport-agnostic) and the
-interface of the worker's half (`WorkerConnector`, one per rank: NIXL in `nixl_worker`).
+"""The scheduler's half of P/D KV transfer (`KVTransferScheduler`, transport-agnostic: a
+`core.kv_connector` connector named "nixl") and the interface of the worker's half
+(`WorkerConnector`, one per rank: NIXL in `nixl_worker`).
 
 Producer (kv_producer / kv_both): a finished request that asked for `do_remote_decode` is held
 (its blocks stay referenced) and answered with `kv_transfer_params`; the side channel's
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from m3serve import envs
 from m3serve.config import KVTransferConfig
+from m3serve.core.kv_connector.base import ExternalHit, KVConnectorScheduler, KVConnectorWorker, as_struct
 from m3serve.disagg import params as kvp
 from m3serve.disagg.layout import LayoutMismatch, check_compatible
 from m3serve.disagg.messages import (Claim, EngineMetadata, KVConnectorMetadata, RankMetadata, RankResult,
@@ -32,9 +34,12 @@ from m3serve.disagg.side_channel import Caller, SideChannelServer
 logger = logging.getLogger(__name__)
 
 
-class WorkerConnector:
-    """One rank's transport. `rank_metadata()` after `register_kv_caches`; per step
-    `start(metadata)` before the forward and, when `metadata.poll`, `poll()` after it."""
+class WorkerConnector(KVConnectorWorker):
+    """One rank's transport (a `core.kv_connector` worker side named "nixl").
+    `rank_metadata()` after `register_kv_caches`; per step `start(metadata)` before the forward
+    and `poll()` (its `report`) after it."""
+
+    name = "nixl"
 
     def register_kv_caches(self, planes) -> None:
         raise NotImplementedError
@@ -48,8 +53,8 @@ class WorkerConnector:
     def poll(self) -> RankResult:
         raise NotImplementedError
 
-    def shutdown(self) -> None:
-        pass
+    def report(self) -> RankResult:
+        return self.poll()
 
 
 def make_worker_connector(config: KVTransferConfig, tp_rank: int, device) -> WorkerConnector:
@@ -94,13 +99,17 @@ class KVTransferStats:
     xfer_count: int = 0
 
 
-class KVTransferScheduler:
+class KVTransferScheduler(KVConnectorScheduler):
     """Owned by the scheduler (engine-loop thread) except `_handle`, which the side-channel
-    thread calls; `_lock` guards what they share (the holds)."""
+    thread calls; `_lock` guards what they share (the holds). As a KV connector: a decode-leg
+    request's pull is a required load of its prompt's KV but the last token."""
+
+    name = "nixl"
 
     def __init__(self, config: KVTransferConfig, block_size: int, num_blocks: int,
                  ranks: list[RankMetadata]):
         self.config = config
+        self.kv_role = config.kv_role
         self.engine_id = config.engine_id
         self.tp_size = len(ranks)
         host, port, env_timeout = envs.nixl_side_channel()
@@ -293,6 +302,7 @@ class KVTransferScheduler:
     def update(self, results: list[RankResult]) -> None:
         """Every rank's report of one step (in TP order)."""
         for rank, res in enumerate(results):
+            res = as_struct(res, RankResult)
             self.stats.bytes_transferred += res.num_bytes
             self.stats.num_descriptors += res.num_descriptors
             self.stats.xfer_seconds_sum += sum(res.xfer_seconds)
@@ -307,6 +317,47 @@ class KVTransferScheduler:
             if pull.state == "reading" and len(pull.reports) == self.tp_size:
                 failures = [r for r in pull.reports.values() if r is not None]
                 self._end(rid, "aborted" if pull.aborted else (failures[0] if failures else None))
+
+    # ------------------------------------------------------------ as a KV connector
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, hit_blocks, count=True):
+        if not self.wants_pull(request):
+            return None
+        num_kv = request.num_tokens - 1      # the last prompt token is computed here, for logits
+        if num_kv <= num_computed_tokens:
+            self.skip_pull(request)
+            request.kv_transfer_params = None
+            return ExternalHit(0)
+        return ExternalHit(num_kv - num_computed_tokens, optional=False)
+
+    def start_load(self, request, block_ids, num_computed_tokens):
+        request.num_cached_tokens = num_computed_tokens
+        self.begin_pull(request, block_ids, num_computed_tokens // self.metadata.block_size,
+                        request.num_tokens - 1)
+
+    def take_finished_loads(self):
+        return self.pulls_over()
+
+    def on_load_end(self, request, failure):
+        request.kv_transfer_params = None
+        if failure is None:
+            return None
+        if self.config.kv_load_failure_policy == "fail":
+            return f"pulling the prompt's KV from the prefill worker failed: {failure}"
+        self.stats.fallbacks += 1
+        logger.warning("request %s: pulling its KV failed (%s); computing its prompt here",
+                       request.request_id, failure)
+        return None
+
+    def abort(self, request_id):
+        self.abort_pull(request_id)
+
+    def request_finished(self, request, block_ids):
+        return self.hold(request, block_ids) if self.wants_hold(request) else None
+
+    @property
+    def needs_fast_poll(self):
+        return self.pulls_in_flight
 
     # ------------------------------------------------------------ both
 

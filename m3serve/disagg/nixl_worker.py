@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from m3serve.config import KVTransferConfig
+from m3serve.core.kv_connector.base import as_struct
 from m3serve.disagg.connector import WorkerConnector
 from m3serve.disagg.layout import LayoutMismatch, plan_pull
 from m3serve.disagg.messages import EngineMetadata, KVConnectorMetadata, RankMetadata, RankResult, Region
@@ -83,7 +84,7 @@ class NixlWorkerConnector(WorkerConnector):
     def __init__(self, config: KVTransferConfig, tp_rank: int, device):
         nixl_agent, nixl_agent_config, sync = _import_nixl()
         self.config, self.tp_rank, self.device = config, tp_rank, device
-        self.name = f"m3serve-{config.engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
+        self.agent_name = f"m3serve-{config.engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
         # NIXL's progress thread spins a core: worth it beside a GPU. On a CPU-only host a
         # thread of ours drives progress every half millisecond instead (a producer's agent
         # must progress for a consumer's reads to complete).
@@ -93,7 +94,7 @@ class NixlWorkerConnector(WorkerConnector):
             # and would then move device memory over TCP through the host; a READ over IPC is
             # the fast path on every host that has it. An operator's own setting wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-        self.agent = nixl_agent(self.name, nixl_agent_config(
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(
             enable_prog_thread=spin, backends=list(config.backends),
             sync_mode=None if spin else sync.NIXL_THREAD_SYNC_STRICT))
         self._stop = threading.Event()
@@ -143,12 +144,13 @@ class NixlWorkerConnector(WorkerConnector):
         self.agent.register_memory(tensors)
 
     def rank_metadata(self) -> RankMetadata:
-        return RankMetadata(self.tp_rank, self.name, self.agent.get_agent_metadata(), self.mem_type,
+        return RankMetadata(self.tp_rank, self.agent_name, self.agent.get_agent_metadata(), self.mem_type,
                             self.device_id, self.regions)
 
     # ------------------------------------------------------------ pulls
 
     def start(self, metadata: KVConnectorMetadata) -> None:
+        metadata = as_struct(metadata, KVConnectorMetadata)
         for engine in metadata.remote_engines:
             if engine.engine_id in self._remote:
                 continue

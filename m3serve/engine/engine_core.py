@@ -24,8 +24,7 @@ logger = logging.getLogger(__name__)
 def _nothing_to_run(so: SchedulerOutput) -> bool:
     """A step without tokens, news for the ranks, or KV-transfer work for them."""
     return not (so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids
-                or so.kv_connector_metadata is not None or so.kv_offload is not None
-                or so.encoder_cache_frees)
+                or so.kv_connector_metadata is not None or so.encoder_cache_frees)
 
 
 def async_scheduling_applies(config: EngineConfig) -> bool:
@@ -37,7 +36,10 @@ def async_scheduling_applies(config: EngineConfig) -> bool:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor):
+    def __init__(self, config: EngineConfig, executor, kv_connectors=None):
+        """`kv_connectors(config, executor)`: the KV connectors that move KV between engines
+        (P/D), built by the engine layer (`m3serve/kv_connectors.py`); the CPU tier's is
+        built here, beside the KV manager that keeps its books."""
         self.config = config
         self.executor = executor
         cfg = executor.model_config
@@ -53,11 +55,7 @@ class EngineCore:
                                          num_lookahead_tokens=config.speculative.num_speculative_tokens)
         # bytes of one block over every cache group and rank (the CPU tier's unit of transfer)
         self.cpu_block_bytes = getattr(executor, "cpu_block_bytes", 0)
-        connector = None
-        if config.kv_transfer.enabled:
-            from m3serve.disagg.connector import KVTransferScheduler
-            connector = KVTransferScheduler(config.kv_transfer, executor.block_size, executor.num_blocks,
-                                            executor.kv_rank_metadata())
+        connector = self._kv_connector(config, executor, kv_connectors)
         async_on = async_scheduling_applies(config)
         device_type = getattr(executor, "device_type", "cpu")
         from m3serve.structured.compiler import GrammarCompiles
@@ -86,6 +84,18 @@ class EngineCore:
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
+
+    def _kv_connector(self, config: EngineConfig, executor, kv_connectors):
+        """One connector for the scheduler: P/D first (a decode leg's pull is never a tier's
+        hit), then the CPU tier; a composite when there are several, None without any."""
+        from m3serve.core.kv_connector import MultiConnectorScheduler, combine
+        parts = list(kv_connectors(config, executor)) if kv_connectors is not None else []
+        if config.kv_transfer.enabled and not parts:
+            raise ValueError("--kv-transfer-config needs the engine's KV connectors (m3serve.kv_connectors)")
+        if self.kv_manager.offload is not None:
+            from m3serve.core.kv_cache.offload import CPUTierConnector
+            parts.append(CPUTierConnector(self.kv_manager))
+        return combine(parts, MultiConnectorScheduler)
 
     @staticmethod
     def _encoder_cache(config: EngineConfig, executor):
@@ -145,8 +155,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
-                or self.scheduler.has_kv_transfer_work or self.scheduler.has_grammar_work
-                or self.scheduler.has_offload_work)
+                or self.scheduler.has_kv_transfer_work or self.scheduler.has_grammar_work)
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
@@ -179,10 +188,10 @@ class EngineCore:
             runner_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])   # KV bookkeeping only
         else:
             runner_output = self.executor.execute_model(scheduler_output)
-        if scheduler_output.kv_offload is not None and scheduler_output.kv_offload.poll:
-            if runner_output.kv_offload is None:
-                raise RuntimeError("the step asks for CPU-tier copy reports, but the ranks sent none")
-            self.scheduler.offload_done(runner_output.kv_offload)
+        if scheduler_output.kv_connector_metadata is not None:
+            if runner_output.kv_connector_output is None:
+                raise RuntimeError("the step carries KV-connector work, but the ranks sent no reports")
+            self.scheduler.update_kv_connectors(runner_output.kv_connector_output)
         outputs = []
         if self._deferred is not None:
             if runner_output.previous is None:

@@ -73,10 +73,8 @@ class EngineLoop:
             return 0
         if scheduler.has_grammar_work:
             return _GRAMMAR_POLL_MS
-        if scheduler.has_offload_work:      # copies to or from the CPU tier (a load is TTFT)
-            return _KV_PULL_POLL_MS
-        if scheduler.has_kv_transfer_work:
-            return _KV_PULL_POLL_MS if scheduler.connector.pulls_in_flight else _KV_HOLD_POLL_MS
+        if scheduler.has_kv_transfer_work:     # a load or copy under way is TTFT; a hold is not
+            return _KV_PULL_POLL_MS if scheduler.kv_transfer_is_urgent else _KV_HOLD_POLL_MS
         return _LOCKSTEP_IDLE_POLL_MS if lockstep else _IDLE_POLL_MS
 
     def step(self) -> list[CoreOutput]:
@@ -139,6 +137,7 @@ class EngineLoop:
 
     def _kv_stats(self) -> dict:
         connector = self.core.scheduler.connector
+        connector = connector.find("nixl") if connector is not None else None
         if connector is None:
             return {}
         return {"kv_" + name: value for name, value in dataclasses.asdict(connector.stats).items()}
@@ -260,7 +259,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         from m3serve.model.files import model_directory
 
         executor = make_executor(config, model_directory(config.model.model), dp_rank, master_port, on_fatal)
-        core = EngineCore(config, executor)
+        from m3serve.kv_connectors import scheduler_connectors
+        core = EngineCore(config, executor, scheduler_connectors)
     except Exception as e:
         # one line (the API process repeats it); the traceback with --log-level debug
         logger.error("engine start-up failed: %s: %s", type(e).__name__, e)

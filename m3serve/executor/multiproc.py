@@ -24,8 +24,8 @@ from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.distributed import destroy_rank_groups
 from m3serve.executor import ExecutorFailure, ReplicasStopping
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
-from m3serve.executor.rank import (agree_num_blocks, gather_kv_metadata, gather_kv_results, join_world,
-                                   rank_report, reduce_offload_report, run_follower)
+from m3serve.executor.rank import (agree_num_blocks, gather_kv_metadata, gather_kv_reports, join_world,
+                                   rank_report, run_follower)
 from m3serve.executor.supervisor import HEARTBEAT_PERIOD_S, Supervisor
 from m3serve.worker.model_runner import DPStep
 
@@ -83,8 +83,8 @@ class MultiprocExecutor:
         # a window draft's own pool (DSpark): the same on every rank, from the configuration
         self.draft_window, self.num_draft_blocks = self.worker.draft_window, self.worker.num_draft_blocks
         # every rank holds its own shard of a block: the tier moves this many bytes per block
-        self.cpu_block_bytes = (self.worker.offload.bytes_per_block * layout.tp
-                                if self.worker.offload is not None else 0)
+        tier = self.worker.cpu_tier
+        self.cpu_block_bytes = tier.bytes_per_block * layout.tp if tier is not None else 0
         self.channel = (ControlChannel(self.groups.tp_cpu, rank, layout.tp) if layout.tp > 1 else None)
         self._kv_ranks = None
         if config.kv_transfer.enabled:
@@ -132,16 +132,14 @@ class MultiprocExecutor:
         try:
             dp = self._agree(so) if self.needs_lockstep else None
             if (self.needs_lockstep and dp is None and not (so.finished_req_ids or so.preempted_req_ids)
-                    and so.kv_offload is None):
+                    and so.kv_connector_metadata is None):
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             self._step_started = time.monotonic()
             if self.channel is not None:
                 self.channel.send(RunStep(so, dp))
             out = self.worker.execute_model(so, dp)
-            if so.kv_connector_metadata is not None and so.kv_connector_metadata.poll:
-                out.kv_connector_output = gather_kv_results(self.channel, self.worker)
-            if so.kv_offload is not None and so.kv_offload.poll:
-                out.kv_offload = reduce_offload_report(self.groups, self.worker)
+            if so.kv_connector_metadata:
+                out.kv_connector_output = gather_kv_reports(self.channel, self.worker)
             return out
         except ReplicasStopping:
             raise

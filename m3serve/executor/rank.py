@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -54,36 +55,31 @@ def agree_num_blocks(groups: RankGroups, worker) -> int:
     return num_blocks
 
 
-def reduce_offload_report(groups: RankGroups, worker):
-    """The CPU-tier copies completed on every rank of the TP group (the smallest count: a
-    batch is over only when every rank's share is), with the driver's copy times."""
-    report = worker.offload_report()
-    if groups.layout.tp > 1:
-        done = torch.tensor([report.num_batches_done], dtype=torch.int64)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=groups.tp_cpu)
-        report.num_batches_done = int(done.item())
-    return report
-
-
 def gather_kv_metadata(channel: ControlChannel | None, worker) -> list | None:
     """Every rank's KV-transfer metadata (agent, cache planes), at the leader in TP order."""
     from m3serve.disagg import messages
 
-    mine = worker.kv_connector.rank_metadata()
+    mine = worker.kv_connector.find("nixl").rank_metadata()
     if channel is None:
         return [mine]
     parts = channel.gather_bytes(messages.encode(mine))
     return None if parts is None else [messages.decode_rank_metadata(p) for p in parts]
 
 
-def gather_kv_results(channel: ControlChannel | None, worker) -> list | None:
-    """Every rank's report of its KV pulls this step, at the leader in TP order."""
-    from m3serve.disagg import messages
+_KV_REPORTS_DECODER = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
+
+def gather_kv_reports(channel: ControlChannel | None, worker) -> dict[str, list] | None:
+    """Every rank's KV-connector reports of this step, at the leader: {connector name: reports
+    in TP order} (the other ranks' as `msgspec.Raw`, decoded by the connector's scheduler side)."""
+    mine = worker.kv_reports
     if channel is None:
-        return [worker.kv_result]
-    parts = channel.gather_bytes(messages.encode(worker.kv_result))
-    return None if parts is None else [messages.decode_rank_result(p) for p in parts]
+        return {name: [r] for name, r in mine.items()}
+    parts = channel.gather_bytes(msgspec.msgpack.encode(mine))
+    if parts is None:
+        return None
+    ranks = [mine] + [_KV_REPORTS_DECODER.decode(p) for p in parts[1:]]
+    return {name: [r[name] for r in ranks] for name in mine}
 
 
 def rank_report(worker, groups: RankGroups) -> dict:
@@ -119,10 +115,8 @@ def _follow(config: EngineConfig, model_dir: str, rank: int, master_port: int) -
         if isinstance(message, RunStep):
             so = message.scheduler_output
             worker.execute_model(so, message.dp)
-            if so.kv_connector_metadata is not None and so.kv_connector_metadata.poll:
-                gather_kv_results(channel, worker)
-            if so.kv_offload is not None and so.kv_offload.poll:
-                reduce_offload_report(groups, worker)
+            if so.kv_connector_metadata:
+                gather_kv_reports(channel, worker)
         elif isinstance(message, Describe):
             channel.gather_reports(rank_report(worker, groups))
         elif isinstance(message, Stop):

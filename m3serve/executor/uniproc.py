@@ -19,16 +19,13 @@ class UniProcExecutor:
         self.encoder_bytes_per_token = self.worker.encoder_bytes_per_token   # of an encoder output
         # a window draft's own pool (DSpark): the same on every rank, from the configuration
         self.draft_window, self.num_draft_blocks = self.worker.draft_window, self.worker.num_draft_blocks
-        self.cpu_block_bytes = self.worker.offload.bytes_per_block if self.worker.offload is not None else 0
+        tier = self.worker.cpu_tier
+        self.cpu_block_bytes = tier.bytes_per_block if tier is not None else 0
 
     def execute_model(self, scheduler_output):
         out = self.worker.execute_model(scheduler_output)
-        meta = scheduler_output.kv_connector_metadata
-        if meta is not None and meta.poll:
-            out.kv_connector_output = [self.worker.kv_result]
-        work = scheduler_output.kv_offload
-        if work is not None and work.poll:
-            out.kv_offload = self.worker.offload_report()
+        if scheduler_output.kv_connector_metadata:
+            out.kv_connector_output = {name: [r] for name, r in self.worker.kv_reports.items()}
         return out
 
     @property
@@ -37,7 +34,7 @@ class UniProcExecutor:
         return self.worker.runner.vision is not None
 
     def kv_rank_metadata(self) -> list:
-        return [self.worker.kv_connector.rank_metadata()]
+        return [self.worker.kv_connector.find("nixl").rank_metadata()]
 
     def describe(self) -> list[dict]:
         return [{**self.worker.describe(), "rank": 0, "world_size": 1}]

@@ -1,6 +1,7 @@
 """One rank's CPU tier: a host copy of every cache plane indexed by block id (each layer's K
 and V, each sparse layer's index keys, the draft's caches), and the copies the scheduler asks
-for (`KVOffloadWork`), each a gather/scatter of whole blocks byte for byte.
+for (`KVOffloadWork`), each a gather/scatter of whole blocks byte for byte: the worker side of
+the CPU tier's KV connector ("cpu_tier").
 
 On a GPU the tier is pinned host memory and the copies run on a side stream, after the work
 already queued on the compute stream (which wrote the blocks), so they overlap the step's
@@ -14,7 +15,8 @@ from collections import deque
 
 import torch
 
-from m3serve.core.scheduler_output import KVOffloadWork
+from m3serve.core.kv_connector.base import KVConnectorWorker, as_struct
+from m3serve.core.scheduler_output import KVOffloadReport, KVOffloadWork
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -27,9 +29,11 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-class KVOffloadWorker:
+class KVOffloadWorker(KVConnectorWorker):
     """Host slots [num_slots, *block shape] for each plane of `planes` ((cache group name,
     device tensor whose dim 0 is the block id)), and the copies between them."""
+
+    name = "cpu_tier"
 
     def __init__(self, planes: list[tuple[str, torch.Tensor]], num_slots: int, device: torch.device):
         self.device = device
@@ -46,6 +50,15 @@ class KVOffloadWorker:
         self.num_done = 0
         self.seconds_to_cpu = 0.0
         self.seconds_to_gpu = 0.0
+
+    def start(self, work: KVOffloadWork) -> None:
+        """The step's batch, on the side stream: it overlaps the forward."""
+        self.submit(as_struct(work, KVOffloadWork))
+
+    def report(self) -> KVOffloadReport:
+        """Batches over on this rank and the copy times (the scheduler side takes the smallest
+        count over the ranks)."""
+        return KVOffloadReport(self.poll(), self.seconds_to_cpu, self.seconds_to_gpu)
 
     def submit(self, work: KVOffloadWork) -> None:
         """Start one batch: the stores, then the loads."""

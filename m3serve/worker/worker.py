@@ -94,9 +94,11 @@ class Worker:
                 self.cache_specs += draft_specs
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
-        self.kv_connector = None      # disagg.connector.WorkerConnector with --kv-transfer-config
-        self.kv_result = None         # its last report (disagg.messages.RankResult)
-        self.offload = None           # worker.kv_offload.KVOffloadWorker with --kv-offloading-size
+        # the worker sides of the KV connectors (core.kv_connector.KVConnectorWorker: one, a
+        # composite, or None): P/D transfer with --kv-transfer-config, the CPU tier with
+        # --kv-offloading-size; and their reports of the last step ({name: report})
+        self.kv_connector = None
+        self.kv_reports: dict = {}
         self.num_cpu_blocks = 0
 
     def available_blocks(self) -> int:
@@ -176,16 +178,10 @@ class Worker:
             logger.info("warmed up the prefill kernels in %.1f s", time.perf_counter() - start)
             if self.vision is not None:
                 self._warm_up_vision()
-        if config.kv_transfer.enabled:
-            self._register_kv_transfer()
         self.num_cpu_blocks = self.available_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
-        if self.num_cpu_blocks:
-            from m3serve.worker.kv_offload import KVOffloadWorker
-            start = time.perf_counter()
-            self.offload = KVOffloadWorker(self._cache_planes(), self.num_cpu_blocks, self.device)
-            logger.info("CPU tier: %d blocks (%.2f GiB of %shost memory on this rank) in %.1f s",
-                        self.num_cpu_blocks, self.num_cpu_blocks * self.offload.bytes_per_block / (1 << 30),
-                        "pinned " if self.offload.cuda else "", time.perf_counter() - start)
+        from m3serve.core.kv_connector import MultiConnectorWorker, combine
+        from m3serve.kv_connectors import worker_connectors
+        self.kv_connector = combine(worker_connectors(config, self), MultiConnectorWorker)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
                     self.block_size, (num_blocks - 1) * self.block_size, self.device)
         if self.draft_window:
@@ -193,7 +189,7 @@ class Worker:
                         "%d running requests", self.num_draft_blocks, self.draft_pool_bytes / (1 << 30),
                         self.draft_window, config.scheduler.max_num_seqs)
 
-    def _cache_planes(self) -> list[tuple[str, torch.Tensor]]:
+    def cache_planes(self) -> list[tuple[str, torch.Tensor]]:
         """Every cache tensor indexed by block id, as (group, view with the block id first):
         each layer's K and V, each sparse layer's index keys, and the draft's caches on these
         block ids (a window draft's own pool is not among them: the CPU tier carries none of it)."""
@@ -218,19 +214,21 @@ class Worker:
         torch.cuda.synchronize(self.device)
         logger.info("warmed up the vision encoder in %.1f s", time.perf_counter() - start)
 
-    def _register_kv_transfer(self) -> None:
-        """Hand this rank's cache planes (every layer's K/V, every sparse layer's index keys) to
-        the KV-transfer connector."""
-        from m3serve.disagg.connector import make_worker_connector
+    def transfer_planes(self) -> list[tuple]:
+        """This rank's cache planes as P/D transfer registers them: per layer (index, K/V
+        cache, index cache or None, first KV head held here, total KV heads)."""
         from m3serve.layers.linear import kv_head_range
 
         total = self.model_config.num_key_value_heads
         first, _ = kv_head_range(total, self.parallel.tp)
         runner = self.runner
-        planes = [(i, kv, index, first, total)
-                  for i, (kv, index) in enumerate(zip(runner.kv_caches, runner.index_caches))]
-        self.kv_connector = make_worker_connector(self.config.kv_transfer, self.parallel.tp.rank, self.device)
-        self.kv_connector.register_kv_caches(planes)
+        return [(i, kv, index, first, total)
+                for i, (kv, index) in enumerate(zip(runner.kv_caches, runner.index_caches))]
+
+    @property
+    def cpu_tier(self):
+        """This rank's CPU tier (`worker.kv_offload.KVOffloadWorker`), or None."""
+        return self.kv_connector.find("cpu_tier") if self.kv_connector is not None else None
 
     def _kv_cache_bytes(self) -> int:
         cache = self.config.cache
@@ -255,33 +253,22 @@ class Worker:
         return budget
 
     def execute_model(self, scheduler_output, dp: DPStep | None = None):
-        """One step; pulls of KV start before the forward and are polled after it (they write
-        only into blocks of requests that are not in the batch)."""
+        """One step; the KV connectors' work starts before the forward and is reported after it
+        (`kv_reports`): loads write only into blocks of requests that are not in the batch, and
+        copies out run on a side stream after the work already queued."""
         meta = scheduler_output.kv_connector_metadata
-        if meta is not None and self.kv_connector is not None:
-            self.kv_connector.start(meta)
-        work = scheduler_output.kv_offload
-        if work is not None and work.has_copies:
-            if self.offload is None:
-                raise RuntimeError("the step asks for CPU-tier copies, but this rank has no CPU tier")
-            self.offload.submit(work)      # on the side stream: it overlaps the forward
-        out = self.runner.execute_model(scheduler_output, dp)
-        if meta is not None and meta.poll:
+        if meta:
             if self.kv_connector is None:
-                raise RuntimeError("the step asks for KV-transfer reports, but this rank has no connector")
-            self.kv_result = self.kv_connector.poll()
+                raise RuntimeError(f"the step carries work for KV connector(s) {sorted(meta)}, "
+                                   f"but this rank has none")
+            self.kv_connector.start_step(meta)
+        out = self.runner.execute_model(scheduler_output, dp)
+        self.kv_reports = self.kv_connector.step_reports(meta) if meta else {}
         return out
-
-    def offload_report(self):
-        """This rank's progress on the CPU-tier copies (`KVOffloadReport`)."""
-        from m3serve.core.scheduler_output import KVOffloadReport
-        return KVOffloadReport(self.offload.poll(), self.offload.seconds_to_cpu, self.offload.seconds_to_gpu)
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
-        if self.offload is not None:
-            self.offload.shutdown()
 
     def describe(self) -> dict:
         """What this rank is and holds (for state reports and tests)."""

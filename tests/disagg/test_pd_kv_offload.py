@@ -59,8 +59,8 @@ def test_pd_with_a_cpu_tier_on_both_sides(tiny_dir):
                                                    kv_transfer_params=parse_kv_transfer_params(params)))[0]
             assert got == want, n
             _drain(producer, consumer)          # releases reach the producer; copies land
-        assert producer.core.scheduler.num_restores == 1    # turn 4's prefix came from its tier
-        assert consumer.core.scheduler.connector.stats.pulls_done == 4
+        assert producer.core.scheduler.num_kv_loads == 1    # turn 4's prefix came from its tier
+        assert consumer.core.scheduler.connector.find("nixl").stats.pulls_done == 4
         for e in (producer, consumer):
             kv = e.core.kv_manager
             assert kv.num_free_blocks == kv.num_usable_blocks and kv.offload.references() == ({}, {})

@@ -58,7 +58,7 @@ def test_sessions_equal_tier_off_across_evictions(tiny_dir, reference):
     assert sessions(llm) == reference
     core = llm.engine.core
     stats = core.kv_manager.offload.stats
-    assert core.scheduler.num_restores > 0 and stats.hits > 0 and stats.blocks_to_gpu > 0
+    assert core.scheduler.num_kv_loads > 0 and stats.hits > 0 and stats.blocks_to_gpu > 0
     assert core.kv_manager.prefix_cache_queries == stats.queries      # one denominator for both tiers
     drain(llm)
 
@@ -84,7 +84,7 @@ def test_restored_pages_are_bit_identical_in_both_groups(tiny_dir):
     assert not any(h in pool._cached for h in hashes)       # evicted from the GPU pool
     llm.generate([{"prompt_token_ids": first + ids(12, 10)}], GREEDY, use_tqdm=False)
     drain(llm)
-    assert core.scheduler.num_restores == 1
+    assert core.scheduler.num_kv_loads == 1
     for h in hashes:
         main, index = _pages(runner, pool._cached[h].block_id)
         assert all(torch.equal(a, b) for a, b in zip(main, before[h][0]))
@@ -105,10 +105,10 @@ def _restore_turn(llm, corrupt=None):
         offload = core.kv_manager.offload
         slots = sorted(offload.tier._by_hash[h] for h in list(offload.tier._by_hash)
                        if h not in core.kv_manager.block_pool._cached)
-        corrupt(llm.engine.worker.offload, slots)
+        corrupt(llm.engine.worker.cpu_tier, slots)
     second = first + out.token_ids + ids(12, 14)
     got = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0].outputs[0]
-    assert core.scheduler.num_restores == (core.kv_manager.offload is not None)
+    assert core.scheduler.num_kv_loads == (core.kv_manager.offload is not None)
     drain(llm)
     return got.token_ids, [{k: v.logprob for k, v in pos.items()} for pos in got.logprobs]
 
@@ -137,16 +137,16 @@ def test_abort_during_restore_frees_everything(tiny_dir):
     engine.add_request("turn2", {"prompt_token_ids": first + ids(12, 24)}, GREEDY.clone())
     engine.settle()
     so = core.scheduler.schedule()
-    (rid, (request, _, _)), = core.scheduler.loading.items()
-    assert request.status == RequestStatus.WAITING_FOR_CPU_KV and len(so.kv_offload.load_slots) == 6
+    (rid, (request, _, _)), = core.scheduler.kv_waiting.items()
+    assert request.status == RequestStatus.WAITING_FOR_KV and len(so.kv_connector_metadata["cpu_tier"].load_slots) == 6
     loading_blocks = set(core.kv_manager.get_block_ids(rid))
     engine.abort_request("turn2")
     assert set(core.kv_manager.get_block_ids(rid)) == loading_blocks    # held until the copy is over
     assert not loading_blocks & set(core.kv_manager.block_pool._free_queue)
     core.execute(so)                              # the copy lands and is reported: now they go
-    assert not core.scheduler.loading and not core.kv_manager.has_blocks(rid)
+    assert not core.scheduler.kv_waiting and not core.kv_manager.has_blocks(rid)
     drain(llm)
     # the tier still serves the prefix afterwards
     again = llm.generate([{"prompt_token_ids": first + ids(12, 24)}], GREEDY, use_tqdm=False)[0]
-    assert again.num_cached_tokens == 96 and core.scheduler.num_restores == 2
+    assert again.num_cached_tokens == 96 and core.scheduler.num_kv_loads == 2
     drain(llm)

@@ -23,10 +23,10 @@ def test_sessions_tier_on_equal_off_on_cuda(tiny_dir):
     llm = LLM(str(tiny_dir), **flags, **TIER)
     assert sessions(llm) == want
     drain(llm)
-    offload = llm.engine.worker.offload
+    offload = llm.engine.worker.cpu_tier
     assert offload.stream is not None and all(p.is_pinned() for p in offload.host_planes)
     stats = llm.engine.core.kv_manager.offload.stats
-    assert llm.engine.core.scheduler.num_restores > 0 and stats.hits > 0
+    assert llm.engine.core.scheduler.num_kv_loads > 0 and stats.hits > 0
     assert stats.seconds_to_cpu > 0 and stats.seconds_to_gpu > 0      # timed by the side stream's events
     assert llm.engine.worker.runner.num_graph_steps > 0
 
@@ -49,7 +49,7 @@ def test_restored_pages_bit_identical_on_cuda(tiny_dir):
     assert not any(h in pool._cached for h in hashes)
     llm.generate([{"prompt_token_ids": first + ids(12, 10)}], GREEDY, use_tqdm=False)
     drain(llm)
-    assert core.scheduler.num_restores == 1
+    assert core.scheduler.num_kv_loads == 1
     for h in hashes:
         main, index = _pages(runner, pool._cached[h].block_id)
         assert all(torch.equal(a, b) for a, b in zip(main, before[h][0]))

@@ -48,7 +48,7 @@ def _second_turn(tiny_dir, drafts, kind, num_blocks: int, tier: bool, corrupt: b
     for p in (ids(80, 32), ids(70, 33)):          # one at a time: the same steps in every run
         llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
     if corrupt:
-        offload = llm.engine.worker.offload
+        offload = llm.engine.worker.cpu_tier
         for i, group in enumerate(offload.groups):
             if group in DRAFT_GROUPS[kind]:
                 offload.host_planes[i].view(torch.float32).mul_(-1)
@@ -75,9 +75,9 @@ def _second_turn(tiny_dir, drafts, kind, num_blocks: int, tier: bool, corrupt: b
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
 def test_drafts_after_a_restore_equal_drafts_after_a_gpu_hit(tiny_dir, drafts, kind):
     want, want_drafts, hit, sched = _second_turn(tiny_dir, drafts, kind, num_blocks=64, tier=False)
-    assert hit == 64 and sched.num_restores == 0            # turn 1 stayed in the GPU pool
+    assert hit == 64 and sched.num_kv_loads == 0            # turn 1 stayed in the GPU pool
     got, got_drafts, hit, sched = _second_turn(tiny_dir, drafts, kind, num_blocks=10, tier=True)
-    assert hit == 64 and sched.num_restores == 1            # ... here it came back from the tier
+    assert hit == 64 and sched.num_kv_loads == 1            # ... here it came back from the tier
     assert got == want
     assert got_drafts == want_drafts and len(want_drafts) > 2
     if kind == "mtp":
@@ -88,13 +88,13 @@ def test_drafts_after_a_restore_equal_drafts_after_a_gpu_hit(tiny_dir, drafts, k
 
 def test_dspark_window_after_a_gpu_hit_and_a_restore(tiny_dir, drafts):
     want, want_drafts, hit, sched = _second_turn(tiny_dir, drafts, "dspark", num_blocks=64, tier=False)
-    assert hit == 64 and sched.num_restores == 0
+    assert hit == 64 and sched.num_kv_loads == 0
     assert sched.kv_manager.draft.num_hit_blocks > 0              # the hit's last window was still cached
     got, got_drafts, hit, _ = _second_turn(tiny_dir, drafts, "dspark", num_blocks=64, tier=False, caching=False)
     assert hit == 0 and got == want
     assert got_drafts == want_drafts and len(want_drafts) > 2     # as if the prefix were computed here
     restored, restored_drafts, hit, sched = _second_turn(tiny_dir, drafts, "dspark", num_blocks=10, tier=True)
-    assert hit == 64 and sched.num_restores == 1 and sched.kv_manager.draft.num_hit_blocks == 0
+    assert hit == 64 and sched.num_kv_loads == 1 and sched.kv_manager.draft.num_hit_blocks == 0
     assert restored == want                                       # lossless without the draft's KV
     got, got_drafts, _, _ = _second_turn(tiny_dir, drafts, "dspark", num_blocks=10, tier=True, garbage=True)
     assert got == want and got_drafts == restored_drafts          # the hole is never read

@@ -15,6 +15,7 @@ from m3serve.core.kv_cache.cpu_tier import CPUBlockTier
 from m3serve.core.kv_cache.manager import KVCacheManager
 from m3serve.core.request import Request, RequestStatus
 from m3serve.core.scheduler import Scheduler
+from m3serve.core.kv_cache.offload import CPUTierConnector
 from m3serve.core.scheduler_output import KVOffloadReport
 from m3serve.sampling_params import SamplingParams
 
@@ -253,7 +254,7 @@ class OffloadRunner(FakeRunner):
         self.done = 0
 
     def execute(self, so):
-        work = so.kv_offload
+        work = (so.kv_connector_metadata or {}).get("cpu_tier")
         if work is not None and work.has_copies:
             self.sent.append(work)
         out = super().execute(so)            # the forward runs while the copies are in flight
@@ -265,7 +266,7 @@ class OffloadRunner(FakeRunner):
                 self.cache[block_id] = list(self.host[slot])
             self.done += 1
         if work is not None and work.poll:
-            out.kv_offload = KVOffloadReport(self.done)
+            out.kv_connector_output = {"cpu_tier": [KVOffloadReport(self.done)]}
         return out
 
 
@@ -278,7 +279,8 @@ def test_sessions_through_the_scheduler_with_a_tier(seed):
     rng = random.Random(seed)
     bs = 4
     kv = KVCacheManager(12, bs, num_cpu_blocks=16)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4), kv, max_model_len=64)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4), kv, max_model_len=64,
+                      kv_connector=CPUTierConnector(kv))
     runner = OffloadRunner(bs, rng)
     convs = [[rng.randrange(97) for _ in range(rng.randrange(6, 14))] for _ in range(4)]
     turns = [0] * 4
@@ -296,15 +298,15 @@ def test_sessions_through_the_scheduler_with_a_tier(seed):
                 got[rid] = []
         if not live and not kv.has_offload_work:
             break
-        loading = [rid for rid, (r, _, _) in sched.loading.items() if not r.is_finished]
+        loading = [rid for rid, (r, _, _) in sched.kv_waiting.items() if not r.is_finished]
         if loading and rng.random() < 0.15:
             sched.abort_requests([loading[0]])
             del live[loading[0]]
             aborted += 1
         so = sched.schedule()
         mro = runner.execute(so)
-        if mro.kv_offload is not None:
-            sched.offload_done(mro.kv_offload)
+        if mro.kv_connector_output is not None:
+            sched.update_kv_connectors(mro.kv_connector_output)
         for out in sched.update_from_output(so, mro):
             got[out.request_id] += out.new_token_ids
             if out.finished:
@@ -316,11 +318,11 @@ def test_sessions_through_the_scheduler_with_a_tier(seed):
     else:
         raise AssertionError("the sessions did not finish")
     assert turns == [4, 4, 4, 4] or all(len(c) + 6 >= 64 or t == 4 for c, t in zip(convs, turns))
-    assert sched.num_restores > 0
+    assert sched.num_kv_loads > 0
     sched.schedule()
     sched.check_integrity()
     assert kv.num_free_blocks == kv.num_usable_blocks and kv.offload.references() == ({}, {})
-    assert all(r.status != RequestStatus.WAITING_FOR_CPU_KV for r, _, _ in sched.loading.values())
+    assert all(r.status != RequestStatus.WAITING_FOR_KV for r, _, _ in sched.kv_waiting.values())
 
 
 # ------------------------------------------------------------------ flags and metrics

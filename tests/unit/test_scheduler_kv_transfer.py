@@ -64,7 +64,7 @@ class Worker:
     def step(self):
         so = self.sched.schedule()
         out = self.runner.execute(so)
-        meta = so.kv_connector_metadata
+        meta = (so.kv_connector_metadata or {}).get("nixl")
         if meta is not None:
             for job in meta.recv:
                 self.jobs.append(job)
@@ -80,7 +80,9 @@ class Worker:
                         else:
                             report.failed[job.request_id] = "injected"
                     self.jobs = []
-                out.kv_connector_output = [report] * self.tp
+                out.kv_connector_output = {"nixl": [report] * self.tp}
+        if out.kv_connector_output is not None:
+            self.sched.update_kv_connectors(out.kv_connector_output)
         self.outputs += self.sched.update_from_output(so, out)
         self.sched.check_integrity()
         return so
@@ -121,7 +123,7 @@ def test_decode_side_generates_what_one_engine_would(pair):
     ds.add_request(decode_request("d1", prompt, params))
     d = Worker(ds, dr, source=pr)
     so = d.step()                                      # blocks given, claim sent: nothing runs yet
-    assert not so.num_scheduled_tokens and "d1" in ds.remote_waiting
+    assert not so.num_scheduled_tokens and "d1" in ds.kv_waiting
     assert ds.connector.pulls_in_flight          # claiming counts: the engine polls at its TTFT pace
     assert ds.kv_manager.num_free_blocks == free_before - 6   # KV of 21 tokens
     d.run_until(lambda: any(o.finished for o in d.outputs))
@@ -205,14 +207,14 @@ def test_every_consumer_rank_must_report(pair):
     d = Worker(ds, dr, source=pr, tp=2, verdict="hang")
     d.run_until(lambda: d.jobs)
     so = ds.schedule()
-    out = ModelRunnerOutput([], [], kv_connector_output=[RankResult(done=["d1"]), RankResult()])
-    ds.update_from_output(so, out)                     # rank 1 is still pulling
-    assert "d1" in ds.remote_waiting and ds.connector.stats.pulls_done == 0
+    ds.update_kv_connectors({"nixl": [RankResult(done=["d1"]), RankResult()]})
+    ds.update_from_output(so, ModelRunnerOutput([], []))   # rank 1 is still pulling
+    assert "d1" in ds.kv_waiting and ds.connector.stats.pulls_done == 0
     so = ds.schedule()
-    ds.update_from_output(so, ModelRunnerOutput([], [], kv_connector_output=[RankResult(),
-                                                                             RankResult(failed={"d1": "x"})]))
+    ds.update_kv_connectors({"nixl": [RankResult(), RankResult(failed={"d1": "x"})]})
+    ds.update_from_output(so, ModelRunnerOutput([], []))
     ds.schedule()
-    assert "d1" not in ds.remote_waiting and ds.connector.stats.fallbacks == 1   # one rank failed: recompute
+    assert "d1" not in ds.kv_waiting and ds.connector.stats.fallbacks == 1   # one rank failed: recompute
 
 
 @pytest.mark.parametrize("stage", ["claiming", "reading"])
@@ -232,7 +234,7 @@ def test_abort_while_pulling_frees_blocks_only_when_the_pull_is_over(pair, stage
             d.step()
         assert ds.kv_manager.has_blocks("d1")
         d.verdict = "done"
-    d.run_until(lambda: not ds.remote_waiting)
+    d.run_until(lambda: not ds.kv_waiting)
     assert ds.kv_manager.num_free_blocks == NB - 1
     Worker(ps, pr).run_until(lambda: not ps.held)
     assert ps.kv_manager.num_free_blocks == NB - 1

@@ -9,8 +9,9 @@ evicted without a copy is lost. The store holds a reference on the GPU block unt
 over, so the block is never both free and in flight; the CPU slot is pinned as long.
 
 Loads bring a prefix the GPU pool lost back into fresh blocks of the request that asked for it;
-the request waits outside the queue (`RequestStatus.WAITING_FOR_CPU_KV`) holding those blocks,
+the request waits outside the queue (`RequestStatus.WAITING_FOR_KV`) holding those blocks,
 its slots pinned. The workers report how many batches they have finished (`complete`).
+`CPUTierConnector` is the tier as the scheduler sees it: one KV connector among others.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from m3serve.core.kv_cache.block_pool import BlockPool, KVBlock
 from m3serve.core.kv_cache.cpu_tier import CPUBlockTier
+from m3serve.core.kv_connector.base import ExternalHit, KVConnectorScheduler, as_struct
 from m3serve.core.scheduler_output import KVOffloadReport, KVOffloadWork
 
 
@@ -154,3 +156,64 @@ class KVOffloadManager:
             for request_id, _, block_ids in batch.loads:
                 out.setdefault(request_id, []).extend(block_ids)
         return out
+
+
+class CPUTierConnector(KVConnectorScheduler):
+    """The CPU tier's scheduler side as a KV connector (its books stay with the KV manager,
+    which stores freed prefix-cached blocks eagerly): a prefix the GPU pool lost is an optional
+    load of the blocks past the GPU hit that the tier holds; the ranks' work each step is a
+    `KVOffloadWork` batch, their reports `KVOffloadReport`s (a batch is over when it is over on
+    every rank: the smallest count)."""
+
+    name = "cpu_tier"
+
+    def __init__(self, kv_manager):
+        self.kv = kv_manager
+        self._lookup: tuple[str, list[int]] | None = None    # the last hit answered: (request, slots)
+        self._loaded: list[str] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, hit_blocks, count=True):
+        slots = self.kv.get_cpu_hits(request, len(hit_blocks), count)
+        if not slots:
+            return None
+        self._lookup = (request.request_id, slots)
+        return ExternalHit(len(slots) * self.kv.block_size, optional=True,
+                           blocks_come_back=self.kv.has_offload_work)
+
+    def start_load(self, request, block_ids, num_computed_tokens):
+        rid, slots = self._lookup
+        if rid != request.request_id:
+            raise RuntimeError(f"CPU-tier load of {request.request_id!r}, but the last lookup was {rid!r}")
+        self._lookup = None
+        first = num_computed_tokens // self.kv.block_size
+        self.kv.offload.start_load(rid, slots, block_ids[first:first + len(slots)])
+        self.kv.offload.stats.hits += len(slots) * self.kv.block_size
+
+    def take_finished_loads(self):
+        loaded, self._loaded = self._loaded, []
+        return [(rid, None) for rid in loaded]
+
+    def on_load_end(self, request, failure):
+        self.kv.cache_blocks(request, request.num_computed_tokens)   # others may hit them now
+        return None
+
+    def build_metadata(self):
+        return self.kv.take_offload_work()
+
+    def update(self, reports):
+        reports = [as_struct(r, KVOffloadReport) for r in reports]
+        driver = reports[0]
+        self._loaded += self.kv.complete_offload(KVOffloadReport(
+            min(r.num_batches_done for r in reports), driver.seconds_to_cpu, driver.seconds_to_gpu))
+
+    @property
+    def has_pending(self):
+        return self.kv.has_offload_work
+
+    @property
+    def needs_fast_poll(self):
+        return self.kv.has_offload_work
+
+    @property
+    def has_blocks_in_flight(self):
+        return bool(self.kv.offload.num_stores_in_flight)
