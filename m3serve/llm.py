@@ -50,9 +50,8 @@ class LLMEngine:
             from m3serve.engine.engine_core import EngineCore
             from m3serve.executor.uniproc import UniProcExecutor
             executor = UniProcExecutor(config, self.model_dir, progress=progress)
-            self.worker, self.model_config = executor.worker, executor.model_config
-            from m3serve.kv_connectors import scheduler_connectors
-            self.core = self.front = EngineCore(config, executor, scheduler_connectors)
+            self.core = self.front = EngineCore(config, executor)
+            self.worker, self.model_config = executor.worker, self.core.geometry.model_config
         self.eos_token_id = self.model_config.eos_token_id
         from m3serve.multimodal.processor import ProcessorOptions
         from m3serve.multimodal.processor_config import load_processor_settings

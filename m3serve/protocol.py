@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from m3serve.disagg.params import KVTransferParams
+from m3serve.kv_transfer_params import KVTransferParams
 from m3serve.sampling_params import SamplingParams
 
 

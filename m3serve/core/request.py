@@ -59,7 +59,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
-        # disagg.params.KVTransferParams: prefill for a decode worker, or pull the prompt's KV
+        # kv_transfer_params.KVTransferParams: prefill for a decode worker, or pull the prompt's KV
         self.kv_transfer_params = kv_transfer_params
         # tokens of its last admission whose KV a KV connector loaded (past its GPU prefix
         # hit; 0 = none), and whether any load of it was required (a P/D pull: its blocks are

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from m3serve import envs
 from m3serve.config import KVTransferConfig
 from m3serve.core.kv_connector.base import ExternalHit, KVConnectorScheduler, KVConnectorWorker, as_struct
-from m3serve.disagg import params as kvp
+from m3serve import kv_transfer_params as kvp
 from m3serve.disagg.layout import LayoutMismatch, check_compatible
 from m3serve.disagg.messages import (Claim, EngineMetadata, KVConnectorMetadata, RankMetadata, RankResult,
                                      RecvJob, Release, Reply)
@@ -59,6 +59,8 @@ class WorkerConnector(KVConnectorWorker):
 
 def make_worker_connector(config: KVTransferConfig, tp_rank: int, device) -> WorkerConnector:
     if config.kv_connector == "NixlConnector":
+        # a deliberate cycle inside disagg/: the NIXL worker half implements this module's
+        # WorkerConnector, and is imported only here, where NIXL is asked for
         from m3serve.disagg.nixl_worker import NixlWorkerConnector
         return NixlWorkerConnector(config, tp_rank, device)
     raise ValueError(f"unknown kv_connector {config.kv_connector!r}")

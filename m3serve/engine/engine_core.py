@@ -16,6 +16,7 @@ from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from m3serve.core.spec_gate import measured_rule_applies
+from m3serve.engine.kv_connectors import scheduler_connectors
 from m3serve.protocol import ITERATION_TOKEN_BUCKETS, EngineState
 
 logger = logging.getLogger(__name__)
@@ -36,31 +37,30 @@ def async_scheduling_applies(config: EngineConfig) -> bool:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor, kv_connectors=None):
-        """`kv_connectors(config, executor)`: the KV connectors that move KV between engines
-        (P/D), built by the engine layer (`m3serve/kv_connectors.py`); the CPU tier's is
-        built here, beside the KV manager that keeps its books."""
+    def __init__(self, config: EngineConfig, executor, kv_connectors=scheduler_connectors):
+        """The core over `executor`'s ranks, sized by their `geometry()`. `kv_connectors(config,
+        executor)`: the KV connectors that move KV between engines (P/D; `kv_connectors.py`);
+        the CPU tier's is built here, beside the KV manager that keeps its books."""
         self.config = config
         self.executor = executor
-        cfg = executor.model_config
+        self.geometry = geo = executor.geometry()
+        cfg = geo.model_config
         self.max_model_len = config.model.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
-        self.kv_manager = KVCacheManager(executor.num_blocks, executor.block_size,
+        self.kv_manager = KVCacheManager(geo.num_blocks, geo.block_size,
                                          enable_caching=config.cache.enable_prefix_caching,
-                                         num_cpu_blocks=getattr(executor, "num_cpu_blocks", 0),
-                                         draft_window=getattr(executor, "draft_window", 0),
-                                         num_draft_blocks=getattr(executor, "num_draft_blocks", 0),
+                                         num_cpu_blocks=geo.num_cpu_blocks, draft_window=geo.draft_window,
+                                         num_draft_blocks=geo.num_draft_blocks,
                                          num_lookahead_tokens=config.speculative.num_speculative_tokens)
         # bytes of one block over every cache group and rank (the CPU tier's unit of transfer)
-        self.cpu_block_bytes = getattr(executor, "cpu_block_bytes", 0)
+        self.cpu_block_bytes = geo.cpu_block_bytes
         connector = self._kv_connector(config, executor, kv_connectors)
         async_on = async_scheduling_applies(config)
-        device_type = getattr(executor, "device_type", "cpu")
         from m3serve.structured.compiler import GrammarCompiles
         # compiled off the loop (and warmed now), so that no grammar holds up a step
-        self.grammars = GrammarCompiles(executor.model_dir, cfg.vocab_size, cfg.eos_token_id,
+        self.grammars = GrammarCompiles(geo.model_dir, cfg.vocab_size, cfg.eos_token_id,
                                         config.structured_outputs.grammar_compile_timeout_seconds)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len,
                                    config.speculative.num_speculative_tokens, connector,
@@ -72,8 +72,8 @@ class EngineCore:
                                                    and not config.speculative.enabled),
                                    grammars=self.grammars,
                                    disable_spec_by_batch_size=config.speculative.disable_by_batch_size,
-                                   measure_speculation=measured_rule_applies(config, device_type),
-                                   encoder_cache=self._encoder_cache(config, executor))
+                                   measure_speculation=measured_rule_applies(config, geo.device_type),
+                                   encoder_cache=self._encoder_cache(config, geo))
         if config.speculative.enabled:
             logger.info("speculative decoding: which batches speculate: %s", {
                 "fixed": f"below {config.speculative.disable_by_batch_size} running requests",
@@ -89,21 +89,19 @@ class EngineCore:
         """One connector for the scheduler: P/D first (a decode leg's pull is never a tier's
         hit), then the CPU tier; a composite when there are several, None without any."""
         from m3serve.core.kv_connector import MultiConnectorScheduler, combine
-        parts = list(kv_connectors(config, executor)) if kv_connectors is not None else []
-        if config.kv_transfer.enabled and not parts:
-            raise ValueError("--kv-transfer-config needs the engine's KV connectors (m3serve.kv_connectors)")
+        parts = list(kv_connectors(config, executor))
         if self.kv_manager.offload is not None:
             from m3serve.core.kv_cache.offload import CPUTierConnector
             parts.append(CPUTierConnector(self.kv_manager))
         return combine(parts, MultiConnectorScheduler)
 
     @staticmethod
-    def _encoder_cache(config: EngineConfig, executor):
+    def _encoder_cache(config: EngineConfig, geo):
         """The book of the ranks' encoder outputs (--mm-encoder-cache-gb), with a vision tower."""
-        if not executor.has_vision:
+        if not geo.has_vision:
             return None
         from m3serve.core.encoder_cache import EncoderCacheBook
-        return EncoderCacheBook(config.model.mm_encoder_cache_bytes, executor.encoder_bytes_per_token)
+        return EncoderCacheBook(config.model.mm_encoder_cache_bytes, geo.encoder_bytes_per_token)
 
     def add_request(self, request: Request) -> None:
         """Queue a request (ValueError: refused). A request with structured outputs waits for
@@ -119,7 +117,7 @@ class EngineCore:
     def media_refusal(self) -> str:
         """Why this engine refuses images and videos ("" when it accepts them): they need a
         vision tower. Every draft kind takes them (docs/model.md, "Drafts and images")."""
-        if not self.executor.has_vision:
+        if not self.geometry.has_vision:
             return ("this model is served without a vision tower (a text-only checkpoint, "
                     "or --language-model-only): images and videos are not accepted")
         return ""
@@ -130,7 +128,7 @@ class EngineCore:
         from m3serve.multimodal.inputs import encoder_key, media_spans
         if refusal := self.media_refusal():
             raise ValueError(refusal)
-        cfg = self.executor.model_config
+        cfg = self.geometry.model_config
         spans = media_spans(request.prompt_token_ids, request.mm_inputs, cfg.image_token_id, cfg.video_token_id)
         request.mm_spans = [(s, e, x.content_hash) for (s, e), x in zip(spans, request.mm_inputs)]
         request.mm_keys = [encoder_key(x) for x in request.mm_inputs]

@@ -259,8 +259,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         from m3serve.model.files import model_directory
 
         executor = make_executor(config, model_directory(config.model.model), dp_rank, master_port, on_fatal)
-        from m3serve.kv_connectors import scheduler_connectors
-        core = EngineCore(config, executor, scheduler_connectors)
+        core = EngineCore(config, executor)
     except Exception as e:
         # one line (the API process repeats it); the traceback with --log-level debug
         logger.error("engine start-up failed: %s: %s", type(e).__name__, e)
@@ -271,9 +270,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         if executor is not None:
             executor.shutdown()
         os._exit(1)
-    model_config = executor.model_config
+    model_config = core.geometry.model_config
     push.send(protocol.encode(protocol.EngineReady(
-        max_model_len=core.max_model_len, block_size=executor.block_size,
+        max_model_len=core.max_model_len, block_size=core.geometry.block_size,
         num_usable_blocks=core.kv_manager.num_usable_blocks, vocab_size=model_config.vocab_size,
         eos_token_id=model_config.eos_token_id, dp_rank=dp_rank,
         world_size=config.parallel.world_size, max_waiting_requests=config.scheduler.max_waiting_requests,

@@ -18,15 +18,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from m3serve.rank_layout import RankLayout
 from m3serve.config import EngineConfig
 from m3serve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from m3serve.distributed import destroy_rank_groups
-from m3serve.executor import ExecutorFailure, ReplicasStopping
+from m3serve.executor import EngineGeometry, ExecutorFailure, ReplicasStopping, geometry_of
 from m3serve.executor.control import ControlChannel, Describe, RunStep, Stop
 from m3serve.executor.rank import (agree_num_blocks, gather_kv_metadata, gather_kv_reports, join_world,
                                    rank_report, run_follower)
 from m3serve.executor.supervisor import HEARTBEAT_PERIOD_S, Supervisor
+from m3serve.rank_layout import RankLayout
 from m3serve.worker.model_runner import DPStep
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_dir, rank: int, master_port: int, on_fatal,
                  progress: bool = False):
         self.config, self.rank, self.on_fatal = config, rank, on_fatal
-        self.model_dir = model_dir
         self.layout = layout = RankLayout.of(config.parallel)
         self.needs_lockstep = layout.dp > 1
         self.global_busy = False          # whether any replica had work at the last agreement
@@ -74,24 +73,15 @@ class MultiprocExecutor:
         self.groups, device = join_world(config, rank, master_port)
         self.worker = Worker(config, model_dir, self.groups.parallel, device, is_driver=True,
                              progress=progress)
-        self.num_blocks = agree_num_blocks(self.groups, self.worker)
-        self.model_config = self.worker.model_config
-        self.block_size = self.worker.block_size
-        self.num_cpu_blocks = self.worker.num_cpu_blocks
-        self.device_type = self.worker.device.type
-        self.encoder_bytes_per_token = self.worker.encoder_bytes_per_token   # of an encoder output
-        # a window draft's own pool (DSpark): the same on every rank, from the configuration
-        self.draft_window, self.num_draft_blocks = self.worker.draft_window, self.worker.num_draft_blocks
-        # every rank holds its own shard of a block: the tier moves this many bytes per block
-        tier = self.worker.cpu_tier
-        self.cpu_block_bytes = tier.bytes_per_block * layout.tp if tier is not None else 0
+        # every rank holds its own shard of a block: the CPU tier moves tp shards per block
+        self._geometry = geometry_of(self.worker, model_dir, agree_num_blocks(self.groups, self.worker), layout.tp)
         self.channel = (ControlChannel(self.groups.tp_cpu, rank, layout.tp) if layout.tp > 1 else None)
         self._kv_ranks = None
         if config.kv_transfer.enabled:
             self._kv_ranks = gather_kv_metadata(self.channel, self.worker)
         logger.info("rank %d of %d: TP %d x DP %d%s, %d KV blocks", rank, layout.world_size, layout.tp,
                     layout.dp, " with expert parallelism" if config.parallel.enable_expert_parallel
-                    else "", self.num_blocks)
+                    else "", self._geometry.num_blocks)
 
     # ------------------------------------------------------------ failure
 
@@ -150,10 +140,8 @@ class MultiprocExecutor:
         finally:
             self._step_started = None
 
-    @property
-    def has_vision(self) -> bool:
-        """Whether the ranks hold a vision encoder (images and videos accepted)."""
-        return self.worker.runner.vision is not None
+    def geometry(self) -> EngineGeometry:
+        return self._geometry
 
     def kv_rank_metadata(self) -> list:
         return self._kv_ranks

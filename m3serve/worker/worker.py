@@ -94,6 +94,7 @@ class Worker:
                 self.cache_specs += draft_specs
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
+        self.capture_sizes: list[int] = []     # decode batch sizes with CUDA graphs (set by initialize)
         # the worker sides of the KV connectors (core.kv_connector.KVConnectorWorker: one, a
         # composite, or None): P/D transfer with --kv-transfer-config, the CPU tier with
         # --kv-offloading-size; and their reports of the last step ({name: report})
@@ -130,7 +131,7 @@ class Worker:
                              f"2 blocks{draft}; raise --kv-cache-memory or --gpu-memory-utilization")
         config = self.config
         from m3serve.worker.cuda_graphs import capture_sizes
-        sizes = capture_sizes(config, self.device.type)
+        sizes = self.capture_sizes = capture_sizes(config, self.device.type)
         max_reqs = max([config.scheduler.max_num_seqs, *sizes])
         k = config.speculative.num_speculative_tokens
         self.num_blocks = num_blocks
@@ -180,7 +181,7 @@ class Worker:
                 self._warm_up_vision()
         self.num_cpu_blocks = self.available_cpu_blocks() if num_cpu_blocks is None else num_cpu_blocks
         from m3serve.core.kv_connector import MultiConnectorWorker, combine
-        from m3serve.kv_connectors import worker_connectors
+        from m3serve.worker.kv_connectors import worker_connectors
         self.kv_connector = combine(worker_connectors(config, self), MultiConnectorWorker)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens) on %s", num_blocks,
                     self.block_size, (num_blocks - 1) * self.block_size, self.device)

@@ -9,7 +9,7 @@ import torch
 from test_pd_poisoned_cache import _run
 
 from m3serve.config import EngineConfig
-from m3serve.disagg.params import KVTransferParams, parse_kv_transfer_params
+from m3serve.kv_transfer_params import KVTransferParams, parse_kv_transfer_params
 from m3serve.llm import LLMEngine
 from m3serve.protocol import EngineCoreRequest
 from m3serve.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ import pytest
 from pdutil import long_prompt
 
 from m3serve.config import EngineConfig
-from m3serve.disagg.params import KVTransferParams, parse_kv_transfer_params
+from m3serve.kv_transfer_params import KVTransferParams, parse_kv_transfer_params
 from m3serve.llm import LLMEngine
 from m3serve.protocol import EngineCoreRequest
 from m3serve.sampling_params import SamplingParams

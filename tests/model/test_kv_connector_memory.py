@@ -7,7 +7,7 @@ import torch
 from memory_connector import MemoryStore, MemoryTierScheduler, MemoryTierWorker
 
 from m3serve.config import EngineConfig
-from m3serve.core.engine_core import EngineCore
+from m3serve.engine.engine_core import EngineCore
 from m3serve.core.request import Request, RequestStatus
 from m3serve.executor.uniproc import UniProcExecutor
 from m3serve.sampling_params import SamplingParams
@@ -25,7 +25,8 @@ def engine(tiny_dir, store=None) -> EngineCore:
     executor = UniProcExecutor(config, tiny_dir, progress=False)
     if store is None:
         return EngineCore(config, executor)
-    core = EngineCore(config, executor, lambda config, executor: [MemoryTierScheduler(store, executor.block_size)])
+    core = EngineCore(config, executor,
+                      lambda config, executor: [MemoryTierScheduler(store, executor.geometry().block_size)])
     executor.worker.kv_connector = MemoryTierWorker(store, executor.worker.cache_planes())
     return core
 

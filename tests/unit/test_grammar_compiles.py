@@ -57,7 +57,7 @@ def slow_compiles(monkeypatch):
 def _add(loop, rid: str, grammar: str | None = None, max_tokens: int = 3, n: int = 1):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                             structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else None)
-    params.add_eos_token_ids([loop.core.executor.model_config.eos_token_id])
+    params.add_eos_token_ids([loop.core.geometry.model_config.eos_token_id])
     ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
     message = AddRequests(rid, [EngineCoreRequest(i, [5, 6, 7, 8], params.clone(), None, 0.0) for i in ids])
     return loop.add(protocol.decode_input(protocol.encode(message)))
@@ -134,12 +134,12 @@ def test_the_compiler_is_warm_before_the_first_request(make_loop):
     structured._CACHE.clear()
     loop = make_loop()
     loop.core.grammars.warm.result(timeout=120)
-    eos = loop.core.executor.model_config.eos_token_id
+    eos = loop.core.geometry.model_config.eos_token_id
     misses = structured._compiler.cache_info().misses
     params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(
         grammar=tool_call_grammar([TOOL], "required", None)))
     params.add_eos_token_ids([eos])
-    structured.compile_grammar(params, loop.core.executor.model_dir, loop.core.executor.model_config.vocab_size)
+    structured.compile_grammar(params, loop.core.geometry.model_dir, loop.core.geometry.model_config.vocab_size)
     assert structured._compiler.cache_info().misses == misses      # the warm compiler served it
 
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from m3serve.config import EngineConfig, KVTransferConfig
-from m3serve.disagg.params import parse_kv_transfer_params, producer_params, prompt_hash
+from m3serve.kv_transfer_params import parse_kv_transfer_params, producer_params, prompt_hash
 
 DECODE_LEG = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4, 9],
               "remote_engine_id": "e1", "remote_request_id": "cmpl-1-0", "remote_host": "10.0.0.2",

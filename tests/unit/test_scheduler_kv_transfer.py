@@ -22,7 +22,7 @@ from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import ModelRunnerOutput
 from m3serve.disagg.connector import KVTransferScheduler
 from m3serve.disagg.messages import RankMetadata, RankResult, Region
-from m3serve.disagg.params import parse_kv_transfer_params
+from m3serve.kv_transfer_params import parse_kv_transfer_params
 
 BS, NB = 4, 48
 REGIONS = [Region("0.k", 0, 64, 16, 8, 0, 2, 2), Region("0.v", 4096, 64, 16, 8, 0, 2, 2)]

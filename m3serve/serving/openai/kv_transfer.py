@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from m3serve.disagg.messages import Claim
-from m3serve.disagg.params import KVTransferParams, parse_kv_transfer_params, prompt_hash
+from m3serve.kv_transfer_params import KVTransferParams, parse_kv_transfer_params, prompt_hash
 from m3serve.disagg.side_channel import SideChannelError, call_async
 
 logger = logging.getLogger(__name__)

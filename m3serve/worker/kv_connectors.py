@@ -1,27 +1,11 @@
-"""Which KV connectors an engine runs, by its configuration: the engine layer's wiring, so that
-the core knows only the connector interface (`core/kv_connector`) and imports no transport.
-
-`--kv-transfer-config` adds P/D transfer ("nixl", `disagg/`), `--kv-offloading-size` the CPU
-tier ("cpu_tier": its scheduler side is built by the engine core beside the KV manager that keeps
-its books). A new tier or transport adds its two sides here and nowhere else.
-"""
+"""The worker sides of the KV connectors one rank runs, by the engine's configuration, in the
+order of their scheduler sides (`engine/kv_connectors.py`)."""
 from __future__ import annotations
 
 import logging
 import time
 
 logger = logging.getLogger(__name__)
-
-
-def scheduler_connectors(config, executor) -> list:
-    """The scheduler sides of the connectors that move KV between engines (in the order the
-    scheduler asks them at admission)."""
-    parts = []
-    if config.kv_transfer.enabled:
-        from m3serve.disagg.connector import KVTransferScheduler
-        parts.append(KVTransferScheduler(config.kv_transfer, executor.block_size, executor.num_blocks,
-                                         executor.kv_rank_metadata()))
-    return parts
 
 
 def worker_connectors(config, worker) -> list:
