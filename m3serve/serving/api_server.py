@@ -31,10 +31,11 @@ from m3serve.serving.metrics import CONTENT_TYPE, ServerMetrics
 from m3serve.serving.openai import chat, completions
 from m3serve.serving.openai import responses as responses_api
 from m3serve.serving.openai import tokenize as tokenize_api
-from m3serve.serving.openai.common import ClientDisconnected, ServerContext, internal_error
+from m3serve.serving.context import ServerContext
+from m3serve.serving.errors import APIError, ClientDisconnected, internal_error
 from m3serve.version import package_version
-from m3serve.serving.openai.engine import ServingEngine
-from m3serve.serving.openai.protocol import (MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest,
+from m3serve.serving.serving_engine import ServingEngine
+from m3serve.serving.openai.protocol import (MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest,
                                              DetokenizeRequest, TokenizeRequest, check_json, error_body,
                                              param_of, validation_message)
 from m3serve.serving.openai.responses_input import ResponseStore
@@ -318,9 +319,8 @@ def build_app(client, tokenizer: Tokenizer, model_dir: str | Path, config: Serve
     async def render_chat_completion(request: Request):
         body = await _read_body(request, ChatCompletionRequest, config.max_request_body_bytes)
         ctx().check_model(body.model)
-        prompt, ids, _, _ = await ctx().engine.off_loop(chat.render_request, ctx(), body)
-        ids, _ = await ctx().media.prepare(body.messages, ids, body.mm_processor_kwargs)   # image spans
-        return {"prompt": prompt, "token_ids": ids}
+        turn = await chat.prepare(ctx(), body)     # images count as their placeholder spans
+        return {"prompt": turn.prompt, "token_ids": turn.token_ids}
 
     @app.post("/v1/completions")
     async def create_completion(request: Request):

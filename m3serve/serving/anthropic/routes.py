@@ -14,8 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from m3serve.core.errors import EngineDeadError, EngineError, EngineOverloaded, RequestFailed
 from m3serve.serving.anthropic import messages
 from m3serve.serving.anthropic.protocol import OVERLOADED_STATUS, CountTokensRequest, MessagesRequest, error_body
-from m3serve.serving.openai.common import ClientDisconnected, internal_error
-from m3serve.serving.openai.protocol import APIError
+from m3serve.serving.errors import APIError, ClientDisconnected, internal_error
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +73,6 @@ def register(app: FastAPI, ctx, read_body, body_limit: int, retry_after_s: int) 
             body = await body_of(request, CountTokensRequest)
             c = ctx()
             c.check_model(body.model)
-            prompt = await messages.render_with_media(c, body)
-            return {"prompt": prompt.text, "token_ids": prompt.token_ids}
+            turn, _ = await messages.prepare(c, body)
+            return {"prompt": turn.prompt, "token_ids": turn.token_ids}
         return await _answer(work, retry_after_s)

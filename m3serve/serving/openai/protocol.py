@@ -1,5 +1,5 @@
 """Pydantic models of the OpenAI-compatible request bodies, the OpenAI error body, and the
-mapping from a request's sampling fields to `SamplingParams`.
+translation of a request's sampling fields into `SamplingParams` keywords.
 
 Types are checked here (a wrong type is a 400 naming the field); value ranges are checked by
 `SamplingParams`, whose ValueError names the field. Unknown fields are accepted and logged.
@@ -12,20 +12,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from m3serve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from m3serve.serving.errors import APIError
+from m3serve.serving.sampling import build_sampling_params
 
 MAX_N = 128  # parallel samples per request; more is a client bug, not a workload
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-class APIError(Exception):
-    """An error with its HTTP status, turned into the OpenAI error body by the server."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 MAX_JSON_DEPTH = 64
@@ -246,6 +239,11 @@ class _SamplingRequest(_Strict):
                         defaults: dict | None = None) -> SamplingParams:
         """ValueError names the offending field. `defaults`: the server's sampling defaults
         (generation config) for the fields the request leaves unset."""
+        return build_sampling_params(self.sampling_fields(logprobs), max_tokens, defaults)
+
+    def sampling_fields(self, logprobs: int | None) -> dict:
+        """The request's SamplingParams keywords (None: unset; see `serving.sampling`), checked
+        where the request's own rules apply (ValueError names the field)."""
         if not isinstance(self.n, int) or self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         bias = None
@@ -261,18 +259,15 @@ class _SamplingRequest(_Strict):
                 raise ValueError("prompt_logprobs is not available with stream=true")
             if self.kv_transfer_params is not None:
                 raise ValueError("prompt_logprobs needs the prompt computed here: not with kv_transfer_params")
-        optional = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
-        optional |= {k: v for k, v in (
-            ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
-            ("min_p", self.min_p), ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-            ("repetition_penalty", self.repetition_penalty)) if v is not None}
-        return SamplingParams(
-            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+        return dict(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            n=self.n, seed=self.seed, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(), logit_bias=bias,
-            prompt_logprobs=self.prompt_logprobs, **optional)
+            prompt_logprobs=self.prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
