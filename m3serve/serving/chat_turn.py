@@ -117,6 +117,7 @@ class ChatTurn:
         self.ctx, self.request = ctx, request
         self.prompt, self.token_ids = prompt, token_ids
         self.mm_inputs: list | None = None      # the request's images (protocol.MultiModalInput), in order
+        self.request_id, self.arrival = "", 0.0
         self._fields: dict = {}
         self._max_tokens: int | None = None
         self._stream = None
@@ -223,12 +224,11 @@ class ChatTurn:
                 if not seq.finished and end - start < stream_interval:
                     continue
                 deltas = self._parsers[seq.index].step(seq.text_delta(), seq.finished)
-                step = TurnStep(seq.index, seq, start, end, deltas, seq.finished)
                 if not deltas and start == end and not seq.finished:
                     continue
                 sent_tokens[seq.index] = end
                 done[seq.index] = seq.finished
-                yield step
+                yield TurnStep(seq.index, seq, start, end, deltas, seq.finished)
 
     @property
     def state(self) -> RequestState | None:

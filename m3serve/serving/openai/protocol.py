@@ -9,77 +9,15 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from m3serve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from m3serve.serving.errors import APIError
 from m3serve.serving.sampling import build_sampling_params
 
 MAX_N = 128  # parallel samples per request; more is a client bug, not a workload
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-MAX_JSON_DEPTH = 64
-_INT64 = 1 << 63
-
-
-def _path(where: tuple) -> str:
-    return ".".join(map(str, where))
-
-
-def _check_text(text: str, where: tuple, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        path = _path(where)
-        raise APIError(400, f"{path or 'body'}: {what} an unpaired UTF-16 surrogate (\\ud800-\\udfff)",
-                       path or None) from None
-
-
-def _check_int(value: int, where: tuple) -> None:
-    if not -_INT64 <= value < _INT64:
-        path = _path(where)
-        raise APIError(400, f"{path}: integer out of the 64-bit range", path or None)
-
-
-def _is_free(where: tuple, free_json: tuple) -> bool:
-    return any(len(pattern) == len(where) and all(p == "*" or p == w for p, w in zip(pattern, where))
-               for pattern in free_json)
-
-
-def check_json(data, max_depth: int = MAX_JSON_DEPTH, free_json: tuple = ()) -> None:
-    """Refuse what no field may hold, before the models see it (each a 400 naming its path):
-    nesting deeper than `max_depth`, strings with unpaired UTF-16 surrogates (they cannot be
-    encoded back), integers outside 64 bits. `free_json`: paths ("*" for any key or index) of
-    arbitrary JSON (tool-call inputs and arguments, tool schemas), where integers of any size
-    pass: the model writes them and clients send them back. Paths are spelled only for the
-    error; a list of plain integers (token ids) is checked at C speed."""
-    stack = [(data, (), 0, False)]
-    while stack:
-        value, where, depth, free = stack.pop()
-        kind = type(value)
-        if kind is str:
-            _check_text(value, where, "contains")
-        elif kind is int:
-            if not free:
-                _check_int(value, where)
-        elif kind is list or kind is dict:
-            if depth >= max_depth:
-                path = _path(where)
-                raise APIError(400, f"{path or 'body'}: nested deeper than {max_depth} levels", path or None)
-            if kind is dict:
-                for key, item in value.items():
-                    _check_text(key, where, "a key contains")
-                    inner = where + (key,)
-                    stack.append((item, inner, depth + 1, free or (bool(free_json) and _is_free(inner, free_json))))
-            elif value and all(type(v) is int for v in value):
-                if not free and (min(value) < -_INT64 or max(value) >= _INT64):
-                    index = next(i for i, v in enumerate(value) if not -_INT64 <= v < _INT64)
-                    _check_int(value[index], where + (index,))
-            else:
-                stack.extend((item, where + (i,), depth + 1, free) for i, item in enumerate(value))
 
 
 # Paths of arbitrary JSON in chat-form requests (check_json's `free_json`): tool-call arguments
@@ -93,38 +31,6 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
-def validation_message(error: ValidationError) -> tuple[str, str | None]:
-    """(message, param) for the first problem pydantic found, naming the field path."""
-    errors = error.errors()
-    first = errors[0]
-    path = []
-    for part in first.get("loc", ()):
-        if isinstance(part, str) and _TYPE_TAG.match(part):
-            break  # pydantic names the union member it tried; the field path ends before it
-        path.append(str(part))
-    loc = ".".join(path)
-    message = first.get("msg", "invalid value")
-    if first.get("type") == "missing":
-        return f"{loc} is required", loc or None
-    value = first.get("input")
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    # a union reports one error per member, tagged with the member's type: name them all
-    depth = len(path)
-    members = []
-    for e in errors:
-        where = e.get("loc", ())
-        if tuple(map(str, where[:depth])) == tuple(path) and len(where) > depth:
-            tag = str(where[depth])
-            if _TYPE_TAG.match(tag) and tag not in members:
-                members.append(tag)
-    if len(members) > 1:
-        return f"{loc}: expected one of {', '.join(members)} (got {shown})", loc or None
-    return f"{loc}: {message} (got {shown})", loc or None
-
-
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
 _LEADING_NAME = re.compile(r"^([a-z_]+)")
 
 

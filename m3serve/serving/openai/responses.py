@@ -1,7 +1,7 @@
 """`POST /v1/responses` (OpenAI's Responses API) and `GET /v1/responses/{id}`.
 
-A request becomes a chat request (`responses_input`) and runs through the chat endpoint's
-template, reasoning parser and tool parser; the parsed output becomes Responses output items
+The Responses dialect of a chat turn: a request becomes a chat request (`responses_input`), whose
+turn the chat dialect prepares; the turn's typed deltas become Responses output items
 (reasoning, message, function_call), returned whole or streamed as Responses events with
 sequence numbers. Reasoning can travel back signed (`encrypted_content`) so thinking continues
 across turns without server state; with --enable-response-store, `previous_response_id` continues
@@ -20,14 +20,15 @@ from m3serve.core.errors import EngineDeadError, RequestFailed
 from m3serve.serving.chat_template import EFFORT_TO_THINKING_MODE, REASONING_EFFORTS
 from m3serve.serving.chat_turn import ChatTurn
 from m3serve.serving.context import ServerContext, collect
-from m3serve.serving.openai import chat as chat_api
 from m3serve.serving.errors import APIError, internal_error
-from m3serve.serving.openai.protocol import ChatCompletionRequest, validation_message
+from m3serve.serving.openai import chat as chat_api
+from m3serve.serving.openai.protocol import ChatCompletionRequest
 from m3serve.serving.openai.responses_input import (ResponseStore,
                                                     chat_tool_choice, chat_tools, input_messages,
                                                     output_messages, response_format)
 from m3serve.serving.openai.responses_protocol import KNOWN_INCLUDES, ResponsesRequest
 from m3serve.serving.output_parsers import combine
+from m3serve.serving.request_body import validation_message
 from m3serve.serving.signing import ReasoningSigner
 
 STORE_FLAG = "--enable-response-store"
@@ -271,9 +272,8 @@ class ResponsesAPI:
         output = new_output(lambda *a, **k: "")
         [parsers] = turn.parsers
         whole = parsers.whole(seq.text)
-        content = tool_use.visible_content(whole.content) if parsers.tools is not None else whole.content
-        output.feed(whole.reasoning, content, [{"index": i, "id": c["id"], "function": c["function"]}
-                                               for i, c in enumerate(whole.tool_calls)])
+        output.feed(whole.reasoning, tool_use.visible_content(whole.content),
+                    [{"index": i, "id": c["id"], "function": c["function"]} for i, c in enumerate(whole.tool_calls)])
         body = self._finish(ctx, base, output, state, seq, messages if store else None)
         return JSONResponse(body)
 
