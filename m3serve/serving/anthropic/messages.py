@@ -20,6 +20,7 @@ from m3serve.serving.anthropic.protocol import CountTokensRequest, MessagesReque
 from m3serve.serving.chat_turn import ChatTurn, ToolUse, TurnRequest
 from m3serve.serving.context import ServerContext, run_unless_disconnected
 from m3serve.serving.errors import internal_error
+from m3serve.serving.sampling import shared_fields
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,7 @@ async def _start(ctx: ServerContext, request: MessagesRequest, turn: ChatTurn, f
     if any(not s for s in stops):
         raise ValueError("stop_sequences: must not contain an empty string")
     budget = form.budget_tokens if turn.thinking_mode == "enabled" else None
-    params = turn.sampling_params({"temperature": request.temperature, "top_p": request.top_p,
-                                   "top_k": request.top_k, "stop": stops or None}, max_tokens)
+    params = turn.sampling_params({**shared_fields(request), "stop": stops or None}, max_tokens)
     if budget is None:
         turn.constrain_tools(params)
     await turn.start(message_id, params, arrival_time, thinking_budget=budget, open_arguments=True)

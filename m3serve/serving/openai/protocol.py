@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from m3serve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from m3serve.serving.sampling import build_sampling_params
+from m3serve.serving.sampling import build_sampling_params, shared_fields
 
 MAX_N = 128  # parallel samples per request; more is a client bug, not a workload
 
@@ -166,10 +166,7 @@ class _SamplingRequest(_Strict):
             if self.kv_transfer_params is not None:
                 raise ValueError("prompt_logprobs needs the prompt computed here: not with kv_transfer_params")
         return dict(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            n=self.n, seed=self.seed, min_tokens=self.min_tokens,
+            shared_fields(self), n=self.n, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(), logit_bias=bias,

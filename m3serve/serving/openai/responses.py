@@ -29,6 +29,7 @@ from m3serve.serving.openai.responses_input import (ResponseStore,
 from m3serve.serving.openai.responses_protocol import KNOWN_INCLUDES, ResponsesRequest
 from m3serve.serving.output_parsers import combine
 from m3serve.serving.request_body import validation_message
+from m3serve.serving.sampling import shared_fields
 from m3serve.serving.signing import ReasoningSigner
 
 STORE_FLAG = "--enable-response-store"
@@ -234,8 +235,7 @@ class ResponsesAPI:
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         tools, namespaces = chat_tools(request.tools)
         fields = {"model": request.model, "messages": system + messages, "max_tokens": request.max_output_tokens,
-                  "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-                  "seed": request.seed, "tools": tools or None,
+                  **shared_fields(request), "tools": tools or None,
                   "tool_choice": chat_tool_choice(request.tool_choice),
                   "response_format": fmt,
                   "chat_template_kwargs": kwargs, "cache_salt": request.cache_salt}
