@@ -16,10 +16,8 @@ import signal
 import time
 
 import uvicorn
-from fastapi.responses import JSONResponse
 
-from m3serve.serving.anthropic.protocol import error_body as anthropic_error_body
-from m3serve.serving.openai.protocol import error_body
+from m3serve.serving.errors import shape_for
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +46,7 @@ class Drain:
                 return await app(scope, receive, send)
             if self.draining:
                 message = "the server is shutting down; send this request elsewhere"
-                body = (anthropic_error_body(503, message) if scope["path"].startswith("/v1/messages")
-                        else error_body(503, message))
-                return await JSONResponse(body, status_code=503, headers={
+                return await shape_for(scope["path"]).response(503, message, headers={
                     "Retry-After": str(self.retry_after_s), "Connection": "close"})(scope, receive, send)
             self.in_flight += 1
             try:

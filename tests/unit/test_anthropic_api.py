@@ -8,6 +8,7 @@ from fastapi import FastAPI
 
 from m3serve.serving.anthropic.blocks import BlockBuilder
 from m3serve.serving.api_server import _BearerAuth
+from m3serve.serving.output_parsers import OutputParsers
 
 NS = "]<]minimax[>["
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
@@ -15,7 +16,8 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
 
 
 def _run(text: str, chunk: int, tools=TOOLS, mode=None):
-    builder = BlockBuilder("minimax_m3", mode, "minimax_m3" if tools else None, tools, "auto" if tools else "none")
+    builder = BlockBuilder(OutputParsers("minimax_m3", mode, "minimax_m3" if tools else None, tools,
+                                         "auto" if tools else "none", open_arguments=True))
     events = []
     for start in range(0, len(text), chunk):
         events += builder.feed(text[start:start + chunk])
@@ -44,7 +46,7 @@ def test_tool_input_streams_one_piece_per_argument_and_parses_to_the_input():
 def test_each_argument_is_sent_as_soon_as_it_is_complete():
     call = (f"{NS}<tool_call>\n{NS}<invoke name=\"f\">\n{NS}<a>1{NS}</a>\n{NS}<b>x y{NS}</b>\n"
             f"{NS}</invoke>\n{NS}</tool_call>")
-    builder = BlockBuilder("minimax_m3", None, "minimax_m3", TOOLS, "auto")
+    builder = BlockBuilder(OutputParsers("minimax_m3", None, "minimax_m3", TOOLS, "auto", open_arguments=True))
     sent_at = {}
     for end in range(1, len(call) + 1):
         for piece in _input_pieces(builder.feed(call[end - 1])):

@@ -3,8 +3,8 @@ SamplingParams naming the field, and request fields map onto SamplingParams."""
 import pytest
 from pydantic import ValidationError
 
-from m3serve.serving.openai.protocol import (MAX_N, ChatCompletionRequest, CompletionRequest, error_body,
-                                             param_of, validation_message)
+from m3serve.serving.openai.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, error_body, param_of
+from m3serve.serving.request_body import validation_message
 
 
 def _message(model, data):
@@ -53,7 +53,9 @@ def test_json_check_exempts_free_json_from_the_64_bit_rule():
     """Tool-call inputs and tool schemas are arbitrary JSON: integers of any size pass there
     (the model may write them, and clients send them back), and stay refused elsewhere."""
     from m3serve.serving.anthropic.protocol import MessagesRequest
-    from m3serve.serving.openai.protocol import APIError, TokenizeRequest, check_json
+    from m3serve.serving.errors import APIError
+    from m3serve.serving.openai.protocol import TokenizeRequest
+    from m3serve.serving.request_body import check_json
     from m3serve.serving.openai.responses_protocol import ResponsesRequest
     big = 10 ** 80
     anthropic = {"messages": [{"role": "assistant", "content": [

@@ -2,7 +2,7 @@
 function_call run), and the signed reasoning blob (servers sharing a key read each other's)."""
 import pytest
 
-from m3serve.serving.openai.protocol import APIError
+from m3serve.serving.errors import APIError
 from m3serve.serving.openai.responses_input import input_messages
 from m3serve.serving.signing import ReasoningSigner
 

@@ -1,7 +1,7 @@
 """The model's text → Anthropic content blocks, as stream events and as the final `content` list.
 
-One `BlockBuilder` per response. It runs M3's reasoning parser, then the tool-call parser on the
-content, and turns what they produce into `content_block_start` / `content_block_delta` /
+One `BlockBuilder` per response. It turns the typed deltas of the turn's `OutputParsers` (M3's
+reasoning parser, then the tool-call parser on the content) into `content_block_start` / `content_block_delta` /
 `content_block_stop` events: `thinking` blocks (closed with a `signature_delta` whose signature
 carries the thinking text, signed, so a client that sends the block back -- with its text, or
 emptied, as `thinking.display: "omitted"` asks -- gives the next turn the same thinking), `text` blocks
@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from m3serve.serving.reasoning import get_reasoning_parser
+from m3serve.serving.output_parsers import (Delta, OutputParsers, ReasoningDelta, TextDelta, ToolArgumentsDelta,
+                                            ToolCallDelta)
 from m3serve.serving.signing import ReasoningSigner
-from m3serve.serving.tool_parser import get_tool_parser
 
 
 def _dumps(value) -> str:
@@ -25,17 +25,15 @@ def _dumps(value) -> str:
 
 
 class BlockBuilder:
-    """Feeds the model's text in (`feed`), hands Anthropic events out, and keeps the finished
-    `content` list and whether a tool was called."""
+    """Takes one output's deltas in (`add`; or its text, `feed`, through `parsers`), hands
+    Anthropic events out, and keeps the finished `content` list and whether a tool was called.
+    `parsers` should report open calls' arguments (`open_arguments`), streamed as they complete."""
 
-    def __init__(self, reasoning_parser: str, thinking_mode: str | None, tool_parser: str | None,
-                 tools: list[dict] | None, tool_choice, signer: ReasoningSigner | None = None,
-                 show_thinking: bool = True):
-        self.reasoning = get_reasoning_parser(reasoning_parser)(thinking_mode)
+    def __init__(self, parsers: OutputParsers, signer: ReasoningSigner | None = None, show_thinking: bool = True):
+        self.parsers = parsers
         self.signer = signer or ReasoningSigner()
         self.show_thinking = show_thinking      # False: thinking blocks go out empty (display "omitted")
         self._thought = ""                      # the open thinking block's text
-        self.tools = get_tool_parser(tool_parser)(tools, tool_choice) if tool_parser else None
         self.content: list[dict] = []
         self._open: str | None = None      # "thinking" | "text" | "tool_use"
         self._space = ""                    # whitespace held back at the end of a text block
@@ -48,29 +46,21 @@ class BlockBuilder:
     def feed(self, text: str, finished: bool = False) -> list[dict]:
         """Events for `text`, the next piece of the output; `finished` ends the output (every
         open block is closed)."""
+        return self.add(self.parsers.step(text, finished), finished)
+
+    def add(self, deltas: list[Delta], finished: bool = False) -> list[dict]:
+        """Events for the next step's deltas; `finished` ends the output (every open block is
+        closed)."""
         events: list[dict] = []
-        reasoning, content = self.reasoning.stream(text)
-        if finished:
-            tail_reasoning, tail_content = self.reasoning.finish()
-            reasoning = (reasoning or "") + (tail_reasoning or "")
-            content = (content or "") + (tail_content or "")
-        if reasoning:
-            self._thinking(reasoning, events)
-        if self.tools is None:
-            self._text(content or "", events)
-        else:
-            parsed = self.tools.stream(content or "")
-            pieces = [parsed]
-            if finished:
-                pieces.append(self.tools.finish())
-            for piece in pieces:
-                self._text(piece.content or "", events)
-                for delta in piece.tool_call_deltas:
-                    self._tool_delta(delta, events)
-            if not finished:
-                opened = self.tools.open_call_arguments()
-                if opened is not None and opened[0] in self._calls:
-                    self._send_arguments(self._calls[opened[0]], opened[1], events)
+        for delta in deltas:
+            if isinstance(delta, ReasoningDelta):
+                self._thinking(delta.text, events)
+            elif isinstance(delta, TextDelta):
+                self._text(delta.text, events)
+            elif isinstance(delta, ToolCallDelta):
+                self._tool_delta(delta.call, events)
+            elif isinstance(delta, ToolArgumentsDelta) and delta.index in self._calls:
+                self._send_arguments(self._calls[delta.index], delta.arguments, events)
         if finished:
             self._close(events)
         return events

@@ -9,9 +9,9 @@ import uuid
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from m3serve.engine.errors import EngineError
-from m3serve.serving.openai.common import (SSE_DONE, ServerContext, admit, collect, kv_transfer_field,
-                                           merge, sse, engine_error_event, usage_block)
-from m3serve.serving.openai.engine import clamp_logprob, prompt_logprobs_field, top_entries
+from m3serve.serving.context import ServerContext, admit, collect, merge
+from m3serve.serving.openai.common import SSE_DONE, engine_error_event, kv_transfer_field, sse, usage_block
+from m3serve.serving.openai.logprobs import clamp_logprob, prompt_logprobs_field, top_entries
 from m3serve.serving.openai.kv_transfer import resolve_kv_transfer
 from m3serve.serving.openai.protocol import CompletionRequest
 from m3serve.serving.output_processor import RequestState, SequenceState

@@ -1,5 +1,5 @@
 """Pydantic models of the OpenAI-compatible request bodies, the OpenAI error body, and the
-mapping from a request's sampling fields to `SamplingParams`.
+translation of a request's sampling fields into `SamplingParams` keywords.
 
 Types are checked here (a wrong type is a 400 naming the field); value ranges are checked by
 `SamplingParams`, whose ValueError names the field. Unknown fields are accepted and logged.
@@ -9,84 +9,15 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from m3serve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from m3serve.serving.sampling import build_sampling_params, shared_fields
 
 MAX_N = 128  # parallel samples per request; more is a client bug, not a workload
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-class APIError(Exception):
-    """An error with its HTTP status, turned into the OpenAI error body by the server."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-
-MAX_JSON_DEPTH = 64
-_INT64 = 1 << 63
-
-
-def _path(where: tuple) -> str:
-    return ".".join(map(str, where))
-
-
-def _check_text(text: str, where: tuple, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        path = _path(where)
-        raise APIError(400, f"{path or 'body'}: {what} an unpaired UTF-16 surrogate (\\ud800-\\udfff)",
-                       path or None) from None
-
-
-def _check_int(value: int, where: tuple) -> None:
-    if not -_INT64 <= value < _INT64:
-        path = _path(where)
-        raise APIError(400, f"{path}: integer out of the 64-bit range", path or None)
-
-
-def _is_free(where: tuple, free_json: tuple) -> bool:
-    return any(len(pattern) == len(where) and all(p == "*" or p == w for p, w in zip(pattern, where))
-               for pattern in free_json)
-
-
-def check_json(data, max_depth: int = MAX_JSON_DEPTH, free_json: tuple = ()) -> None:
-    """Refuse what no field may hold, before the models see it (each a 400 naming its path):
-    nesting deeper than `max_depth`, strings with unpaired UTF-16 surrogates (they cannot be
-    encoded back), integers outside 64 bits. `free_json`: paths ("*" for any key or index) of
-    arbitrary JSON (tool-call inputs and arguments, tool schemas), where integers of any size
-    pass: the model writes them and clients send them back. Paths are spelled only for the
-    error; a list of plain integers (token ids) is checked at C speed."""
-    stack = [(data, (), 0, False)]
-    while stack:
-        value, where, depth, free = stack.pop()
-        kind = type(value)
-        if kind is str:
-            _check_text(value, where, "contains")
-        elif kind is int:
-            if not free:
-                _check_int(value, where)
-        elif kind is list or kind is dict:
-            if depth >= max_depth:
-                path = _path(where)
-                raise APIError(400, f"{path or 'body'}: nested deeper than {max_depth} levels", path or None)
-            if kind is dict:
-                for key, item in value.items():
-                    _check_text(key, where, "a key contains")
-                    inner = where + (key,)
-                    stack.append((item, inner, depth + 1, free or (bool(free_json) and _is_free(inner, free_json))))
-            elif value and all(type(v) is int for v in value):
-                if not free and (min(value) < -_INT64 or max(value) >= _INT64):
-                    index = next(i for i, v in enumerate(value) if not -_INT64 <= v < _INT64)
-                    _check_int(value[index], where + (index,))
-            else:
-                stack.extend((item, where + (i,), depth + 1, free) for i, item in enumerate(value))
 
 
 # Paths of arbitrary JSON in chat-form requests (check_json's `free_json`): tool-call arguments
@@ -100,38 +31,6 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
-def validation_message(error: ValidationError) -> tuple[str, str | None]:
-    """(message, param) for the first problem pydantic found, naming the field path."""
-    errors = error.errors()
-    first = errors[0]
-    path = []
-    for part in first.get("loc", ()):
-        if isinstance(part, str) and _TYPE_TAG.match(part):
-            break  # pydantic names the union member it tried; the field path ends before it
-        path.append(str(part))
-    loc = ".".join(path)
-    message = first.get("msg", "invalid value")
-    if first.get("type") == "missing":
-        return f"{loc} is required", loc or None
-    value = first.get("input")
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    # a union reports one error per member, tagged with the member's type: name them all
-    depth = len(path)
-    members = []
-    for e in errors:
-        where = e.get("loc", ())
-        if tuple(map(str, where[:depth])) == tuple(path) and len(where) > depth:
-            tag = str(where[depth])
-            if _TYPE_TAG.match(tag) and tag not in members:
-                members.append(tag)
-    if len(members) > 1:
-        return f"{loc}: expected one of {', '.join(members)} (got {shown})", loc or None
-    return f"{loc}: {message} (got {shown})", loc or None
-
-
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
 _LEADING_NAME = re.compile(r"^([a-z_]+)")
 
 
@@ -246,6 +145,11 @@ class _SamplingRequest(_Strict):
                         defaults: dict | None = None) -> SamplingParams:
         """ValueError names the offending field. `defaults`: the server's sampling defaults
         (generation config) for the fields the request leaves unset."""
+        return build_sampling_params(self.sampling_fields(logprobs), max_tokens, defaults)
+
+    def sampling_fields(self, logprobs: int | None) -> dict:
+        """The request's SamplingParams keywords (None: unset; see `serving.sampling`), checked
+        where the request's own rules apply (ValueError names the field)."""
         if not isinstance(self.n, int) or self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         bias = None
@@ -261,18 +165,12 @@ class _SamplingRequest(_Strict):
                 raise ValueError("prompt_logprobs is not available with stream=true")
             if self.kv_transfer_params is not None:
                 raise ValueError("prompt_logprobs needs the prompt computed here: not with kv_transfer_params")
-        optional = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
-        optional |= {k: v for k, v in (
-            ("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
-            ("min_p", self.min_p), ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-            ("repetition_penalty", self.repetition_penalty)) if v is not None}
-        return SamplingParams(
-            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+        return dict(
+            shared_fields(self), n=self.n, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(), logit_bias=bias,
-            prompt_logprobs=self.prompt_logprobs, **optional)
+            prompt_logprobs=self.prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:

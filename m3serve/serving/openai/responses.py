@@ -1,7 +1,7 @@
 """`POST /v1/responses` (OpenAI's Responses API) and `GET /v1/responses/{id}`.
 
-A request becomes a chat request (`responses_input`) and runs through the chat endpoint's
-template, reasoning parser and tool parser; the parsed output becomes Responses output items
+The Responses dialect of a chat turn: a request becomes a chat request (`responses_input`), whose
+turn the chat dialect prepares; the turn's typed deltas become Responses output items
 (reasoning, message, function_call), returned whole or streamed as Responses events with
 sequence numbers. Reasoning can travel back signed (`encrypted_content`) so thinking continues
 across turns without server state; with --enable-response-store, `previous_response_id` continues
@@ -17,17 +17,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from m3serve.engine.errors import EngineDeadError, RequestFailed
-from m3serve.sampling_params import StructuredOutputsParams
 from m3serve.serving.chat_template import EFFORT_TO_THINKING_MODE, REASONING_EFFORTS
-from m3serve.serving.openai.chat import _Choice, render_request
-from m3serve.serving.openai.common import ServerContext, admit, collect, internal_error, merge
-from m3serve.serving.openai.protocol import APIError, ChatCompletionRequest, validation_message
+from m3serve.serving.chat_turn import ChatTurn
+from m3serve.serving.context import ServerContext, collect
+from m3serve.serving.errors import APIError, internal_error
+from m3serve.serving.openai import chat as chat_api
+from m3serve.serving.openai.protocol import ChatCompletionRequest
 from m3serve.serving.openai.responses_input import (ResponseStore,
                                                     chat_tool_choice, chat_tools, input_messages,
                                                     output_messages, response_format)
 from m3serve.serving.openai.responses_protocol import KNOWN_INCLUDES, ResponsesRequest
+from m3serve.serving.output_parsers import combine
+from m3serve.serving.request_body import validation_message
+from m3serve.serving.sampling import shared_fields
 from m3serve.serving.signing import ReasoningSigner
-from m3serve.structured.tool_grammar import tool_call_grammar
 
 STORE_FLAG = "--enable-response-store"
 
@@ -150,14 +153,14 @@ class _Output:
                 self.events("response.reasoning_summary_text.done", **where, text=text),
                 self.events("response.reasoning_summary_part.done", **where, part=part)]
 
-    def feed(self, delta: dict) -> list[str]:
-        """One parsed chat delta (reasoning_content, content, tool_calls), in that order."""
+    def feed(self, reasoning: str | None, content: str | None, tool_calls: list[dict]) -> list[str]:
+        """One step of the turn: its reasoning, content and tool-call deltas, in that order."""
         out = []
-        if delta.get("reasoning_content"):
-            out += self.reasoning(delta["reasoning_content"])
-        if delta.get("content"):
-            out += self.text(delta["content"])
-        for call in delta.get("tool_calls") or []:
+        if reasoning:
+            out += self.reasoning(reasoning)
+        if content:
+            out += self.text(content)
+        for call in tool_calls:
             out += self.call(call)
         return out
 
@@ -232,8 +235,7 @@ class ResponsesAPI:
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         tools, namespaces = chat_tools(request.tools)
         fields = {"model": request.model, "messages": system + messages, "max_tokens": request.max_output_tokens,
-                  "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-                  "seed": request.seed, "tools": tools or None,
+                  **shared_fields(request), "tools": tools or None,
                   "tool_choice": chat_tool_choice(request.tool_choice),
                   "response_format": fmt,
                   "chat_template_kwargs": kwargs, "cache_salt": request.cache_salt}
@@ -247,38 +249,31 @@ class ResponsesAPI:
     async def create(self, ctx: ServerContext, request: ResponsesRequest, arrival_time: float, is_disconnected):
         ctx.check_model(request.model)
         chat, messages, namespaces = self._prepare(ctx, request)
-        prompt, ids, (tools, tool_choice, use_tools), kwargs = await ctx.engine.off_loop(render_request, ctx, chat)
-        mm_inputs = None
-        if ctx.media is not None:
-            ids, mm_inputs = await ctx.media.prepare(chat.messages, ids)
-        max_tokens = ctx.engine.resolve_max_tokens(len(ids), chat.max_tokens, "max_output_tokens")
-        params = chat.sampling_params(max_tokens, None, ctx.engine.sampling_defaults)
+        turn = await chat_api.prepare(ctx, chat)
+        max_tokens = turn.resolve_max_tokens(chat.max_tokens, "max_output_tokens")
+        params = turn.sampling_params(chat.sampling_fields(None), max_tokens)
         if params.structured_outputs is not None:       # errors name the field this request used
             params.structured_outputs.source = ("text.format.schema" if params.structured_outputs.json is not None
                                                 else "text.format")
-        if use_tools and tool_choice != "auto":
-            params.structured_outputs = StructuredOutputsParams(
-                grammar=tool_call_grammar(tools, tool_choice, kwargs.get("thinking_mode")))
+        turn.constrain_tools(params)
         response_id = _id("resp")
-        [stream] = await admit([ctx.engine.generate(response_id, prompt, ids, params, arrival_time,
-                                                    chat.cache_salt, mm_inputs=mm_inputs)])
-        del mm_inputs                # the engine has the pixels
-        choice = _Choice(ctx, kwargs.get("thinking_mode"), tools, tool_choice, use_tools)
+        await turn.start(response_id, params, arrival_time, chat.cache_salt)
+        tool_use = turn.request.tool_use
         sign = self.signer.sign if "reasoning.encrypted_content" in (request.include or []) else None
         summary = bool(request.reasoning and (request.reasoning.summary or request.reasoning.generate_summary))
         new_output = lambda events: _Output(events, sign, namespaces, summary)      # noqa: E731
         store = self.store is not None and request.store is not False
-        base = self._body(ctx, request, response_id, kwargs.get("thinking_mode"), store)
+        base = self._body(ctx, request, response_id, turn.thinking_mode, store)
         if request.stream:
-            return StreamingResponse(self._stream(ctx, base, stream, choice, new_output, messages if store else None),
+            return StreamingResponse(self._stream(ctx, base, turn, new_output, messages if store else None),
                                      media_type="text/event-stream")
-        [state] = await collect([stream], is_disconnected)
+        [state] = await collect([turn.stream], is_disconnected)
         [seq] = state.sequences
         output = new_output(lambda *a, **k: "")
-        message = choice.whole(seq.text)
-        output.feed({"reasoning_content": message["reasoning_content"], "content": message["content"],
-                     "tool_calls": [{"index": i, "id": c["id"], "function": c["function"]}
-                                    for i, c in enumerate(message["tool_calls"] or [])]})
+        [parsers] = turn.parsers
+        whole = parsers.whole(seq.text)
+        output.feed(whole.reasoning, tool_use.visible_content(whole.content),
+                    [{"index": i, "id": c["id"], "function": c["function"]} for i, c in enumerate(whole.tool_calls)])
         body = self._finish(ctx, base, output, state, seq, messages if store else None)
         return JSONResponse(body)
 
@@ -318,17 +313,18 @@ class ResponsesAPI:
             self.store.put(body["id"], body, messages + output_messages(output.items))
         return body
 
-    async def _stream(self, ctx: ServerContext, base: dict, stream, choice: _Choice, new_output, messages):
+    async def _stream(self, ctx: ServerContext, base: dict, turn: ChatTurn, new_output, messages):
         events = _Events()
         output = new_output(events)
         yield events("response.created", response=base)
         yield events("response.in_progress", response=base)
-        state = None
+        tool_use = turn.request.tool_use
         try:
-            async for _, state in merge([stream]):
-                [seq] = state.sequences
-                for event in output.feed(choice.delta(seq.text_delta(), seq.finished)):
+            async for step in turn.steps(stream_interval=0):
+                delta = combine(step.deltas)
+                for event in output.feed(delta.reasoning, tool_use.visible_content(delta.content), delta.tool_calls):
                     yield event
+            state = turn.state
             [seq] = state.sequences
             for event in output.close("incomplete" if seq.finish_reason == "length" else "completed"):
                 yield event

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from m3serve.serving.openai.protocol import APIError
+from m3serve.serving.errors import APIError
 from m3serve.serving.signing import ReasoningSigner
 from m3serve.serving.tool_parser import warn_dropped_tool
 

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from m3serve.serving.chat_template import render_chat, template_kwargs
-from m3serve.serving.openai.common import ServerContext
+from m3serve.serving.context import ServerContext
 from m3serve.version import package_version
-from m3serve.serving.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest
+from m3serve.serving.errors import APIError
+from m3serve.serving.openai.protocol import DetokenizeRequest, TokenizeRequest
 
 
 def list_models(ctx: ServerContext) -> dict:

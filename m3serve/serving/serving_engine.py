@@ -3,13 +3,13 @@
 `ServingEngine` owns the tokenizer and the one thread that tokenizes off the event loop,
 prompt-length limits, the fan-out of n > 1 into engine
 requests, incremental detokenization and stop strings (through `RequestState`), the abort of a
-request whose consumer went away, and the latency/token metrics. Endpoint modules build on it.
+request whose consumer went away, and the latency/token metrics. The chat turn and the
+completions endpoint build on it.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,18 +18,10 @@ from tokenizers import Tokenizer
 
 from m3serve import envs
 from m3serve.engine.errors import EngineError, RequestFailed
-from m3serve.outputs import PositionLogprobs
 from m3serve.sampling_params import SamplingParams
 from m3serve.serving.metrics import ServerMetrics
 from m3serve.serving.output_processor import RequestState
 from m3serve.serving.steer import Steering, load_rules
-
-# JSON has no -inf; vLLM reports impossible tokens with this value too.
-_MIN_LOGPROB = -9999.0
-
-
-def clamp_logprob(value: float) -> float:
-    return _MIN_LOGPROB if math.isnan(value) else max(value, _MIN_LOGPROB)
 
 
 class ServingEngine:
@@ -173,25 +165,3 @@ class ServingEngine:
         else:
             self.metrics.itl.observe(now - previous)
         last_output[seq_id] = now
-
-
-def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, float, str]]:
-    """The k best alternatives at one position, best first: (token id, logprob, text)."""
-    ranked = sorted(position.items(), key=lambda kv: (kv[1].rank or 0))
-    return [(t, clamp_logprob(lp.logprob), lp.decoded_token or "") for t, lp in ranked[:k]]
-
-
-def prompt_logprobs_field(state, k: int | None) -> dict:
-    """vLLM's `prompt_logprobs` reply field of a finished request `state` (a RequestState), {}
-    when the request did not ask (k None): per prompt position None (the first, which nothing
-    predicts) or {token id: {logprob, rank, decoded_token}} of the prompt token and the k best."""
-    if k is None:
-        return {}
-    positions = state.sequences[0].prompt_logprobs or []
-    out: list[dict | None] = []
-    for p, token_id in enumerate(state.prompt_token_ids):
-        position = positions[p] if p < len(positions) else None
-        out.append(None if position is None else {
-            str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for t, lp in position.items() if t == token_id or (lp.rank or 0) <= k})
-    return {"prompt_logprobs": out}
