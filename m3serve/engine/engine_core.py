@@ -12,6 +12,7 @@ import time
 from m3serve import memtrace
 from m3serve.config import EngineConfig
 from m3serve.core.kv_cache.manager import KVCacheManager
+from m3serve.core.kv_connector import MultiConnectorScheduler, combine
 from m3serve.core.request import Request
 from m3serve.core.scheduler import Scheduler
 from m3serve.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -39,8 +40,7 @@ def async_scheduling_applies(config: EngineConfig) -> bool:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor, kv_connectors=scheduler_connectors):
         """The core over `executor`'s ranks, sized by their `geometry()`. `kv_connectors(config,
-        executor)`: the KV connectors that move KV between engines (P/D; `kv_connectors.py`);
-        the CPU tier's is built here, beside the KV manager that keeps its books."""
+        executor, kv_manager)`: the scheduler sides of the KV connectors (`kv_connectors.py`)."""
         self.config = config
         self.executor = executor
         self.geometry = geo = executor.geometry()
@@ -56,7 +56,7 @@ class EngineCore:
                                          num_lookahead_tokens=config.speculative.num_speculative_tokens)
         # bytes of one block over every cache group and rank (the CPU tier's unit of transfer)
         self.cpu_block_bytes = geo.cpu_block_bytes
-        connector = self._kv_connector(config, executor, kv_connectors)
+        connector = combine(kv_connectors(config, executor, self.kv_manager), MultiConnectorScheduler)
         async_on = async_scheduling_applies(config)
         from m3serve.structured.compiler import GrammarCompiles
         # compiled off the loop (and warmed now), so that no grammar holds up a step
@@ -84,16 +84,6 @@ class EngineCore:
         self.iteration_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         self._deferred: SchedulerOutput | None = None   # the step whose output comes next
-
-    def _kv_connector(self, config: EngineConfig, executor, kv_connectors):
-        """One connector for the scheduler: P/D first (a decode leg's pull is never a tier's
-        hit), then the CPU tier; a composite when there are several, None without any."""
-        from m3serve.core.kv_connector import MultiConnectorScheduler, combine
-        parts = list(kv_connectors(config, executor))
-        if self.kv_manager.offload is not None:
-            from m3serve.core.kv_cache.offload import CPUTierConnector
-            parts.append(CPUTierConnector(self.kv_manager))
-        return combine(parts, MultiConnectorScheduler)
 
     @staticmethod
     def _encoder_cache(config: EngineConfig, geo):

@@ -26,7 +26,7 @@ def engine(tiny_dir, store=None) -> EngineCore:
     if store is None:
         return EngineCore(config, executor)
     core = EngineCore(config, executor,
-                      lambda config, executor: [MemoryTierScheduler(store, executor.geometry().block_size)])
+                      lambda config, executor, kv_manager: [MemoryTierScheduler(store, executor.geometry().block_size)])
     executor.worker.kv_connector = MemoryTierWorker(store, executor.worker.cache_planes())
     return core
 
