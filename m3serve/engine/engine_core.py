@@ -54,8 +54,6 @@ class EngineCore:
                                          num_cpu_blocks=geo.num_cpu_blocks, draft_window=geo.draft_window,
                                          num_draft_blocks=geo.num_draft_blocks,
                                          num_lookahead_tokens=config.speculative.num_speculative_tokens)
-        # bytes of one block over every cache group and rank (the CPU tier's unit of transfer)
-        self.cpu_block_bytes = geo.cpu_block_bytes
         connector = combine(kv_connectors(config, executor, self.kv_manager), MultiConnectorScheduler)
         async_on = async_scheduling_applies(config)
         from m3serve.structured.compiler import GrammarCompiles

@@ -128,7 +128,7 @@ class EngineLoop:
         offload = self.core.kv_manager.offload
         if offload is None:
             return {}
-        s, tier, unit = offload.stats, offload.tier, self.core.cpu_block_bytes
+        s, tier, unit = offload.stats, offload.tier, self.core.geometry.cpu_block_bytes
         return dict(external_prefix_cache_queries=s.queries, external_prefix_cache_hits=s.hits,
                     kv_offload_bytes_to_cpu=s.blocks_to_cpu * unit, kv_offload_bytes_to_gpu=s.blocks_to_gpu * unit,
                     kv_offload_seconds_to_cpu=s.seconds_to_cpu, kv_offload_seconds_to_gpu=s.seconds_to_gpu,
