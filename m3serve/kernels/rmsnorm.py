@@ -39,11 +39,13 @@ def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit
+# `quant` is a run-time flag, not a constexpr: the norm with and without its FP8 form is one
+# compiled program, so the normed rows are the same bits either way (two compilations may sum
+# the row's squares in different orders)
+@triton.jit(do_not_specialize=["q_stride", "quant"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
-                     x_stride, res_stride, out_stride, res_out_stride, q_stride, N, eps, min_scale,
-                     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                     EMULATE: tl.constexpr):
+                     x_stride, res_stride, out_stride, res_out_stride, q_stride, N, eps, min_scale, quant,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -61,7 +63,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
     rstd = tl.math.rsqrt(var + eps)
     y = cast_rne(xf * rstd * (1.0 + w), out_ptr.dtype.element_ty, EMULATE)
     tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
-    if QUANT:   # the rounded output's per-row FP8 form, as `fused_moe.quant_rows_fp8` makes it
+    if quant:   # the rounded output's per-row FP8 form, as `fused_moe.quant_rows_fp8` makes it
         yf = y.to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(yf), axis=0) / 448.0, min_scale)
         q = cast_rne(tl.clamp(yf / scale, -448.0, 448.0), q_ptr.dtype.element_ty, EMULATE)
@@ -93,17 +95,33 @@ def norm_warps(block: int) -> int:
     return 4 if block <= 2048 else (8 if block <= 8192 else 16)
 
 
+_PLACEHOLDERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [1, 1], fp32 [1]) on `device`, made once outside any CUDA-graph capture (inside
+    one: made for that launch, in the graph's pool)."""
+    found = _PLACEHOLDERS.get(device)
+    if found is None:
+        found = (torch.empty((1, 1), dtype=torch.float8_e4m3fn, device=device),
+                 torch.empty(1, dtype=torch.float32, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _PLACEHOLDERS[device] = found
+    return found
+
+
 def _launch(x2, r2, weight, out2, res_out2, eps, N, q2=None, scale=None):
     from m3serve.kernels.ref.fused_moe import FP8_MIN_SCALE
     BLOCK = triton.next_power_of_2(N)
     num_warps = norm_warps(BLOCK)
     has_res, quant = r2 is not None, q2 is not None
+    if not quant:     # never written; of the FP8 form's types, so that both launch one program
+        q2, scale = _placeholders(x2.device)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2 if has_res else x2, weight, out2, res_out2 if has_res else out2,
-        q2 if quant else out2, scale if quant else weight,
+        x2, r2 if has_res else x2, weight, out2, res_out2 if has_res else out2, q2, scale,
         x2.stride(0), r2.stride(0) if has_res else 0, out2.stride(0),
-        res_out2.stride(0) if has_res else 0, q2.stride(0) if quant else 0, N, eps, FP8_MIN_SCALE,
-        HAS_RESIDUAL=has_res, QUANT=quant, BLOCK=BLOCK, EMULATE=interpreting(), num_warps=num_warps)
+        res_out2.stride(0) if has_res else 0, q2.stride(0), N, eps, FP8_MIN_SCALE, int(quant),
+        HAS_RESIDUAL=has_res, BLOCK=BLOCK, EMULATE=interpreting(), num_warps=num_warps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
