@@ -341,10 +341,11 @@ class Scheduler:
         # the gate answers 0 only where its arm is plain steps and prompt tokens are due: the
         # draft pass then writes the prompt's draft KV, and proposals would only be dropped
         propose = not (self.num_lookahead_tokens and width == 0)
-        if speculate and self.num_lookahead_tokens and self._last_deferred:
+        if speculate and propose and self.num_lookahead_tokens and self._last_deferred:
             # A step with drafts needs its requests' newest tokens on the host (the drafts are
             # proposed from them), but the previous plain step left them on the device: this
-            # step schedules nothing and only lands them; the next one speculates.
+            # step schedules nothing and only lands them; the next one speculates. (A step that
+            # only writes the draft's KV is a plain step to the ranks: it reads the ids there.)
             speculate, budget = False, 0
             self.num_landing_steps += 1
         prefills = 0           # requests of this step that compute prompt (or recompute) tokens
@@ -462,8 +463,10 @@ class Scheduler:
 
         # prompt logprobs read the step's hidden states, which a deferred step does not keep
         deferrable = (SamplingMode.ARGMAX, SamplingMode.LOGITS) if self.defer_sampling else (SamplingMode.ARGMAX,)
-        # (a step with drafts is never deferred: its drafts come back with its output)
-        deferred = (self.async_scheduling and bool(scheduled) and not (speculate and self.num_lookahead_tokens)
+        # (a step with drafts is never deferred: its drafts come back with its output; one that
+        # only writes the draft's KV may be)
+        proposes = speculate and propose and bool(self.num_lookahead_tokens)
+        deferred = (self.async_scheduling and bool(scheduled) and not proposes
                     and all(modes[r.request_id] in deferrable and r.sampling_params.prompt_logprobs is None
                             for r in scheduled))
         sampled = [r.request_id for r in scheduled

@@ -22,7 +22,7 @@ from m3serve.layers.dispatch import use_triton
 from m3serve.worker.attn_metadata import StepBuffers
 from m3serve.worker.cuda_graphs import DecodeGraphs
 from m3serve.worker.input_batch import InputBatch, ScheduledBatch
-from m3serve.worker.step_sampler import StepSampler, Verified
+from m3serve.worker.step_sampler import StepSampler
 
 
 @dataclass
@@ -182,7 +182,8 @@ class ModelRunner:
         tokens; the next call takes them as its inputs (placeholders the scheduler counted),
         launches its own forward, and only then waits for them, returning them as `previous`."""
         sampler = self.step_sampler
-        if so.speculate and so.num_scheduled_tokens and self.proposer is not None and sampler.deferred is not None:
+        if (so.speculate and so.propose and so.num_scheduled_tokens and self.proposer is not None
+                and sampler.deferred is not None):
             # (checked before anything changes: the scheduler lands a deferred step first)
             raise RuntimeError("a step with drafts follows a deferred step whose tokens have not landed")
         sampler.drop(so.finished_req_ids)
@@ -196,6 +197,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         batch = self.batch.schedule(so)
         if self.proposer is not None and so.speculate:
+            if not so.propose:
+                return self._write_only_step(so, batch, dp, prev, placeholders)
             return self._speculative_step(so, batch, dp)
         feed = prev.feed(batch, placeholders) if prev is not None else None
         hidden, local, greedy = self._forward(batch, dp, feed)
@@ -322,35 +325,66 @@ class ModelRunner:
         fwd = self._eager(batch, dp, self.proposer.taps, media=media)
         self.num_eager_steps += 1
         verified = self.step_sampler.verify(so, batch, fwd.hidden, drafts)
-        start = self._draft_start(batch, fwd, verified, self._media_embeds(batch, shift=1))
-        if so.propose:
-            proposals = self.proposer.propose(start).tolist()
-        else:   # only the draft's KV of this step's tokens (see SchedulerOutput.propose)
-            self.proposer.write_only(start)
-            proposals = [[] for _ in range(batch.num_reqs)]
+        start = self._draft_start(batch, fwd, verified.emitted, verified.num_drafts,
+                                  self._media_embeds(batch, shift=1))
+        proposals = self.proposer.propose(start).tolist()
         self.batch.advance(batch)
         return self.step_sampler.speculative_output(so, batch, verified.emitted, proposals, verified.done,
                                                     verified.logprobs, verified.prompt_logprobs)
 
-    def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, verified: Verified, next_media=None):
-        """The proposer's start: each request's last verified position and the token after it;
-        `next_media` (`_media_embeds(batch, shift=1)`): the rows whose next token is an image
-        or video placeholder and its features."""
+    def _write_only_step(self, so: SchedulerOutput, batch: ScheduledBatch, dp: DPStep | None,
+                         prev, placeholders):
+        """A plain step that also runs the draft over its tokens, writing the draft's KV and
+        proposing nothing (`SchedulerOutput.propose` False: the gate chose plain steps while
+        prompt tokens are due, and the draft must hold the prompt for later drafts). It samples
+        -- or, `so.deferred`, leaves its ids on the device -- as a plain step does, so it may
+        follow a deferred step and be deferred itself: the draft reads the sampled ids on the
+        device."""
+        media = self._media_embeds(batch)
+        feed = prev.feed(batch, placeholders) if prev is not None else None
+        fwd = self._eager(batch, dp, self.proposer.taps, feed=feed, media=media)
+        self.num_eager_steps += 1
+        last = self.buffers.query_start_loc[1:batch.num_reqs + 1].long() - 1
+        local = self.model.lm_head.local_logits(fwd.hidden[last])
+        sampler = self.step_sampler
+        out = sampler.sample_step(so, batch, prev, placeholders, fwd.hidden, local, None)
+        R = batch.num_reqs
+        start = self._draft_start(batch, fwd, [[]] * R, np.zeros(R, dtype=np.int64),
+                                  self._media_embeds(batch, shift=1),
+                                  sampled=(sampler.step_ids_on_device(), sampler.complete(batch)))
+        self.proposer.write_only(start)
+        self.batch.advance(batch)
+        return out
+
+    def _draft_start(self, batch: ScheduledBatch, fwd: EagerForward, emitted: list[list[int]],
+                     num_drafts: np.ndarray, next_media=None, sampled=None):
+        """The proposer's start: each request's last verified position and the token after it.
+        `emitted` [R]: each request's accepted drafts and the token after them ([] for partial
+        chunks), `num_drafts` [R] the drafts it verified; `next_media` (`_media_embeds(batch,
+        shift=1)`): the rows whose next token is an image or video placeholder and its features;
+        `sampled` (ids [R] on the device, done [R] bool): a plain step's sampled ids, the token
+        after the last position of each request that sampled (`emitted` all [])."""
         from m3serve.spec_decode.proposer import StepForDraft
 
-        R, emitted = batch.num_reqs, verified.emitted
+        R = batch.num_reqs
         ends = batch.query_start_loc[1:].astype(np.int64)
         num_emitted = np.fromiter((max(1, len(e)) for e in emitted), dtype=np.int64, count=R)
-        last_index = ends - 1 - verified.num_drafts + (num_emitted - 1)
+        last_index = ends - 1 - num_drafts + (num_emitted - 1)
         start_pos = batch.seq_lens.astype(np.int64) - batch.num_scheduled
-        last_token = [e[-1] if e else int(self.batch.token_ids[row, batch.seq_lens[i]])
+        # (a request that sampled has no token at seq_len yet: read, then replaced below)
+        width = self.batch.token_ids.shape[1]
+        last_token = [e[-1] if e else int(self.batch.token_ids[row, min(int(batch.seq_lens[i]), width - 1)])
                       for i, (e, row) in enumerate(zip(emitted, batch.rows.tolist()))]
         dev = fwd.hidden.device
+        last_token = torch.tensor(last_token, dtype=torch.int64, device=dev)
+        if sampled is not None:
+            ids, done = sampled
+            last_token = torch.where(torch.from_numpy(done).to(dev), ids[:R].to(dev), last_token)
         return StepForDraft(
             input_ids=fwd.input_ids, positions=fwd.positions, meta=fwd.meta,
             hidden=fwd.taps if self.proposer.taps else fwd.hidden,
             last_index=torch.from_numpy(last_index).to(dev),
-            last_token=torch.tensor(last_token, dtype=torch.int64, device=dev),
+            last_token=last_token,
             last_position_cpu=(start_pos + last_index - batch.query_start_loc[:-1]).tolist(),
             block_tables=self.buffers.block_tables[:R],
             draft_block_tables=self._rows_of(self.buffers.draft_block_tables, R),

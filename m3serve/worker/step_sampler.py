@@ -82,11 +82,24 @@ class StepSampler:
         self.rejection = rejection    # worker.rejection.RejectionSampler when speculating
         self.failed: dict[str, str] = {}   # the last sampled step's requests that cannot go on: why
         self.deferred: DeferredTokens | None = None
+        # the last `sample_step`'s ids [R] (rows that did not sample: any value), on the device
+        # or as a host list; `step_ids_on_device()` for a draft pass after a plain step
+        self.step_ids: torch.Tensor | list[int] | None = None
         # async scheduling: two pinned buffers (each with its copy's event), used in turn, so a
         # step's copy never overwrites the one being read
         cuda = device.type == "cuda"
         self._host_ids = [(torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda),
                            torch.cuda.Event() if cuda else None) for _ in range(2)]
+
+    def step_ids_on_device(self) -> torch.Tensor:
+        """The last `sample_step`'s ids [R] int64 on the device (no host sync where they were
+        sampled there)."""
+        ids = self.step_ids
+        if ids is None:
+            raise RuntimeError("no step has been sampled")
+        if isinstance(ids, list):
+            return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return ids.long()
 
     def warm_up(self) -> None:
         """Compile the top-k / top-p cut-off kernels (one variant each)."""
@@ -133,13 +146,15 @@ class StepSampler:
         argmax = bool((modes == SamplingMode.ARGMAX).all())
         if so.deferred:
             if argmax:
-                self._defer(batch, greedy if greedy is not None else self.head.greedy(local), so.sampled_req_ids)
+                self.step_ids = greedy if greedy is not None else self.head.greedy(local)
+                self._defer(batch, self.step_ids, so.sampled_req_ids)
                 previous = self.land(prev, placeholders)
             else:   # sampled on the device; the previous ids land first: the history is whole
                 if not np.isin(modes, (SamplingMode.ARGMAX, SamplingMode.LOGITS)).all():
                     raise RuntimeError("a deferred step has a request whose sampling reads more than its logits")
                 previous = self.land(prev, placeholders)
-                self._defer(batch, self._sample_on_device(batch, local, done), so.sampled_req_ids)
+                self.step_ids = self._sample_on_device(batch, local, done)
+                self._defer(batch, self.step_ids, so.sampled_req_ids)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], previous=previous) if self.is_driver else None
         previous = self.land(prev, placeholders)       # before sampling: the host history is whole
         sampled, logprobs = self._sample(batch, local, greedy, done, argmax)
@@ -164,6 +179,7 @@ class StepSampler:
         if argmax:                                     # the common benchmark case: argmax only
             if greedy is None:
                 greedy = self.head.greedy(local)
+            self.step_ids = greedy
             return (greedy.tolist() if self.is_driver else []), None
         logits = self.head.gather(local)               # [R, V] fp32
         if self.sampler is None:
@@ -172,6 +188,7 @@ class StepSampler:
         # in step for the verify steps), only the driver reports
         sampled = [0] * batch.num_reqs                 # partial chunks: a placeholder, discarded
         logprobs = [None] * batch.num_reqs
+        self.step_ids = sampled                        # (a device tensor only when asked for)
         if not len(rows):
             return sampled, None
         index = np.flatnonzero(done)

@@ -327,8 +327,11 @@ def test_fp8_kv_keeps_the_draft_cache_in_the_model_dtype(tiny_dir, drafts, kind)
 def test_prompt_steps_under_plain_arms_write_draft_kv_without_proposing(tiny_dir, drafts, kind):
     """A gate whose arm is plain steps answers 0 where prompt tokens are due: such a step runs
     the draft over its tokens (the draft's KV) but proposes nothing (`SchedulerOutput.propose`,
-    the next plain step would drop the proposals). Later the gate drafts again: the requests
-    start from switch steps, and the greedy outputs equal speculation off throughout."""
+    the next plain step would drop the proposals). Such a step is a plain step to the ranks:
+    under async scheduling it follows a deferred step without a landing step and is deferred
+    itself, its draft pass reading the sampled ids on the device. Later the gate drafts again:
+    the requests start from switch steps, and the greedy outputs equal speculation off
+    throughout."""
     prompts = _prompts()[:6]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(str(tiny_dir), **_flags())
@@ -356,6 +359,14 @@ def test_prompt_steps_under_plain_arms_write_draft_kv_without_proposing(tiny_dir
         def observe(self, step, num_requests=None, verified=()):
             pass
     sched.spec_gate = PlainThenDrafts()
+    schedule, write_only = sched.schedule, []
+
+    def scheduled():
+        so = schedule()
+        if so.speculate and not so.propose and so.num_scheduled_tokens:
+            write_only.append(so.deferred)
+        return so
+    sched.schedule = scheduled
     for name in calls:
         real = getattr(proposer, name)
         setattr(proposer, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
@@ -364,4 +375,6 @@ def test_prompt_steps_under_plain_arms_write_draft_kv_without_proposing(tiny_dir
                                                          use_tqdm=False)]
     assert got == want
     assert calls["write_only"] > 0 and calls["propose"] > 0 and sched.spec_stats.num_drafts > 0
+    assert core.scheduler.async_scheduling and any(write_only)       # deferred write-only steps
+    assert sched.num_landing_steps <= 1                              # only at the switch to drafts
     _check_clean(llm)
