@@ -48,6 +48,21 @@ if VISION_ATTENTION not in ("varlen", "runs"):
 FP8_DECODE_GEMM = env_flag("M3SERVE_FP8_DECODE_GEMM")
 
 
+def route_align_max_tokens() -> int | None:
+    """M3SERVE_ROUTE_ALIGN_MAX_TOKENS (0-16; unset: the kernel module's measured default):
+    decode batches up to this many tokens route and align for the fused MoE in one launch
+    (`kernels/fused_moe.py: moe_route_align`), larger ones in three; for A/B measurements."""
+    value = os.environ.get("M3SERVE_ROUTE_ALIGN_MAX_TOKENS", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) > 16:
+        raise ValueError(f"M3SERVE_ROUTE_ALIGN_MAX_TOKENS must be a token count from 0 to 16, got {value!r}")
+    return int(value)
+
+
+ROUTE_ALIGN_MAX_TOKENS = route_align_max_tokens()
+
+
 def cpu_exact_positions() -> int:
     """M3SERVE_CPU_EXACT_POSITIONS (default 4096): on CPU, attention and the MSA top-k of query
     tokens at positions below this run in fp64, bit-identical to the reference ops; from it on,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve import envs
 from m3serve.kernels.packed_gemm import (PACK_CODES, SCALE_BLOCK, even_odd_columns, fp4_tiles,
                                          mxfp8_tile)
 from m3serve.kernels.ref.fused_moe import FP8_MIN_SCALE, max_aligned_blocks, moe_route_ref
@@ -65,43 +66,52 @@ def _route_scores_kernel(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k
 
 
 @triton.jit
-def _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t, scale,
-                      E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
-                      BYPASS_L1: tl.constexpr):
-    """Token t: logits = the partials summed in split order, sigmoid, top-k of score + bias
-    (lowest id among equal values), chosen scores renormalised and scaled. BYPASS_L1: the
-    partials were written by other programs of the same launch (read from L2)."""
+def _route_topk_rows(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t0, scale,
+                     E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BYPASS_L1: tl.constexpr):
+    """Tokens t0 .. t0 + BLOCK_T - 1 (those below num_tokens) at once: logits = the partials
+    summed in split order, sigmoid, top-k of score + bias (lowest id among equal values), the
+    chosen scores renormalised (summed in choice order) and scaled. Each token's values are the
+    same bits whatever BLOCK_T. BYPASS_L1: the partials were written by other programs of the
+    same launch (read from L2)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < num_tokens
     offs_e = tl.arange(0, E)
-    logits = tl.zeros((E,), dtype=tl.float32)
+    rows = offs_t.to(tl.int64)[:, None] * E + offs_e[None, :]                  # [BLOCK_T, E]
+    logits = tl.zeros((BLOCK_T, E), dtype=tl.float32)
     for sp in tl.static_range(SPLITS):
+        at_split = part_ptr + sp * num_tokens * E + rows
         if BYPASS_L1:
-            logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e, cache_modifier=".cg")
+            logits += tl.load(at_split, mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
         else:
-            logits += tl.load(part_ptr + (sp * num_tokens + t) * E + offs_e)
+            logits += tl.load(at_split, mask=t_ok[:, None], other=0.0)
     scores = tl.sigmoid(logits)
-    choice = scores + tl.load(bias_ptr + offs_e)
+    choice = scores + tl.load(bias_ptr + offs_e)[None, :]
     offs_k = tl.arange(0, TOP_K)
-    picked_w = tl.zeros((TOP_K,), dtype=tl.float32)
-    picked_id = tl.zeros((TOP_K,), dtype=tl.int32)
+    picked_w = tl.zeros((BLOCK_T, TOP_K), dtype=tl.float32)
+    picked_id = tl.zeros((BLOCK_T, TOP_K), dtype=tl.int32)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=0)
-        at = tl.min(tl.where(choice == best, offs_e, E), axis=0)
-        hit = offs_e == at
-        w = tl.sum(tl.where(hit, scores, 0.0), axis=0)
-        picked_w = tl.where(offs_k == k, w, picked_w)
-        picked_id = tl.where(offs_k == k, at, picked_id)
+        best = tl.max(choice, axis=1)                                           # [BLOCK_T]
+        at = tl.min(tl.where(choice == best[:, None], offs_e[None, :], E), axis=1)
+        hit = offs_e[None, :] == at[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)                          # one term: exact
+        total += w
+        picked_w = tl.where(offs_k[None, :] == k, w[:, None], picked_w)
+        picked_id = tl.where(offs_k[None, :] == k, at[:, None], picked_id)
         choice = tl.where(hit, float("-inf"), choice)
-    picked_w = picked_w / tl.sum(picked_w, axis=0) * scale
-    tl.store(weights_ptr + t * TOP_K + offs_k, picked_w)
-    tl.store(ids_ptr + t * TOP_K + offs_k, picked_id)
+    picked_w = picked_w / total[:, None] * scale
+    out = offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
+    tl.store(weights_ptr + out, picked_w, mask=t_ok[:, None])
+    tl.store(ids_ptr + out, picked_id, mask=t_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale,
                        E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
-    """One token per program (`_route_topk_token`)."""
-    _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens,
-                      tl.program_id(0).to(tl.int64), scale, E, SPLITS, TOP_K, False)
+    """One token per program (`_route_topk_rows`)."""
+    _route_topk_rows(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, tl.program_id(0).to(tl.int64),
+                     scale, E, SPLITS, TOP_K, 1, False)
 
 
 def route_tiles(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int, int, int]:
@@ -300,17 +310,17 @@ def _route_align_kernel(x_ptr, w_ptr, part_ptr, bias_ptr, weights_ptr, ids_ptr, 
                         BLOCK_B: tl.constexpr):
     """The router and the MoE alignment in one launch: program (e, s) writes its partial
     logits; the program that finishes last (a counter, reset by it for the next launch) then
-    runs the top-k of every token and the one-program alignment plan, the same code as the
-    three separate kernels."""
+    runs the top-k of every token (all at once) and the one-program alignment plan, the same
+    code as the three separate kernels."""
     _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split, 0,
                    tl.program_id(0), tl.program_id(1), E, BLOCK_T, BLOCK_E, BLOCK_K)
     tl.debug_barrier()            # every thread's partials are written before the release below
     total = tl.num_programs(0) * tl.num_programs(1)
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == total - 1:
         tl.debug_barrier()
-        for t in range(num_tokens):
-            _route_topk_token(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t, scale,
-                              E, SPLITS, TOP_K, True)
+        # every token at once (BLOCK_T >= num_tokens): a loop over tokens was latency-bound
+        _route_topk_rows(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, 0, scale,
+                         E, SPLITS, TOP_K, BLOCK_T, True)
         tl.debug_barrier()        # the ids are written before the plan reads them
         _align_plan(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_ptr,
                     num_pairs, num_choices, TOP_K, first_expert, num_local, num_slots,
@@ -322,10 +332,13 @@ _counters: dict = {}
 
 
 # The one-launch route + align hands the top-k of every token and the alignment plan to one
-# program, serially: on an H200 (128 experts, top 4 + shared, hidden 6144) it beat the two
-# launches at 1 token (10.5 vs 11.9 us; the whole TP 8 rank MoE 38.5 vs 40.8 us) and lost from 2
-# (13.2 vs 12.6 us; 55.0 vs 27.4 us at 16): scripts/decode_kernels_bench.py route_align.
-ROUTE_ALIGN_MAX_TOKENS = 1
+# program. With the tokens' top-k one after another, on an H200 (128 experts, top 4 + shared,
+# hidden 6144) it beat the two launches at 1 token (10.5 vs 11.9 us; the whole TP 8 rank MoE
+# 38.5 vs 40.8 us) and lost from 2 (13.2 vs 12.6 us; 55.0 vs 27.4 us at 16):
+# scripts/decode_kernels_bench.py route_align. The top-k now takes every token at once; until a
+# lease measures that, batches beyond one token keep the separate kernels
+# (M3SERVE_ROUTE_ALIGN_MAX_TOKENS overrides, for A/B runs).
+ROUTE_ALIGN_MAX_TOKENS = 1 if envs.ROUTE_ALIGN_MAX_TOKENS is None else envs.ROUTE_ALIGN_MAX_TOKENS
 
 
 def route_align_eligible(x: torch.Tensor, num_experts: int, top_k: int) -> bool:
