@@ -353,12 +353,18 @@ class DSparkDrafter(Drafter):
         d.kv_caches = [torch.zeros(2, num_blocks, block_size, d.num_kv_heads, d.cfg.head_dim, dtype=dtype,
                                    device=self.device) for _ in range(d.cfg.num_layers)]
 
-    def first(self, next_ids, hidden, positions, meta, last_index, next_media=None):
+    def first(self, next_ids, hidden, positions, meta, last_index, next_media=None, context_rows=None):
         """Write the step's context K/V -> (anchor ids [R]: the token after each request's last
-        verified position, no state). Images reach the draft through the taps (the target's
-        streams over its merged input); `next_media` is not read: an anchor that is a
-        placeholder only ends a partial prompt chunk, whose drafts are discarded."""
-        self.draft.write_context(hidden, positions, meta.slot_mapping)
+        verified position, no state); with `context_rows` [T'], of those rows only (the others
+        would go to the null block: no later query reads them). Images reach the draft through
+        the taps (the target's streams over its merged input); `next_media` is not read: an
+        anchor that is a placeholder only ends a partial prompt chunk, whose drafts are
+        discarded."""
+        if context_rows is None:
+            self.draft.write_context(hidden, positions, meta.slot_mapping)
+        else:
+            self.draft.write_context(hidden[context_rows], positions[context_rows],
+                                     meta.slot_mapping[context_rows])
         return next_ids[last_index], None
 
     def steps(self, anchor, state, last_pos, block_tables, cpu_positions, k, decode_meta,

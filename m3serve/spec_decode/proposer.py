@@ -48,6 +48,9 @@ class StepForDraft:
     next_media: tuple[torch.Tensor, torch.Tensor] | None = None
     """(rows [m] int64, features [m, H]): the rows whose next token is an image or video
     placeholder, and the vision encoder's features for it (`Drafter.first`)."""
+    context_rows: torch.Tensor | None = None
+    """[T'] int64 (a window draft): the rows whose context K/V the draft writes; the others lie
+    below every later query's window (their slots are the null block). None: every row."""
 
 
 class Proposer:
@@ -112,12 +115,13 @@ class Proposer:
         next_ids = torch.roll(step.input_ids.long(), -1)
         next_ids[step.last_index] = step.last_token
         return self.first_pass(next_ids, step.positions, step.meta, step.hidden, step.last_index,
-                               step.draft_block_tables, step.next_media)
+                               step.draft_block_tables, step.next_media, step.context_rows)
 
     def first_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    hidden: torch.Tensor, last_index: torch.Tensor,
                    draft_block_tables: torch.Tensor | None = None,
-                   next_media: tuple[torch.Tensor, torch.Tensor] | None = None):
+                   next_media: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   context_rows: torch.Tensor | None = None):
         """The draft over every token of the step (writing its KV) -> (first draft token or
         anchor [R], the draft kind's state for `draft_steps`). With a window draft's own
         `draft_block_tables` [R, W], the draft sees them and their slots in place of the target's.
@@ -127,6 +131,9 @@ class Proposer:
             _, slots = positions_and_slots(meta.query_start_loc, meta.seq_lens, draft_block_tables,
                                            positions.shape[0], self.block_size, False)
             meta = dataclasses.replace(meta, block_tables=draft_block_tables, slot_mapping=slots)
+        if context_rows is not None:
+            return self.drafter.first(next_ids, hidden, positions, meta, last_index, next_media,
+                                      context_rows=context_rows)
         return self.drafter.first(next_ids, hidden, positions, meta, last_index, next_media)
 
     def draft_steps(self, token: torch.Tensor, prev, positions: torch.Tensor,

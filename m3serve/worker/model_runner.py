@@ -389,7 +389,26 @@ class ModelRunner:
             block_tables=self.buffers.block_tables[:R],
             draft_block_tables=self._rows_of(self.buffers.draft_block_tables, R),
             draft_valid_from=self._rows_of(self.buffers.draft_valid_from, R),
-            next_media=next_media)
+            next_media=next_media, context_rows=self._window_rows(batch, dev))
+
+    def _window_rows(self, batch: ScheduledBatch, dev: torch.device) -> torch.Tensor | None:
+        """A window draft's `StepForDraft.context_rows`: of each request, the rows at positions
+        from the first block of its window after the step (`core/kv_cache/draft_window.py`: lo =
+        c' - k - W + 1, c' the tokens computed after it); None when that is every row (decode and
+        verify steps, prompt chunks inside the window) or the draft reads its whole context."""
+        window = self.proposer.drafter.sliding_window
+        if not window:
+            return None
+        bs = self.proposer.block_size
+        end = batch.seq_lens.astype(np.int64)                                   # c' [R]
+        start = end - batch.num_scheduled
+        keep_from = np.maximum(0, end - self.proposer.k - window + 1) // bs * bs
+        skip = np.clip(keep_from - start, 0, batch.num_scheduled)
+        if not skip.any():
+            return None
+        qsl = batch.query_start_loc.astype(np.int64)
+        rows = np.concatenate([np.arange(qsl[i] + skip[i], qsl[i + 1]) for i in range(batch.num_reqs)])
+        return torch.from_numpy(rows).to(dev)
 
     @staticmethod
     def _rows_of(view, n: int):

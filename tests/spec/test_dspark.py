@@ -254,3 +254,32 @@ def test_the_draft_keeps_only_each_requests_window(drafts, tiny_dir):
     assert got == want and core.scheduler.num_preemptions > 0
     assert max(held) <= 4 and max(lowest.values()) >= 8      # block 8+ of 11: the head released
     assert draft.request_ids == [] and draft.num_free_blocks == draft.pool.num_usable_blocks
+
+
+def test_context_rows_below_the_window_are_not_computed(drafts):
+    """A prompt chunk's rows below the first block of the request's window after the step would
+    only be written to the null block: the draft skips them (`ModelRunner._window_rows`). The
+    proposals -- every draft of every step -- and the outputs are those of the draft computing
+    every row, with fewer rows computed."""
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    prompts = [[(13 * j + i) % 1900 + 20 for j in range(n)] for i, n in enumerate((150, 70, 20))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for skip in (True, False):
+        llm = LLM(str(drafts["dspark"]), speculative_config=spec, dtype="float32", max_num_seqs=4,
+                  max_num_batched_tokens=256)
+        runner = llm.engine.worker.runner
+        if not skip:
+            runner._window_rows = lambda batch, dev: None
+        draft, rows, proposals = runner.proposer.drafter.draft, [0], []
+        write, propose = draft.write_context, runner.proposer.propose
+        draft.write_context = lambda taps, *a: rows.__setitem__(0, rows[0] + taps.shape[0]) or write(taps, *a)
+        runner.proposer.propose = lambda step: proposals.append(propose(step).tolist()) or torch.tensor(proposals[-1])
+        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)]
+        runs[skip] = outs, proposals, rows[0]
+    (got, drafted, computed), (want, all_drafted, all_rows) = runs[True], runs[False]
+    assert got == want and drafted == all_drafted
+    # one chunk each: the 150-token prompt keeps rows from block 7 (lo = 150 - 3 - 32 + 1 = 116),
+    # the 70-token one from block 2 (lo = 36), the 20-token one all
+    assert all_rows - computed == 112 + 32
