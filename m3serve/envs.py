@@ -63,6 +63,11 @@ def route_align_max_tokens() -> int | None:
 ROUTE_ALIGN_MAX_TOKENS = route_align_max_tokens()
 
 
+# Opt-in: the per-token attention kernel merges its splits itself (the program of a token and
+# KV group that finishes last does it) instead of a second kernel; off until a lease measures it.
+SPLIT_MERGE_IN_KERNEL = env_flag("M3SERVE_SPLIT_MERGE_IN_KERNEL")
+
+
 def cpu_exact_positions() -> int:
     """M3SERVE_CPU_EXACT_POSITIONS (default 4096): on CPU, attention and the MSA top-k of query
     tokens at positions below this run in fp64, bit-identical to the reference ops; from it on,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve import envs
 from m3serve.kernels.tma import tma_ready
 
 _LOG2E = 1.4426950408889634
@@ -113,16 +114,18 @@ def _attend_tile(q, k_base, v_base, rows, load_ok, visible, qk_scale, m_i, l_i, 
                                "query_start_loc", "seq_lens", "block_tables", "block_ids_ptr",
                                "key_lo_ptr"])
 def _token_attn_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     query_start_loc, seq_lens, block_tables, block_ids_ptr, k_scale_ptr, v_scale_ptr, key_lo_ptr,
     qk_scale, num_reqs, topk,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_it, stride_ig, stride_ik,
     HPG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr, FP8: tl.constexpr,
-    HAS_LO: tl.constexpr,
+    HAS_LO: tl.constexpr, MERGE: tl.constexpr,
 ):
-    """One program = (token t, KV group g, split s): the group's HPG heads are the M rows."""
+    """One program = (token t, KV group g, split s): the group's HPG heads are the M rows.
+    With splits and MERGE, the program of (t, g) that finishes last (a counter per (t, g), reset
+    by it) merges the group's splits into out: no merge kernel."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -186,6 +189,40 @@ def _token_attn_kernel(
         row = (t * (tl.num_programs(1) * HPG) + head_idx) * NUM_SPLITS + s  # [T, H, S] index
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
         tl.store(part_o_ptr + row[:, None] * D + dims[None, :], o, mask=head_ok[:, None])
+        if MERGE:
+            tl.debug_barrier()    # every thread's partials are written before the release below
+            count = counter_ptr + t * tl.num_programs(1) + g
+            if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                _merge_group(part_o_ptr, part_lse_ptr, out_ptr + t * stride_ot,
+                             (t * (tl.num_programs(1) * HPG) + head_idx) * NUM_SPLITS, head_idx, head_ok,
+                             stride_oh, D, NUM_SPLITS)
+                tl.atomic_xchg(count, 0, sem="relaxed")
+
+
+@triton.jit
+def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, first_row, head_idx, head_ok, stride_oh,
+                 D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """out[h] = LSE-weighted sum of head h's split partials (rows first_row[h] + s, base-2
+    log-sum-exp), for the heads [BLOCK_H] of one token, the partials of the other programs read
+    from L2; the splits summed in order (`_merge_splits_kernel` sums them as a tree: fp32 values
+    nearly equal)."""
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, D)
+    rows = first_row[:, None] + splits[None, :]                                 # [BLOCK_H, S]
+    lse = tl.load(part_lse_ptr + rows, mask=head_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m[:, None])                                               # [BLOCK_H, S]
+    den = tl.sum(w, 1)
+    acc = tl.zeros((first_row.shape[0], D), dtype=tl.float32)
+    for sp in tl.static_range(NUM_SPLITS):
+        at = (first_row + sp)[:, None] * D + dims[None, :]
+        o = tl.load(part_o_ptr + at, mask=head_ok[:, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(tl.where(splits[None, :] == sp, w, 0.0), 1)[:, None] * o
+    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out_ptr + head_idx[:, None] * stride_oh + dims[None, :], res.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None])
 
 
 @triton.jit
@@ -347,6 +384,23 @@ def _tile_block_union(block_ids: torch.Tensor, query_start_loc: torch.Tensor, nu
     return union.contiguous(), (union >= 0).sum(-1, dtype=torch.int32)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTER_SLOTS = 1 << 18      # (token, KV group) pairs one launch may merge in its kernel
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The per-(token, group) arrival counters of the in-kernel split merge (zeros; each merge
+    resets its own), made once per device outside any CUDA-graph capture; None (the separate
+    merge kernel) for more than _COUNTER_SLOTS pairs or while a capture is under way before they
+    exist. Launches on one device must not overlap (they share the counters)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return counters if n <= _COUNTER_SLOTS else None
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -470,13 +524,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         if splits > 1:
             part_o = torch.empty((T, H, splits, D), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+        counter = _merge_counters(q.device, T * G) if splits > 1 and envs.SPLIT_MERGE_IN_KERNEL else None
+        block_h = max(16, triton.next_power_of_2(hpg))
         _token_attn_kernel[(T, G, splits)](
-            q, k, v, out, part_o, part_lse, query_start_loc, seq_lens, block_tables, ids, k_sc, v_sc,
+            q, k, v, out, part_o, part_lse, seq_lens if counter is None else counter, query_start_loc,
+            seq_lens, block_tables, ids, k_sc, v_sc,
             seq_lens if key_lo is None else key_lo, scale * _LOG2E, R, topk, *common, *id_strides,
-            HPG=hpg, BLOCK_H=max(16, triton.next_power_of_2(hpg)), D=D, BLOCK_SIZE=bs,
+            HPG=hpg, BLOCK_H=block_h, D=D, BLOCK_SIZE=bs,
             BLOCK_N=block_n, NUM_SPLITS=splits, SPARSE=sparse, FP8=fp8, HAS_LO=key_lo is not None,
-            num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES)
-        if splits > 1:
+            MERGE=counter is not None, num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES)
+        if splits > 1 and counter is None:
             _merge_splits_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,
                                          D=D, NUM_SPLITS=splits, num_warps=4)
         return out

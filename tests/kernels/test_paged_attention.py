@@ -188,3 +188,35 @@ def test_out_buffer_and_split_path_gpu():
     got = pa.paged_attention(**kwargs, out=out)
     assert got is out
     torch.testing.assert_close(out.float(), naive_attention(kwargs, deq), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("topk", [None, 16])
+@pytest.mark.parametrize("batch,q_len", [(1, 1), (8, 1), (64, 1), (16, 4)])
+def test_split_merge_in_kernel_gpu(batch, q_len, topk, cache_dtype, monkeypatch):
+    """M3SERVE_SPLIT_MERGE_IN_KERNEL at the real shapes (decode and verify rows): equal to the
+    reference and to the separate merge within bf16 rounding, also replayed 20 times in a CUDA
+    graph (the hand-off between the programs of one token under real concurrency), the
+    counters back to zero after each launch."""
+    from m3serve import envs
+    from m3serve.kernels import paged_attention as pa
+    from m3serve.kernels.ref.paged_attention import paged_attention_ref
+    lens = [max(q_len, DECODE_LENS[i % len(DECODE_LENS)]) for i in range(batch)]
+    kwargs, deq = make_case(lens, [q_len] * batch, **REAL, dtype=torch.bfloat16, device="cuda",
+                            cache_dtype=cache_dtype, topk=topk, seed=batch + q_len)
+    separate = pa.paged_attention(**kwargs)
+    monkeypatch.setattr(envs, "SPLIT_MERGE_IN_KERNEL", True)
+    out = pa.paged_attention(**kwargs)
+    ref = paged_attention_ref(**kwargs)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), separate.float(), atol=2e-2, rtol=2e-2)
+    counters = pa._COUNTERS[torch.device("cuda", torch.cuda.current_device())]
+    assert not counters.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = pa.paged_attention(**kwargs)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out) and not counters.any()

@@ -239,3 +239,45 @@ def test_warm_up_runs_every_split_count(sparse, key_lo):
     finally:
         pa.paged_attention = real
     assert calls == [1, 2, 4, 8, 16, 32, 64]
+
+
+class _NoMergeKernel:
+    def __getitem__(self, grid):
+        raise AssertionError("the separate merge kernel ran")
+
+
+@pytest.mark.parametrize("topk,q_lens", [(None, [1, 1, 1]), (4, [1, 1, 1]), (4, [2, 3, 1]), (None, [4, 4, 4])])
+def test_split_merge_in_kernel(force_split, monkeypatch, topk, q_lens):
+    """M3SERVE_SPLIT_MERGE_IN_KERNEL: the program of a (token, KV group) that finishes last
+    merges its splits (no merge kernel), equal to the reference and nearly to the separate
+    merge (which sums the splits as a tree); its counters are back to zero after each launch."""
+    from m3serve import envs
+    kwargs, deq = make_case([40, 70, 100], q_lens, **TINY, dtype=torch.float32, device="cpu",
+                            topk=topk, seed=13)
+    separate = pa.paged_attention(**kwargs)
+    monkeypatch.setattr(envs, "SPLIT_MERGE_IN_KERNEL", True)
+    monkeypatch.setattr(pa, "_merge_splits_kernel", _NoMergeKernel())
+    T = kwargs["q"].shape[0]
+    assert pa._num_splits(T * TINY["G"], 100 // 16 + 1, 16, torch.device("cpu"), 16) > 1
+    for _ in range(2):
+        got = pa.paged_attention(**kwargs)
+        torch.testing.assert_close(got, paged_attention_ref(**kwargs), **FP32_TOL)
+        torch.testing.assert_close(got, separate, **FP32_TOL)
+        assert not pa._COUNTERS[torch.device("cpu")].any()
+    torch.testing.assert_close(got, naive_attention(kwargs, deq), **FP32_TOL)
+
+
+def test_token_kernel_compiles_for_hopper(tmp_path):
+    """The per-token kernel compiles for sm_90 at the real head layout (16 heads a group, D 128,
+    blocks of 128), with the separate merge and with the merge in the kernel, dense and sparse."""
+    from test_rmsnorm import compile_for_hopper
+    ptr = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+           "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32",
+           "query_start_loc": "*i32", "seq_lens": "*i32", "block_tables": "*i32",
+           "block_ids_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+           "key_lo_ptr": "*i32", "qk_scale": "fp32"}
+    jobs = [["m3serve.kernels.paged_attention", "_token_attn_kernel", ptr,
+             {"HPG": 16, "BLOCK_H": 16, "D": 128, "BLOCK_SIZE": 128, "BLOCK_N": 64, "NUM_SPLITS": 8,
+              "SPARSE": sparse, "FP8": False, "HAS_LO": False, "MERGE": merge}, 4]
+            for sparse in (False, True) for merge in (False, True)]
+    assert len(compile_for_hopper(jobs, tmp_path)) == 4
