@@ -110,6 +110,10 @@ class Scheduler:
         self.num_deferred_steps = 0
         self._last_deferred = False     # the previous step's tokens are still on the device
         self.num_landing_steps = 0      # steps that only landed them, so that drafts could follow
+        # the previous step expected to admit the waiting head (`_prompt_due`) and admitted none
+        # (its running requests short of blocks while tokens were in flight, say): until a step
+        # computes prompt tokens or a request ends, the head is not counted as due
+        self._head_missed = False
         # --max-num-partial-prefills: requests computing prompt (or recompute) tokens per step
         self._prefill_cap = scheduler_config.max_num_partial_prefills or None
         # which encoder outputs the ranks hold, and for whom (default: kept only while used)
@@ -186,6 +190,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
         # The caller has already taken the request out of running/waiting.
         request.status = status
+        self._head_missed = False                # its blocks come free
         self.kv_manager.free_draft(request)      # a held request keeps its target KV, never its draft's
         if free:
             self.kv_manager.free(request)
@@ -461,6 +466,10 @@ class Scheduler:
             budget -= num_new
             prefills += 1
 
+        if prefills or preempted:
+            self._head_missed = False
+        elif width == 0 and self.waiting:       # the gate's 0: prompt tokens were due
+            self._head_missed = True
         # prompt logprobs read the step's hidden states, which a deferred step does not keep
         deferrable = (SamplingMode.ARGMAX, SamplingMode.LOGITS) if self.defer_sampling else (SamplingMode.ARGMAX,)
         # (a step with drafts is never deferred: its drafts come back with its output; one that
@@ -752,11 +761,12 @@ class Scheduler:
     def _prompt_due(self) -> bool:
         """Whether the next step may compute prompt tokens: a running request's next chunk, or
         the head of the queue with room to be admitted -- a free seat and free blocks for its
-        first chunk (a head that waits for blocks would otherwise make every step run the
-        draft pass, whatever the gate chose; a prefix hit it may have is not looked up here)."""
+        first chunk, and not missed by the previous step (a head that waits for blocks would
+        otherwise make every step run the draft pass, whatever the gate chose; a prefix hit it
+        may have is not looked up here)."""
         if any(self._is_prefill(r) for r in self.running):
             return True
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if self._head_missed or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         head = self.waiting[0]
         chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens, self._long_cap)

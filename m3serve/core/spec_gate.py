@@ -38,8 +38,10 @@ request per second:
   3 drafts at 4 requests was 7 % faster per token in its steady steps, and the run 9 % slower
   than plain steps, 128-token requests.)
 
-A bucket first times each arm for `MIN_SAMPLES` steps, widest first, plain steps last (the
-requests come with drafts from their prompts' steps; plain steps damage the draft's KV). It
+A bucket first times each arm for `MIN_SAMPLES` steps, widest first, plain steps last (plain
+steps damage the draft's KV), in decode-only steps: until its first choice, a step that
+computes prompt tokens only writes the draft's KV (it is not timed, and as a plain step to the
+ranks it is deferred like one), as does a step with no running request. It
 then chooses as soon as the choice is clear -- the fastest width beats plain steps by `Z`
 standard errors of its rate, or plain steps beat every width by Z of that width's -- or once
 the acceptance rests on `DECIDE_ROWS` verify steps (until then it verifies all k drafts, which
@@ -301,13 +303,20 @@ class SpeculationGate:
                             "back on" if on else "off", num_running, self.fixed)
                 self._on = on
             return self.k if on else None
-        if not self.measured or num_running == 0:
+        if not self.measured:
             return self.k
+        if num_running == 0:
+            return 0            # prompts only: the draft writes their KV; decode steps choose
         b = bucket_of(num_running)
         state = self.buckets.get(b)
         if state is None:
             state = self.buckets[b] = _Bucket(self.widths)
         state.running, self._length = num_running, length
+        if state.choice is None and not state.hold and prompt_due():
+            # a bucket still timing its arms does so in decode-only steps: a step that computes
+            # prompt tokens is not timed, and verifying drafts in it only keeps it from being
+            # deferred like a plain step
+            return 0
         arm = self._arm(state, b)
         if arm == 0:
             return 0 if prompt_due() else None
