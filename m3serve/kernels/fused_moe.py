@@ -332,13 +332,13 @@ _counters: dict = {}
 
 
 # The one-launch route + align hands the top-k of every token and the alignment plan to one
-# program. With the tokens' top-k one after another, on an H200 (128 experts, top 4 + shared,
-# hidden 6144) it beat the two launches at 1 token (10.5 vs 11.9 us; the whole TP 8 rank MoE
-# 38.5 vs 40.8 us) and lost from 2 (13.2 vs 12.6 us; 55.0 vs 27.4 us at 16):
-# scripts/decode_kernels_bench.py route_align. The top-k now takes every token at once; until a
-# lease measures that, batches beyond one token keep the separate kernels
-# (M3SERVE_ROUTE_ALIGN_MAX_TOKENS overrides, for A/B runs).
-ROUTE_ALIGN_MAX_TOKENS = 1 if envs.ROUTE_ALIGN_MAX_TOKENS is None else envs.ROUTE_ALIGN_MAX_TOKENS
+# program, which takes every token's top-k at once (scripts/decode_kernels_bench.py
+# route_align, H100, 128 experts, top 4 + shared, hidden 6144, µs against the three kernels):
+# 10.4 / 11.1 / 12.3 / 18.2 against 12.6 / 12.9 / 14.8 / 19.5 at 1 / 2 / 4 / 8 tokens, 27.6 /
+# 28.9 against 26.0 / 27.2 at 12 / 16 (one token after another it lost from 2 tokens on). At
+# one TP 8 rank the batch-4 decode step took 6.89 ms against 7.04, batch 16 12.60 against
+# 12.25. M3SERVE_ROUTE_ALIGN_MAX_TOKENS overrides, for A/B runs.
+ROUTE_ALIGN_MAX_TOKENS = 8 if envs.ROUTE_ALIGN_MAX_TOKENS is None else envs.ROUTE_ALIGN_MAX_TOKENS
 
 
 def route_align_eligible(x: torch.Tensor, num_experts: int, top_k: int) -> bool:

@@ -253,7 +253,7 @@ class MoE(nn.Module):
             gate, bias, top_k = self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok
             in_kernel = fold_shared and self._shared_in_kernel()
             alignment = None
-            if (x.shape[0] <= fm.ROUTE_ALIGN_MAX_TOKENS       # one decode row: one launch for all three
+            if (x.shape[0] <= fm.ROUTE_ALIGN_MAX_TOKENS       # decode rows: one launch for all three
                     and fm.route_align_eligible(x, gate.shape[0], top_k)):
                 ex = self.experts
                 block_m = fm.decode_block_m(x.shape[0], top_k, ex.num_local, self.tile_dtype)
