@@ -474,8 +474,7 @@ class Scheduler:
         deferrable = (SamplingMode.ARGMAX, SamplingMode.LOGITS) if self.defer_sampling else (SamplingMode.ARGMAX,)
         # (a step with drafts is never deferred: its drafts come back with its output; one that
         # only writes the draft's KV may be)
-        proposes = speculate and propose and bool(self.num_lookahead_tokens)
-        deferred = (self.async_scheduling and bool(scheduled) and not proposes
+        deferred = (self.async_scheduling and bool(scheduled) and not (speculate and propose and self.num_lookahead_tokens)
                     and all(modes[r.request_id] in deferrable and r.sampling_params.prompt_logprobs is None
                             for r in scheduled))
         sampled = [r.request_id for r in scheduled

@@ -58,12 +58,15 @@ class Drafter(abc.ABC):
 
     def first(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               meta: AttentionMetadata, last_index: torch.Tensor,
-              next_media: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, object]:
+              next_media: tuple[torch.Tensor, torch.Tensor] | None = None,
+              context_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         """The first pass over the target's step: next_ids [T] (token t + 1 at row t), hidden
         [T, ...] what `taps` asks for -> (first draft token or anchor [R], state for `steps`).
         `next_media` (rows [m], features [m, H]): where token t + 1 is an image or video
         placeholder, row t embeds the vision encoder's features for it -- what the target's
-        own input held at position t + 1 -- not the placeholder's embedding row."""
+        own input held at position t + 1 -- not the placeholder's embedding row.
+        `context_rows` (`StepForDraft.context_rows`): set only for a draft with a
+        `sliding_window`, whose `first` then writes the context K/V of those rows alone."""
         return self.prepare(with_media(self.embed(next_ids), next_media), hidden, positions, meta, last_index)
 
     def steps(self, token: torch.Tensor, state, positions: torch.Tensor, block_tables: torch.Tensor,

@@ -131,10 +131,7 @@ class Proposer:
             _, slots = positions_and_slots(meta.query_start_loc, meta.seq_lens, draft_block_tables,
                                            positions.shape[0], self.block_size, False)
             meta = dataclasses.replace(meta, block_tables=draft_block_tables, slot_mapping=slots)
-        if context_rows is not None:
-            return self.drafter.first(next_ids, hidden, positions, meta, last_index, next_media,
-                                      context_rows=context_rows)
-        return self.drafter.first(next_ids, hidden, positions, meta, last_index, next_media)
+        return self.drafter.first(next_ids, hidden, positions, meta, last_index, next_media, context_rows)
 
     def draft_steps(self, token: torch.Tensor, prev, positions: torch.Tensor,
                     block_tables: torch.Tensor, cpu_positions: list[int] | None = None,

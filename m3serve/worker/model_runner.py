@@ -288,8 +288,12 @@ class ModelRunner:
         hidden = self._eager(batch, dp, feed=feed, media=media).hidden
         if batch is None:
             return hidden, None, None
+        return hidden, self._last_logits(hidden, batch), None
+
+    def _last_logits(self, hidden: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """This rank's logits [R, V_local] of each request's last token of an eager step."""
         last = self.buffers.query_start_loc[1:batch.num_reqs + 1].long() - 1
-        return hidden, self.model.lm_head.local_logits(hidden[last]), None
+        return self.model.lm_head.local_logits(hidden[last])
 
     def _eager(self, batch: ScheduledBatch | None, dp: DPStep | None, taps: tuple[int, ...] = (),
                feed=None, media=None) -> EagerForward:
@@ -344,10 +348,9 @@ class ModelRunner:
         feed = prev.feed(batch, placeholders) if prev is not None else None
         fwd = self._eager(batch, dp, self.proposer.taps, feed=feed, media=media)
         self.num_eager_steps += 1
-        last = self.buffers.query_start_loc[1:batch.num_reqs + 1].long() - 1
-        local = self.model.lm_head.local_logits(fwd.hidden[last])
         sampler = self.step_sampler
-        out = sampler.sample_step(so, batch, prev, placeholders, fwd.hidden, local, None)
+        out = sampler.sample_step(so, batch, prev, placeholders, fwd.hidden, self._last_logits(fwd.hidden, batch),
+                                  None)
         R = batch.num_reqs
         start = self._draft_start(batch, fwd, [[]] * R, np.zeros(R, dtype=np.int64),
                                   self._media_embeds(batch, shift=1),

@@ -88,9 +88,9 @@ def _capture_draft_inputs(llm, dspark: bool) -> list:
     if dspark:
         first = drafter.first
 
-        def first_(next_ids, hidden, positions, meta, last_index, next_media=None):
+        def first_(next_ids, hidden, positions, meta, last_index, next_media=None, context_rows=None):
             record(hidden, positions, meta)
-            return first(next_ids, hidden, positions, meta, last_index, next_media)
+            return first(next_ids, hidden, positions, meta, last_index, next_media, context_rows)
         drafter.first = first_
     else:
         prepare = drafter.prepare
