@@ -28,7 +28,12 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true",
                    help="profile the first prefill step of the batch's prompts instead (kernel table "
                         "by GPU time and the step's span), then stop")
+    p.add_argument("--speculative-config", default=None,
+                   help="a draft as `serve --speculative-config` takes it (JSON): the profiled steps "
+                        "include the draft's passes (decode steps: no graph-replay split)")
     a = p.parse_args()
+    if a.speculative_config and a.mixed:
+        p.error("--mixed does not apply with --speculative-config")
     if a.sync_debug and not a.mixed:
         p.error("--sync-debug applies to the mixed steps: give --mixed too")
     from m3serve.llm import LLM
@@ -36,7 +41,8 @@ def main() -> None:
 
     llm = LLM(model=a.model, load_format="dummy", max_model_len=a.isl + 1280, max_num_seqs=max(64, a.batch + 1),
               max_num_batched_tokens=16384, quantization=a.quantization, enforce_eager=a.enforce_eager,
-              async_scheduling=False)   # steps in turn: this loop drives schedule/execute/update itself
+              async_scheduling=False,   # steps in turn: this loop drives schedule/execute/update itself
+              speculative_config=a.speculative_config)
     eng = llm.engine
     rng = random.Random(0)
     for i in range(a.batch):
@@ -49,7 +55,7 @@ def main() -> None:
     while any(len(s.sequences[0].token_ids) == 0 for s in eng.states.values()):
         eng.step()
     core = eng.core
-    graphs = eng.worker.runner.graphs
+    graphs = None if a.speculative_config else eng.worker.runner.graphs
     marks = {}
     if graphs is not None:   # time stamps around the replay launch of the graph this batch uses
         g = graphs.graphs[graphs.padded_size(a.batch)][0]

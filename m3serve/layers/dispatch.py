@@ -18,14 +18,16 @@ import torch
 from m3serve import envs
 
 executed: Counter = Counter()
-_forced_reference = False
+_forced_reference: bool | frozenset = False
 
 
 @contextmanager
-def reference_ops():
-    """Run the PyTorch reference ops inside this block, whatever the device (for comparisons)."""
+def reference_ops(*ops: str):
+    """Run the PyTorch reference ops inside this block, whatever the device (for comparisons):
+    every op, or only the named ones (e.g. `reference_ops("moe")`, to find which op a
+    difference comes from)."""
     global _forced_reference
-    before, _forced_reference = _forced_reference, True
+    before, _forced_reference = _forced_reference, frozenset(ops) if ops else True
     try:
         yield
     finally:
@@ -35,7 +37,8 @@ def reference_ops():
 def select(op: str, x: torch.Tensor, has_cpu_path: bool = False) -> str:
     """The path `op` takes on `x`'s device: "triton", "cpu" (only where `has_cpu_path`) or
     "reference"; recorded in `executed`."""
-    if envs.FORCE_REFERENCE_OPS or _forced_reference:
+    forced = _forced_reference is True or (bool(_forced_reference) and op in _forced_reference)
+    if envs.FORCE_REFERENCE_OPS or forced:
         path = "reference"
     elif x.is_cuda:
         path = "triton"
