@@ -8,9 +8,10 @@ from pathlib import Path
 FORCE_REFERENCE_OPS = os.environ.get("M3SERVE_FORCE_REFERENCE_OPS", "0") == "1"
 
 
-def env_flag(name: str) -> bool:
-    """An on/off switch: "1" on, "0" or unset off; anything else is a ValueError naming it."""
-    value = os.environ.get(name, "0") or "0"
+def env_flag(name: str, default: bool = False) -> bool:
+    """An on/off switch: "1" on, "0" off, unset (or empty) `default`; anything else is a
+    ValueError naming it."""
+    value = os.environ.get(name, "") or ("1" if default else "0")
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -66,6 +67,12 @@ ROUTE_ALIGN_MAX_TOKENS = route_align_max_tokens()
 # Opt-in: the per-token attention kernel merges its splits itself (the program of a token and
 # KV group that finishes last does it) instead of a second kernel; off until a lease measures it.
 SPLIT_MERGE_IN_KERNEL = env_flag("M3SERVE_SPLIT_MERGE_IN_KERNEL")
+
+
+# On by default: routers of more than 32 bf16 tokens (prefill, mixed and verify steps) compute
+# their fp32 logits on tensor cores, the fp32 gate split into three exact bf16 parts
+# (kernels/fused_moe.py: _route_logits_tc_kernel). "0": torch's fp32 GEMM, for A/B measurements.
+ROUTE_TENSOR_CORES = env_flag("M3SERVE_ROUTE_TENSOR_CORES", default=True)
 
 
 def cpu_exact_positions() -> int:

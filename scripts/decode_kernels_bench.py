@@ -22,7 +22,7 @@
   prefill_w8a8  MXFP8 at prefill: W8A16 (packed_matmul) against W8A8 (per-token FP8 activations,
          kernels/mxfp8_w8a8.py, quantisation counted) at one TP 8 rank's dense shapes, 512-8192
          rows, by tile, with each path's error; JSON to $OUT/prefill_w8a8.json when $OUT is set.
-`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample] [rank_packed] [prefill_w8a8]`"""
+`PYTHONPATH=. python scripts/decode_kernels_bench.py [gemv|gemv_sweep] [attn] [route] [route_prefill] [moe] [prefill_attn] [prefill_moe] [mid_moe] [moe_bounds] [moe_bounds_fp8] [prefill_moe_kernels] [moe_tma] [moe_tma_regimes] [grouped_mm] [small] [sample] [rank_packed] [prefill_w8a8]`"""
 import os
 import sys
 import time
@@ -124,6 +124,36 @@ def route() -> None:
         fm.ROUTE_BLOCK_K, fm.ROUTE_ITERS, fm.ROUTE_MAX_SPLITS = saved
         row.sort()
         print(line + "; best tiles " + ", ".join(f"{n} {v:.1f}" for v, n in row[:5]), flush=True)
+
+
+def route_prefill() -> None:
+    """The router of more than 32 bf16 tokens (128 experts x 6144): tensor-core logits (the fp32
+    gate split into three bf16 parts) + the top-k kernel, against torch's fp32 GEMM route, with
+    the ROUTE_TC tiles swept; and how many tokens' experts differ from torch's."""
+    import m3serve.kernels.fused_moe as fm
+    from m3serve import envs
+    from m3serve.layers.moe import route as torch_route
+    gate = torch.randn(128, 6144, device="cuda") * 6144 ** -0.5
+    bias = torch.randn(128, device="cuda") * 0.05
+    for t in (33, 64, 128, 256, 1024, 4096, 16384):
+        x = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
+        envs.ROUTE_TENSOR_CORES = False
+        ref = _prefill_time(lambda: fm.moe_route(x, gate, bias, 4, 2.0))
+        ref_w, ref_ids = torch_route(x, gate, bias, 4, 2.0)
+        envs.ROUTE_TENSOR_CORES = True
+        tc = _prefill_time(lambda: fm.moe_route(x, gate, bias, 4, 2.0))
+        w, ids = fm.moe_route(x, gate, bias, 4, 2.0)
+        differ = (ids.long() != ref_ids).any(-1).sum().item()
+        rows, saved = [], (fm.ROUTE_TC_BLOCK_T, fm.ROUTE_TC_BLOCK_K)
+        for bt in (64, 128):
+            for bk in (32, 64):
+                fm.ROUTE_TC_BLOCK_T, fm.ROUTE_TC_BLOCK_K = bt, bk
+                rows.append((_prefill_time(lambda: fm.moe_route(x, gate, bias, 4, 2.0)), f"t{bt} k{bk}"))
+        fm.ROUTE_TC_BLOCK_T, fm.ROUTE_TC_BLOCK_K = saved
+        rows.sort()
+        print(f"route T={t}: torch fp32 {ref:.1f} us, tensor cores {tc:.1f} us (tokens whose experts differ: "
+              f"{differ}, max |dw| {(w - ref_w).abs().max().item():.2e}); tiles " +
+              ", ".join(f"{n} {v:.1f}" for v, n in rows), flush=True)
 
 
 def route_align() -> None:

@@ -30,6 +30,11 @@ ROUTE_FUSED_MAX_TOKENS = 32
 ROUTE_BLOCK_K = 128     # hidden columns per K step of the router's partial-logit kernel
 ROUTE_ITERS = 2         # K steps per program (scripts/decode_kernels_bench.py route)
 ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
+# More bf16 tokens than ROUTE_FUSED_MAX_TOKENS: the logits on tensor cores in tiles of
+# ROUTE_TC_BLOCK_T tokens x ROUTE_TC_BLOCK_E experts (M3SERVE_ROUTE_TENSOR_CORES=0: torch's fp32 GEMM)
+ROUTE_TC_BLOCK_T = 128
+ROUTE_TC_BLOCK_E = 128
+ROUTE_TC_BLOCK_K = 32
 
 
 @triton.jit
@@ -107,6 +112,44 @@ def _route_topk_rows(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t0, s
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
+def _route_logits_tc_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, stride_x,
+                            E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                            BLOCK_K: tl.constexpr, F32_DOTS: tl.constexpr):
+    """Router logits on tensor cores: x [T, H] bf16 against the fp32 gate w [E, H] -> out
+    [T, E] fp32. Each fp32 weight is split in registers into three bf16 parts, hi + mid + lo,
+    whose sum is exactly the weight (8 significant bits each: fp32's 24), so every product of a
+    bf16 activation and a part is exact in fp32, and the products are summed in fp32: the fp32
+    reference's products, summed in another order. F32_DOTS (the interpreter, whose bf16 dots
+    are wrong): the same bf16 values multiplied as fp32."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    t_ok = offs_t < num_tokens
+    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        cols = k0 + offs_k
+        k_ok = cols < hidden
+        a = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + cols[None, :],
+                    mask=t_ok[:, None] & k_ok[None, :], other=0.0)              # [BLOCK_T, BLOCK_K]
+        w = tl.load(w_ptr + offs_e[None, :] * hidden + cols[:, None], mask=k_ok[:, None],
+                    other=0.0)                                                  # [BLOCK_K, BLOCK_E]
+        hi = w.to(tl.bfloat16)
+        rest = w - hi.to(tl.float32)                      # exact: below hi's last bit
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 bits remain
+        if F32_DOTS:
+            a32 = a.to(tl.float32)
+            acc = tl.dot(a32, hi.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(a32, mid.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(a32, lo.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, hi, acc)
+            acc = tl.dot(a, mid, acc)
+            acc = tl.dot(a, lo, acc)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * E + offs_e[None, :], acc, mask=t_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale,
                        E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
     """One token per program (`_route_topk_rows`)."""
@@ -133,17 +176,33 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
 
     x: [T, H]; gate_weight: [E, H] fp32; bias: [E] fp32.
     Returns (weights [T, K] fp32, renormalised over the chosen experts and multiplied by
-    routed_scaling_factor; ids [T, K] int32). Up to ROUTE_FUSED_MAX_TOKENS tokens on a GPU: two
-    kernels (split-hidden partial logits, then sum + sigmoid + top-k); otherwise the same math in
-    torch (cuBLAS fp32), which sums in another order: scores agree to fp32 rounding.
+    routed_scaling_factor; ids [T, K] int32). On a GPU, up to ROUTE_FUSED_MAX_TOKENS tokens: two
+    kernels (split-hidden partial logits on CUDA cores, then sum + sigmoid + top-k); more bf16
+    tokens: the logits on tensor cores (`_route_logits_tc_kernel`), then the same top-k kernel;
+    otherwise the same math in torch (cuBLAS fp32). The three sum the products in different
+    orders: scores agree to fp32 rounding.
     """
     num_experts = gate_weight.shape[0]
     if top_k < 1 or top_k > num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     num_tokens, hidden = x.shape
-    if ((x.is_cuda or _INTERPRET) and 0 < num_tokens <= ROUTE_FUSED_MAX_TOKENS
+    fits = ((x.is_cuda or _INTERPRET) and num_tokens > 0 and x.stride(1) == 1
             and num_experts == triton.next_power_of_2(num_experts) and num_experts <= 256
-            and top_k == triton.next_power_of_2(top_k) and x.stride(1) == 1):
+            and top_k == triton.next_power_of_2(top_k))
+    if (fits and num_tokens > ROUTE_FUSED_MAX_TOKENS and x.dtype == torch.bfloat16 and num_experts >= 16
+            and envs.ROUTE_TENSOR_CORES):
+        w, b = gate_weight.float().contiguous(), bias.float().contiguous()
+        logits = torch.empty(1, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        block_e = min(num_experts, ROUTE_TC_BLOCK_E)
+        _route_logits_tc_kernel[(triton.cdiv(num_tokens, ROUTE_TC_BLOCK_T), num_experts // block_e)](
+            x, w, logits, num_tokens, hidden, x.stride(0), E=num_experts, BLOCK_T=ROUTE_TC_BLOCK_T,
+            BLOCK_E=block_e, BLOCK_K=ROUTE_TC_BLOCK_K, F32_DOTS=_INTERPRET, num_warps=8)
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+        _route_topk_kernel[(num_tokens,)](logits, b, weights, ids, num_tokens, routed_scaling_factor,
+                                          E=num_experts, SPLITS=1, TOP_K=top_k, num_warps=4)
+        return weights, ids
+    if fits and num_tokens <= ROUTE_FUSED_MAX_TOKENS:
         w, b = gate_weight.float().contiguous(), bias.float().contiguous()
         block_t, block_e, block_k, splits = route_tiles(num_tokens, num_experts, hidden)
         k_per_split = triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k

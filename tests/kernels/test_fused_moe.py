@@ -68,6 +68,29 @@ def test_fused_route_matches_torch_route_real_shapes(num_tokens):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_tokens", [33, 100, 1000, 16384])
+def test_tensor_core_route_matches_torch_route_real_shapes(num_tokens):
+    """More than 32 bf16 tokens at the real 128 experts x 6144: the tensor-core logits (the fp32
+    gate in three exact bf16 parts) give the torch route's experts, except where the reference's
+    4th and 5th choice values are within fp32 rounding of each other (a near tie, either way),
+    and its weights to fp32 rounding."""
+    from m3serve.kernels.fused_moe import moe_route
+    from m3serve.layers.moe import route
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 6144, device="cuda", generator=g, dtype=torch.bfloat16)
+    gate = torch.randn(128, 6144, device="cuda", generator=g) * 6144 ** -0.5
+    bias = torch.randn(128, device="cuda", generator=g) * 0.05
+    weights, ids = moe_route(x, gate, bias, 4, 2.5)
+    ref_w, ref_ids = route(x, gate, bias, 4, 2.5)
+    choice = torch.sigmoid(x.float() @ gate.t()) + bias
+    top5 = choice.topk(5, dim=-1).values
+    differ = (ids.long().sort(-1).values != ref_ids.sort(-1).values).any(-1)
+    assert ((top5[:, 3] - top5[:, 4])[differ] < 1e-5).all()
+    assert differ.sum().item() <= max(1, num_tokens // 1000)
+    same = ~differ
+    torch.testing.assert_close(weights[same], ref_w[same], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 8, 64, 256, 640, 1087, 2600, 4096, 8192])
 def test_bf16_matches_ref(weights, num_tokens):
     from m3serve.kernels.fused_moe import fused_moe

@@ -80,6 +80,39 @@ def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_tokens", [33, 130])
+def test_tensor_core_route_matches_layer_route(num_tokens):
+    """More than 32 bf16 tokens: the logits on tensor cores from the fp32 gate split into three
+    bf16 parts, then the top-k kernel; the same experts as the layer's torch route and weights
+    equal to fp32 rounding (16 experts, hidden 96: three K tiles, the last one partial)."""
+    hidden, experts = 96, 16
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    gate = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
+    bias = torch.randn(experts, generator=g) * 0.05
+    weights, ids = moe_route(x, gate, bias, 4, 2.5)
+    ref_w, ref_ids = route(x, gate, bias, 4, 2.5)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_tensor_core_route_logits_split_the_gate_exactly():
+    """One-hot bf16 rows pick single gate columns: the tensor-core logits equal those fp32
+    values bit for bit, so hi + mid + lo is the weight exactly (values across 2^-30 .. 2^10,
+    full 24-bit mantissas)."""
+    hidden, experts, num_tokens = 64, 16, 40
+    g = torch.Generator().manual_seed(7)
+    gate = torch.randn(experts, hidden, generator=g) * torch.exp2(torch.randint(-30, 10, (experts, hidden),
+                                                                               generator=g).float())
+    cols = torch.arange(num_tokens) % hidden
+    x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16)
+    x[torch.arange(num_tokens), cols] = 1.0
+    logits = torch.empty(1, num_tokens, experts)
+    fm._route_logits_tc_kernel[(1, 1)](x, gate, logits, num_tokens, hidden, x.stride(0), E=experts,
+                                       BLOCK_T=64, BLOCK_E=experts, BLOCK_K=32, F32_DOTS=True)
+    assert torch.equal(logits[0], gate[:, cols].t())
+
+
 def test_fused_route_is_batch_invariant_with_hidden_splits():
     """At a hidden size that the router splits into several partial sums, a token's weights are
     bit-identical alone and inside batches of 3 and 17 tokens (the same summation order), and

@@ -494,16 +494,49 @@ def test_tiny_online_fp8_decode_gemm_greedy_equals_scaled_mm(tiny_dir, monkeypat
     assert _agree_to_near_ties(runs[True], runs[False], near_tie=0.1) <= 2
 
 
-@pytest.mark.xfail(strict=True, reason="known: online FP8 on the GPU path leaves the CPU reference in "
-                   "4 of the tiny model's 6 prompts where the top two logprobs are 0.09-0.78 nats "
-                   "apart, 3 of them at the first token (H100, 2026-12-07): not near ties; not found "
-                   "yet (docs/performance.md)")
-def test_tiny_online_fp8_greedy_gpu_equals_cpu_reference(tiny_dir):
-    """Online FP8 on the GPU path against the CPU reference (products of the same quantised
-    operands in fp64), float32 activations: the greedy tokens equal up to near ties (the GPU's
-    FP8 products accumulate with fewer bits)."""
-    assert _agree_to_near_ties(_tiny_fp8_tokens(tiny_dir, "cuda", gaps=True),
-                               _tiny_fp8_tokens(tiny_dir, "cpu", gaps=True), near_tie=0.02) <= 2
+def _heldout_nll(device, quantization):
+    """Per-token negative log-likelihood of four 300-token pieces of the trained tiny model's
+    held-out text (prompt logprobs: teacher-forced, so every position sees the same context on
+    every path), float32 activations."""
+    from tokenizers import Tokenizer
+    from m3serve.llm import LLM
+    from m3serve.model.files import TRAINED_TINY_DIR
+    from m3serve.sampling_params import SamplingParams
+    ids = Tokenizer.from_file(str(TRAINED_TINY_DIR / "tokenizer.json")).encode(
+        (TRAINED_TINY_DIR / "heldout.txt").read_text()).ids
+    ps = [{"prompt_token_ids": ids[o:o + 300]} for o in (0, 1000, 2500, 4000)]
+    kw = {} if device == "cpu" else dict(max_num_batched_tokens=128, kv_cache_memory=1 << 28)
+    llm = LLM(model=str(TRAINED_TINY_DIR), dtype="float32", device=device, enforce_eager=device == "cpu",
+              quantization=quantization, **kw)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    del llm
+    torch.cuda.empty_cache()
+    return torch.tensor([-entry[t].logprob for p, o in zip(ps, outs)
+                         for t, entry in zip(p["prompt_token_ids"][1:], o.prompt_logprobs[1:])],
+                        dtype=torch.float64)
+
+
+def test_trained_tiny_online_fp8_gpu_perplexity_equals_cpu_reference():
+    """Online FP8 on the GPU path against the CPU reference (the same quantised operands, products
+    in fp64), by per-token NLL on held-out text. Token-for-token equality is no test for FP8
+    at this scale: FP8 rounding, the indexer's block top-k and the router's top-k are discrete,
+    so rounding noise far below what any GPU product differs by moves them. Measured on the CPU
+    with the trained tiny model: a 1e-6 relative perturbation of every activation before its FP8
+    quantisation moves the mean |dNLL| by 0.082 nats (p99 0.71) and the perplexity by 0.6 %;
+    1e-5: 0.118 and 1.2 %; the FP8 model against the unquantised one: 0.180 and 1.7 %. (On an
+    H100 the random tiny model's greedy tokens left the CPU's at the first token in 4 of 6
+    prompts with every op on its PyTorch reference and the FP8 products in fp64: docs/performance.md.)
+    So: perplexities within 1.5 % and a mean |dNLL| of at most 0.15, the CPU's own noise level,
+    and the GPU's FP8 NLL nearer the CPU's FP8 than the unquantised model's."""
+    import math
+    gpu, cpu, unquantised = _heldout_nll("cuda", "fp8"), _heldout_nll("cpu", "fp8"), _heldout_nll("cpu", None)
+    ppl = lambda nll: math.exp(nll.mean().item())
+    to_cpu, to_unquantised = (gpu - cpu).abs().mean().item(), (gpu - unquantised).abs().mean().item()
+    print(f"FP8 NLL per token, GPU against the CPU: mean |d| {to_cpu:.4f}, against the unquantised model "
+          f"{to_unquantised:.4f}; perplexity GPU {ppl(gpu):.3f}, CPU {ppl(cpu):.3f}, unquantised {ppl(unquantised):.3f}")
+    assert abs(ppl(gpu) / ppl(cpu) - 1) < 0.015
+    assert to_cpu <= 0.15
+    assert to_cpu < to_unquantised
 
 
 def test_tiny_online_fp8_norm_made_fp8_inputs_change_nothing(tiny_dir, monkeypatch):

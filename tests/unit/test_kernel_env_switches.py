@@ -1,8 +1,9 @@
 """The A/B switches of the decode kernels read from the environment at import:
 M3SERVE_ROUTE_ALIGN_MAX_TOKENS sets the batch size up to which the MoE layer routes and aligns
 in one launch (`kernels/fused_moe.ROUTE_ALIGN_MAX_TOKENS`), M3SERVE_SPLIT_MERGE_IN_KERNEL turns
-on the attention kernel's own split merge (`envs.SPLIT_MERGE_IN_KERNEL`); bad values are refused
-by name."""
+on the attention kernel's own split merge (`envs.SPLIT_MERGE_IN_KERNEL`),
+M3SERVE_ROUTE_TENSOR_CORES=0 turns off the tensor-core router logits of more than 32 tokens
+(`envs.ROUTE_TENSOR_CORES`); bad values are refused by name."""
 import os
 import subprocess
 import sys
@@ -12,27 +13,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PRINT = ("from m3serve import envs; from m3serve.kernels import fused_moe as fm; "
-         "print(fm.ROUTE_ALIGN_MAX_TOKENS, envs.SPLIT_MERGE_IN_KERNEL)")
+         "print(fm.ROUTE_ALIGN_MAX_TOKENS, envs.SPLIT_MERGE_IN_KERNEL, envs.ROUTE_TENSOR_CORES)")
+SWITCHES = ("M3SERVE_ROUTE_ALIGN_MAX_TOKENS", "M3SERVE_SPLIT_MERGE_IN_KERNEL", "M3SERVE_ROUTE_TENSOR_CORES")
 
 
 def _read(**env) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items()
-            if k not in ("M3SERVE_ROUTE_ALIGN_MAX_TOKENS", "M3SERVE_SPLIT_MERGE_IN_KERNEL")}
+            if k not in SWITCHES}
     return subprocess.run([sys.executable, "-c", PRINT], env={**base, **env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_defaults_and_overrides():
-    assert _read().stdout.split() == ["8", "False"]
-    got = _read(M3SERVE_ROUTE_ALIGN_MAX_TOKENS="16", M3SERVE_SPLIT_MERGE_IN_KERNEL="1")
-    assert got.stdout.split() == ["16", "True"], got.stderr[-2000:]
-    assert _read(M3SERVE_ROUTE_ALIGN_MAX_TOKENS="0").stdout.split() == ["0", "False"]
+    assert _read().stdout.split() == ["8", "False", "True"]
+    got = _read(M3SERVE_ROUTE_ALIGN_MAX_TOKENS="16", M3SERVE_SPLIT_MERGE_IN_KERNEL="1",
+                M3SERVE_ROUTE_TENSOR_CORES="0")
+    assert got.stdout.split() == ["16", "True", "False"], got.stderr[-2000:]
+    assert _read(M3SERVE_ROUTE_ALIGN_MAX_TOKENS="0").stdout.split() == ["0", "False", "True"]
 
 
 @pytest.mark.parametrize("name,value,message", [
     ("M3SERVE_ROUTE_ALIGN_MAX_TOKENS", "17", "token count from 0 to 16, got '17'"),
     ("M3SERVE_ROUTE_ALIGN_MAX_TOKENS", "four", "token count from 0 to 16, got 'four'"),
     ("M3SERVE_SPLIT_MERGE_IN_KERNEL", "yes", "must be 0 or 1, got 'yes'"),
+    ("M3SERVE_ROUTE_TENSOR_CORES", "on", "must be 0 or 1, got 'on'"),
 ])
 def test_bad_values_are_refused_by_name(name, value, message):
     got = _read(**{name: value})
