@@ -136,8 +136,10 @@ def test_fused_route_is_batch_invariant_with_hidden_splits():
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m,first_expert,shared_expert", [
     (1, 2, 16, 0, False), (3, 4, 4, 0, True), (17, 2, 16, 2, True), (64, 4, 8, 0, False),
-    (300, 4, 16, 0, True), (520, 4, 8, 1, True)])  # the last: > 2048 pairs, two launches
+    (300, 4, 16, 0, True), (520, 4, 8, 1, True),   # > 2048 pairs: two launches
+    (1700, 4, 16, 1, True)])                       # >= 8192 pairs: the pairs counted in parallel
 def test_align_layout(num_tokens, top_k, block_m, first_expert, shared_expert):
+    assert (num_tokens * (top_k + shared_expert) >= fm._PARALLEL_COUNT_PAIRS) == (num_tokens == 1700)
     g = torch.Generator().manual_seed(num_tokens)
     # Only a few experts and the out-of-range ids -1 and 9 appear: empty experts and drops.
     choices = torch.tensor([0, 2, 3, 6, -1, 9])
@@ -469,8 +471,9 @@ def test_split_token_counts_reach_every_decode_split():
 
 
 def test_grouped_gemms_compile_for_hopper(tmp_path):
-    """Both grouped GEMMs (bf16 and fp8), the alignment, the summing pass and the one-launch
-    router + alignment compile for sm_90 with the bundled ptxas, no GPU needed."""
+    """Both grouped GEMMs (bf16 and fp8), the alignment (its parallel count too), the summing
+    pass, the one-launch router + alignment and the tensor-core router logits compile for
+    sm_90 with the bundled ptxas, no GPU needed."""
     from test_rmsnorm import compile_for_hopper
     ptr = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*bf16", "w_scale_ptr": "*fp32",
            "ws_ptr": "*bf16", "ws_scale_ptr": "*fp32", "h_ptr": "*bf16", "h_scale_ptr": "*fp32",
@@ -503,8 +506,16 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
                              {k: v for k, v in sig.items() if k in names}, consts, warps])
     align = {"ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
              "num_post_ptr": "*i32", "cursor_ptr": "*i32"}
-    jobs.append(["m3serve.kernels.fused_moe", "_align_plan_kernel", align,
-                 {"HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32, "SCATTER": True}, 4])
+    for counted in (False, True):
+        jobs.append(["m3serve.kernels.fused_moe", "_align_plan_kernel", align,
+                     {"HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32,
+                      "SCATTER": not counted, "COUNTED": counted}, 4])
+    jobs.append(["m3serve.kernels.fused_moe", "_align_count_kernel", {"ids_ptr": "*i32", "counts_ptr": "*i32"},
+                 {"HAS_SHARED": True, "BLOCK": 1024, "BINS": 256}, 4])
+    jobs.append(["m3serve.kernels.fused_moe", "_route_logits_tc_kernel",
+                 {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
+                 {"E": 128, "BLOCK_T": fm.ROUTE_TC_BLOCK_T, "BLOCK_E": fm.ROUTE_TC_BLOCK_E,
+                  "BLOCK_K": fm.ROUTE_TC_BLOCK_K, "F32_DOTS": False}, 8])
     summ = {"y_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32", "extra_ptr": "*bf16",
             "out_ptr": "*fp32"}
     jobs.append(["m3serve.kernels.fused_moe", "_split_swiglu_kernel",
@@ -519,9 +530,11 @@ def test_grouped_gemms_compile_for_hopper(tmp_path):
                  {"BLOCK_T": 1, "BLOCK_E": 16, "BLOCK_K": 128, "E": 128, "SPLITS": 24, "TOP_K": 4,
                   "HAS_SHARED": True, "BLOCK": 1024, "BINS": 256, "BLOCK_B": 32}, 4])
     lines = compile_for_hopper(jobs, tmp_path)
-    assert len(lines) == 12
-    # the prefill tiles run on wgmma (the 16-row decode tiles are below its 64 rows)
+    assert len(lines) == 15
+    # the prefill tiles and the router's tensor-core logits run on wgmma (the 16-row decode
+    # tiles are below its 64 rows)
     assert all(line.endswith("True") for line in lines[4:8])
+    assert [line for line in lines if "_route_logits_tc_kernel" in line] == ["compiled _route_logits_tc_kernel True"]
 
 
 def test_packed_warm_up_reaches_every_packed_tile_below_the_scratch(monkeypatch):
