@@ -34,15 +34,22 @@ def _target_text_config(target_dir: Path) -> dict:
 
 
 def eagle3_config_dict(target_dir: Path, gqa: bool) -> dict:
+    """The Inferact head's config keys, sized for the target. A real-shape target that is one
+    tensor-parallel rank's view (`bench make-realshape --tp-rank N`) gets the layer cut like the
+    engine splits it over N ranks by default (`draft_tensor_parallel_size` = the target's): its
+    heads (the target's, already cut) and its MLP width over N; `fc` stays whole (replicated).
+    The draft vocabulary is the target's up to 32000 (at a rank: the target's cut head, which
+    the head then shares, as the model card says the released head is served)."""
     cfg = load_config(target_dir)
     L, H = cfg.num_hidden_layers, cfg.hidden_size
     real = H >= 4096
     heads = cfg.num_attention_heads
+    cut = max(1, 64 // heads) if real else 1
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "hidden_size": H, "num_attention_heads": heads,
         "num_key_value_heads": cfg.num_key_value_heads if gqa else heads, "head_dim": cfg.head_dim,
-        "intermediate_size": 16384 if real else 2 * H, "num_hidden_layers": 1, "hidden_act": "silu",
+        "intermediate_size": 16384 // cut if real else 2 * H, "num_hidden_layers": 1, "hidden_act": "silu",
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0 if not real else 5000000.0,
         "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
         "draft_vocab_size": min(32000, cfg.vocab_size) if real else cfg.vocab_size // 2, "target_hidden_size": H,
