@@ -75,6 +75,11 @@ SPLIT_MERGE_IN_KERNEL = env_flag("M3SERVE_SPLIT_MERGE_IN_KERNEL")
 ROUTE_TENSOR_CORES = env_flag("M3SERVE_ROUTE_TENSOR_CORES", default=True)
 
 
+# Programmatic dependent launch of the decode kernels (kernels/pdl.py) where the GPU and Triton
+# support it: "1" on, "0" off (the default until a lease measures it faster at the rank).
+PDL = env_flag("M3SERVE_PDL")
+
+
 def cpu_exact_positions() -> int:
     """M3SERVE_CPU_EXACT_POSITIONS (default 4096): on CPU, attention and the MSA top-k of query
     tokens at positions below this run in fp64, bit-identical to the reference ops; from it on,

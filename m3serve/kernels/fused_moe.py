@@ -16,6 +16,8 @@ from m3serve import envs
 from m3serve.kernels.packed_gemm import (PACK_CODES, SCALE_BLOCK, even_odd_columns, fp4_tiles,
                                          mxfp8_tile)
 from m3serve.kernels.ref.fused_moe import FP8_MIN_SCALE, max_aligned_blocks, moe_route_ref
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
 from m3serve.kernels.rmsnorm import cast_rne
 from m3serve.kernels.tma import tma_ready
 
@@ -62,9 +64,11 @@ def _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_s
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_scores_kernel(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     """Partial router logits: program (t, e, s) runs `_route_partial`. Many programs share the
     weight read, which one program could not do fast."""
+    pdl_start(PDL)
     _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split,
                    tl.program_id(0), tl.program_id(1), tl.program_id(2),
                    tl.num_programs(1) * BLOCK_E, BLOCK_T, BLOCK_E, BLOCK_K)
@@ -151,8 +155,10 @@ def _route_logits_tc_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, stride_x,
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_topk_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, scale,
-                       E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr):
+                       E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                       PDL: tl.constexpr):
     """One token per program (`_route_topk_rows`)."""
+    pdl_start(PDL)
     _route_topk_rows(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, tl.program_id(0).to(tl.int64),
                      scale, E, SPLITS, TOP_K, 1, False)
 
@@ -186,6 +192,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     if top_k < 1 or top_k > num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     num_tokens, hidden = x.shape
+    pdl = pdl_enabled(x)
     fits = ((x.is_cuda or _INTERPRET) and num_tokens > 0 and x.stride(1) == 1
             and num_experts == triton.next_power_of_2(num_experts) and num_experts <= 256
             and top_k == triton.next_power_of_2(top_k))
@@ -200,7 +207,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
         _route_topk_kernel[(num_tokens,)](logits, b, weights, ids, num_tokens, routed_scaling_factor,
-                                          E=num_experts, SPLITS=1, TOP_K=top_k, num_warps=4)
+                                          E=num_experts, SPLITS=1, TOP_K=top_k, PDL=pdl, num_warps=4,
+                                          **launch_options(pdl))
         return weights, ids
     if fits and num_tokens <= ROUTE_FUSED_MAX_TOKENS:
         w, b = gate_weight.float().contiguous(), bias.float().contiguous()
@@ -209,11 +217,12 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
         part = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
         _route_scores_kernel[(triton.cdiv(num_tokens, block_t), num_experts // block_e, splits)](
             x, w, part, num_tokens, hidden, x.stride(0), k_per_split,
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, PDL=pdl, num_warps=4, **launch_options(pdl))
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
         _route_topk_kernel[(num_tokens,)](part, b, weights, ids, num_tokens, routed_scaling_factor,
-                                          E=num_experts, SPLITS=splits, TOP_K=top_k, num_warps=4)
+                                          E=num_experts, SPLITS=splits, TOP_K=top_k, PDL=pdl, num_warps=4,
+                                          **launch_options(pdl))
         return weights, ids
     return moe_route_ref(x, gate_weight, bias, top_k, routed_scaling_factor)
 
@@ -393,11 +402,13 @@ def _route_align_kernel(x_ptr, w_ptr, part_ptr, bias_ptr, weights_ptr, ids_ptr, 
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                         E: tl.constexpr, SPLITS: tl.constexpr, TOP_K: tl.constexpr,
                         HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
-                        BLOCK_B: tl.constexpr):
+                        BLOCK_B: tl.constexpr,
+                        PDL: tl.constexpr):
     """The router and the MoE alignment in one launch: program (e, s) writes its partial
     logits; the program that finishes last (a counter, reset by it for the next launch) then
     runs the top-k of every token (all at once) and the one-program alignment plan, the same
     code as the three separate kernels."""
+    pdl_start(PDL)
     _route_partial(x_ptr, w_ptr, part_ptr, num_tokens, hidden, stride_x, k_per_split, 0,
                    tl.program_id(0), tl.program_id(1), E, BLOCK_T, BLOCK_E, BLOCK_K)
     tl.debug_barrier()            # every thread's partials are written before the release below
@@ -469,12 +480,14 @@ def moe_route_align(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tens
     counter = _counters.get(device)
     if counter is None:
         counter = _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    pdl = pdl_enabled(x)
     _route_align_kernel[(num_all // block_e, splits)](
         x, w, part, b, weights, ids, counter, sorted_ids, block_expert, num_post, cursor,
         num_tokens, hidden, x.stride(0), k_per_split, routed_scaling_factor, num_pairs,
         num_choices, first_expert, num_experts, num_slots, num_blocks, block_m,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, E=num_all, SPLITS=splits,
-        TOP_K=top_k, HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, BLOCK_B=32, num_warps=4)
+        TOP_K=top_k, HAS_SHARED=shared_expert, BLOCK=1024, BINS=bins, BLOCK_B=32, PDL=pdl, num_warps=4,
+        **launch_options(pdl))
     return weights, ids, (sorted_ids, block_expert, num_post, block_m)
 
 
@@ -632,9 +645,11 @@ def get_config(M: int, N: int, K: int, dtype: torch.dtype, gate_up: bool = False
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, stride_x, stride_q, min_scale,
-                       BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                       BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                       PDL: tl.constexpr):
     """One program per row: s = max(amax / 448, min_scale), q = e4m3(x / s), ties to even (the
     interpreter's own cast mis-rounds, so SOFT_ROUND rounds in fp32 first: `cast_rne`)."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -652,9 +667,10 @@ def quant_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(cols)
+        pdl = pdl_enabled(x)
         _quant_rows_kernel[(rows,)](x, q, s, cols, x.stride(0), q.stride(0), FP8_MIN_SCALE,
                                     BLOCK=block, SOFT_ROUND=_INTERPRET,
-                                    num_warps=8 if block >= 2048 else 4)
+                                    PDL=pdl, num_warps=8 if block >= 2048 else 4, **launch_options(pdl))
     return q, s
 
 
@@ -722,11 +738,13 @@ def _swiglu(acc_g, acc_u, alpha, limit):
 @triton.jit(do_not_specialize=["num_rows"])
 def _split_swiglu_kernel(part_ptr, h_ptr, num_post_ptr, num_rows, inter_max, part_stride,
                          stride_h, alpha, limit, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_C: tl.constexpr):
+                         BLOCK_C: tl.constexpr,
+                         PDL: tl.constexpr):
     """h [rows, I_max] = SwiGLU of the split gate_up GEMM's fp32 partial sums at part_ptr
     [SPLIT, rows, 2 I_max] (gate at column n, up at I_max + n), added in split order (the same
     sum on every run), rounded to h's dtype as the unsplit GEMM stores it. Rows past the
     aligned count are skipped; rows of blocks the GEMM skipped come out as garbage nobody reads."""
+    pdl_start(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if tl.program_id(0) * BLOCK_R >= tl.load(num_post_ptr):
         return
@@ -755,7 +773,8 @@ def _gemm1_swiglu_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
         UPCAST: tl.constexpr, ZERO: tl.constexpr, TMA: tl.constexpr,
-        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True, SPLIT: tl.constexpr = 1):
+        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True, SPLIT: tl.constexpr = 1,
+        PDL: tl.constexpr = False):
     """h[p, n] = SwiGLU-OAI(x[t] . w13[e, n], x[t] . w13[e, I_e + n]) for one [BLOCK_M, BLOCK_N]
     tile of expert e's aligned rows p, each holding pair t * K' + k (K' = num_choices).
     With ZERO every program first clears its chunk of the down GEMM's fp32 atomic target (one
@@ -768,6 +787,7 @@ def _gemm1_swiglu_kernel(
     decode steps' few programs): grid axis 1 picks a K range, and the fp32 gate / up partial
     sums go to part_ptr [SPLIT, rows, 2 I_max] (row stride 2 I_max); `_split_swiglu_kernel`
     adds them and writes h."""
+    pdl_start(PDL)
     pid_k = tl.program_id(1)
     if ZERO:
         if pid_k == 0:
@@ -888,12 +908,13 @@ def _gemm2_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, USE_FP8: tl.constexpr,
         UPCAST: tl.constexpr, ATOMIC: tl.constexpr, TMA: tl.constexpr,
-        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True):
+        PACK: tl.constexpr = 0, GDIV: tl.constexpr = True, PDL: tl.constexpr = False):
     """y = h[p] . w2[e, n] for pair t * K' + k at aligned row p. ATOMIC adds routing_weight * y
     into out[t, n] (fp32; the shared choice k == top_k has weight 1.0); otherwise y itself is
     stored, rounded to out's dtype, at out[t * K' + k, n] for `_moe_sum_kernel`. TMA: the h and
     weight tiles come through tensor descriptors. PACK: packed w2 as in `_gemm1_swiglu_kernel`
     (block scales [.., H, I / B]), h read as it is."""
+    pdl_start(PDL)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -1223,6 +1244,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     h = alloc(num_padded, inter_max, dtype=x.dtype, device=x.device)
     num_n1 = triton.cdiv(inter_max, cfg1["BLOCK_N"])
     grid1 = num_blocks * num_n1
+    pdl = pdl_enabled(x)
     split = cfg1.get("SPLIT_K", 1) if not (fp8 or tma) else 1
     if split == 0:
         split = decode_split(num_tokens, top_k, num_experts, inter_max, cfg1["BLOCK_N"],
@@ -1242,13 +1264,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         BLOCK_M=block_m, BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"],
         GROUP_M=cfg1["GROUP_M"], EVEN_K=hidden % cfg1["BLOCK_K"] == 0, USE_FP8=fp8,
         UPCAST=_INTERPRET, ZERO=atomic, TMA=tma1, PACK=pack, GDIV=bool(global_divides),
-        SPLIT=split, num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])
+        SPLIT=split, PDL=pdl, num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"],
+        **launch_options(pdl))
 
     if split > 1:
         block_c = min(128, triton.next_power_of_2(inter_max))
         _split_swiglu_kernel[(triton.cdiv(num_padded, 16), triton.cdiv(inter_max, block_c))](
             parts, h, num_post, num_padded, inter_max, part_stride, h.stride(0), alpha, limit,
-            SPLIT=split, BLOCK_R=16, BLOCK_C=block_c, num_warps=4)
+            SPLIT=split, BLOCK_R=16, BLOCK_C=block_c, PDL=pdl, num_warps=4, **launch_options(pdl))
     if fp8:
         hq, h_scale = quant_rows_fp8(h)                                     # [B*BM, I_max], [B*BM]
     else:
@@ -1264,7 +1287,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         GROUP_M=cfg2["GROUP_M"],
         EVEN_K=inter % cfg2["BLOCK_K"] == 0 and inter_shared % cfg2["BLOCK_K"] == 0,
         USE_FP8=fp8, UPCAST=_INTERPRET, ATOMIC=atomic, TMA=tma2, PACK=pack,
-        GDIV=bool(global_divides), num_warps=cfg2["num_warps"], num_stages=cfg2["num_stages"])
+        GDIV=bool(global_divides), PDL=pdl, num_warps=cfg2["num_warps"], num_stages=cfg2["num_stages"],
+        **launch_options(pdl))
     if not atomic:
         block_h = min(2048, triton.next_power_of_2(hidden))
         ex = extra if extra is not None else acc

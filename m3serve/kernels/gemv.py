@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 MAX_ROWS = 8
@@ -24,11 +26,13 @@ _MIN_DIM = 4096   # smaller N or K (e.g. TP shards): cuBLAS, the measured range 
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, best_v_ptr, best_i_ptr, M, N, K, n_real, num_tiles,
                    stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, HEAD: tl.constexpr):
+                   UPCAST: tl.constexpr, HEAD: tl.constexpr,
+                   PDL: tl.constexpr):
     """out = x @ w^T rounded once to out's dtype; with HEAD, out is fp32 holding the product
     rounded to x's dtype (what `.float()` of a 16-bit product gives), columns >= n_real are -inf,
     and each row's largest value in this tile and its first column go to best_v/best_i
     [M, num_tiles] for `_argmax_finish_kernel`."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,8 +64,10 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, best_v_ptr, best_i_ptr, M, N, K, n_rea
 
 
 @triton.jit
-def _argmax_finish_kernel(best_v_ptr, best_i_ptr, ids_ptr, num_tiles, BLOCK: tl.constexpr):
+def _argmax_finish_kernel(best_v_ptr, best_i_ptr, ids_ptr, num_tiles, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     """ids[row] = the lowest column among the row's tile maxima that equal its overall maximum."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < num_tiles
@@ -109,9 +115,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) 
     cfg = config or skinny_config(N, K)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
+        pdl = pdl_enabled(x)
         _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
             x, w, out, out, out, M, N, K, N, 1, x.stride(0), w.stride(0), out.stride(0),
-            BLOCK_M=16, UPCAST=interpreting(), HEAD=False, **cfg)
+            BLOCK_M=16, UPCAST=interpreting(), HEAD=False, PDL=pdl, **cfg, **launch_options(pdl))
     return out
 
 
@@ -137,9 +144,12 @@ def skinny_head(x: torch.Tensor, w: torch.Tensor, num_real: int | None = None,
     if M:
         best_v = torch.empty((M, tiles), dtype=torch.float32, device=x.device)
         best_i = torch.empty((M, tiles), dtype=torch.int32, device=x.device)
+        pdl = pdl_enabled(x)
         _skinny_kernel[(tiles,)](
             x, w, logits, best_v, best_i, M, N, K, num_real, tiles, x.stride(0), w.stride(0),
-            logits.stride(0), BLOCK_M=16, UPCAST=interpreting(), HEAD=True, **cfg)
+            logits.stride(0), BLOCK_M=16, UPCAST=interpreting(), HEAD=True, PDL=pdl, **cfg,
+            **launch_options(pdl))
         _argmax_finish_kernel[(M,)](best_v, best_i, ids, tiles,
-                                    BLOCK=triton.next_power_of_2(tiles), num_warps=4)
+                                    BLOCK=triton.next_power_of_2(tiles), PDL=pdl, num_warps=4,
+                                    **launch_options(pdl))
     return logits, ids

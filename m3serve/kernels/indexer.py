@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 TARGET_PROGRAMS = 1024  # stage-1 programs per launch: 132 SMs x several, balanced round-robin
@@ -60,7 +62,9 @@ def _index_score_kernel(iq_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_ptr, score_ptr, 
                         BS: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr,
                         BLOCK_M: tl.constexpr, TPT: tl.constexpr, R_P: tl.constexpr,
                         DIRECT: tl.constexpr, Q_FP8: tl.constexpr,
-                        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+                        DOT_FP32: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_start(PDL)
     # rows = TPT query tokens x HP (padded) index heads, BLOCK_M = TPT * HP
     tile = tl.program_id(0)
     part = tl.program_id(1)
@@ -114,8 +118,10 @@ def _index_score_kernel(iq_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_ptr, score_ptr, 
 @triton.jit(do_not_specialize=["n_cols"])
 def _topk_rows_kernel(score_ptr, out_ptr, ntok_ptr, ntok_idx, nvis_ptr, Hi, n_cols,
                       TOPK: tl.constexpr, TOPK_P: tl.constexpr, CHUNK: tl.constexpr,
-                      ONE_CHUNK: tl.constexpr, HAS_NTOK: tl.constexpr, HAS_NVIS: tl.constexpr):
+                      ONE_CHUNK: tl.constexpr, HAS_NTOK: tl.constexpr, HAS_NVIS: tl.constexpr,
+                      PDL: tl.constexpr):
     """One program per (token, head) row: TOPK picks in (score desc, column asc) order."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     tok = row // Hi
     n_read = n_cols
@@ -192,6 +198,7 @@ def _launch_scores(iq, index_cache, query_start_loc, seq_lens, block_tables, sco
     parts = max(1, min(max_blocks, -(-TARGET_PROGRAMS // n_tiles)))
     interp = interpreting()
     q_fp8 = index_cache.dtype == torch.float8_e4m3fn and iq.dtype != torch.float8_e4m3fn
+    pdl = pdl_enabled(iq)
     _index_score_kernel[(n_tiles, parts)](
         iq, index_cache, block_tables, query_start_loc, seq_lens, scores, nvis,
         R, max(TPR, 1), Hi, iq.stride(0), iq.stride(1), block_tables.stride(0), scores.stride(0),
@@ -201,8 +208,8 @@ def _launch_scores(iq, index_cache, query_start_loc, seq_lens, block_tables, sco
         # serving compiles nothing new (a compile stalls every request for ~0.5 s)
         R_P=1 if direct else max(256, triton.next_power_of_2(R)), DIRECT=direct, Q_FP8=q_fp8,
         DOT_FP32=interp or iq.dtype == torch.float32,
-        IEEE=(not interp) and iq.dtype == torch.float32, EMULATE=interp,
-        num_warps=4, num_stages=3)
+        IEEE=(not interp) and iq.dtype == torch.float32, EMULATE=interp, PDL=pdl,
+        num_warps=4, num_stages=3, **launch_options(pdl))
 
 
 def index_block_scores(iq, index_cache, query_start_loc, seq_lens, block_tables, *, block_size,
@@ -280,12 +287,13 @@ def _launch_topk(scores, topk, out, num_tokens, nvis):
     # column buckets from 128 up (one variant for contexts up to 16K tokens), not one per pow2
     width = max(TOPK_MIN_COLUMNS, triton.next_power_of_2(max(n_cols, 1)))
     chunk = min(width, TOPK_CHUNK)
+    pdl = pdl_enabled(scores)
     _topk_rows_kernel[(T * Hi,)](
         scores, dst, *(num_tokens if num_tokens is not None else (dst, 0)),
         nvis if nvis is not None else dst, Hi, n_cols, TOPK=topk,
         TOPK_P=triton.next_power_of_2(topk), CHUNK=chunk, ONE_CHUNK=width <= chunk,
-        HAS_NTOK=num_tokens is not None, HAS_NVIS=nvis is not None,
-        num_warps=_topk_warps(chunk))
+        HAS_NTOK=num_tokens is not None, HAS_NVIS=nvis is not None, PDL=pdl,
+        num_warps=_topk_warps(chunk), **launch_options(pdl))
     if dst is not out:
         out.copy_(dst)
     return out

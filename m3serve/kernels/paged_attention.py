@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from m3serve import envs
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
 from m3serve.kernels.tma import tma_ready
 
 _LOG2E = 1.4426950408889634
@@ -121,11 +123,12 @@ def _token_attn_kernel(
     stride_it, stride_ig, stride_ik,
     HPG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr, FP8: tl.constexpr,
-    HAS_LO: tl.constexpr, MERGE: tl.constexpr,
+    HAS_LO: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program = (token t, KV group g, split s): the group's HPG heads are the M rows.
     With splits and MERGE, the program of (t, g) that finishes last (a counter per (t, g), reset
     by it) merges the group's splits into out: no merge kernel."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -227,8 +230,10 @@ def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, first_row, head_idx, head_ok
 
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                         D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         PDL: tl.constexpr):
     """out[t, h] = LSE-weighted sum of the split partials (base-2 log-sum-exp)."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -526,16 +531,19 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
         counter = _merge_counters(q.device, T * G) if splits > 1 and envs.SPLIT_MERGE_IN_KERNEL else None
         block_h = max(16, triton.next_power_of_2(hpg))
+        pdl = pdl_enabled(q)
         _token_attn_kernel[(T, G, splits)](
             q, k, v, out, part_o, part_lse, seq_lens if counter is None else counter, query_start_loc,
             seq_lens, block_tables, ids, k_sc, v_sc,
             seq_lens if key_lo is None else key_lo, scale * _LOG2E, R, topk, *common, *id_strides,
             HPG=hpg, BLOCK_H=block_h, D=D, BLOCK_SIZE=bs,
             BLOCK_N=block_n, NUM_SPLITS=splits, SPARSE=sparse, FP8=fp8, HAS_LO=key_lo is not None,
-            MERGE=counter is not None, num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES)
+            MERGE=counter is not None, PDL=pdl, num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES,
+            **launch_options(pdl))
         if splits > 1 and counter is None:
             _merge_splits_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,
-                                         D=D, NUM_SPLITS=splits, num_warps=4)
+                                         D=D, NUM_SPLITS=splits, PDL=pdl, num_warps=4,
+                                         **launch_options(pdl))
         return out
     hpg_pad = triton.next_power_of_2(hpg)
     num_kv_rows = kv_cache.shape[1] * bs

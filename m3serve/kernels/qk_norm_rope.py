@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 Q_HEADS_PER_PROG = 16
@@ -115,7 +117,9 @@ def _qk_norm_rope_kernel(
         D: tl.constexpr, DI: tl.constexpr, HALF: tl.constexpr, QH: tl.constexpr,
         KH: tl.constexpr, IH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
         HAS_INDEX: tl.constexpr, K_SCALE: tl.constexpr, V_SCALE: tl.constexpr,
-        EMULATE: tl.constexpr):
+        EMULATE: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl_start(PDL)
     # job < n_q: a chunk of QH q heads; job == n_q: K + V into the kv cache; job == n_q + 1:
     # iq + ik into the index cache (sparse layers only)
     t = tl.program_id(0).to(tl.int64)
@@ -211,6 +215,7 @@ def qk_norm_rope_cache(q, k, v, iq, ik, q_norm_w, k_norm_w, iq_norm_w, ik_norm_w
     QH = min(Q_HEADS_PER_PROG, triton.next_power_of_2(Hq))
     n_jobs = triton.cdiv(Hq, QH) + 1 + int(has_index)
     dummy = q_out
+    pdl = pdl_enabled(q)
     _qk_norm_rope_kernel[(T, n_jobs)](
         q, k, v, iq if has_index else dummy, ik if has_index else dummy,
         q_norm_w, k_norm_w, iq_norm_w if has_index else q_norm_w,
@@ -226,6 +231,6 @@ def qk_norm_rope_cache(q, k, v, iq, ik, q_norm_w, k_norm_w, iq_norm_w, ik_norm_w
         D=D, DI=Di, HALF=half, QH=QH, KH=triton.next_power_of_2(G),
         IH=triton.next_power_of_2(max(Hi, 1)), BLOCK_D=triton.next_power_of_2(D),
         BLOCK_DI=triton.next_power_of_2(Di), HAS_INDEX=has_index,
-        K_SCALE=ks_mode, V_SCALE=vs_mode, EMULATE=interpreting(),
-        num_warps=4)
+        K_SCALE=ks_mode, V_SCALE=vs_mode, EMULATE=interpreting(), PDL=pdl,
+        num_warps=4, **launch_options(pdl))
     return q_out, iq_out

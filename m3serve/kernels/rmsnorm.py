@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
+
 MAX_ROW = 65536  # one row must fit one program's registers
 
 
@@ -45,7 +48,9 @@ def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit(do_not_specialize=["q_stride", "quant"])
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
                      x_stride, res_stride, out_stride, res_out_stride, q_stride, N, eps, min_scale, quant,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -115,13 +120,15 @@ def _launch(x2, r2, weight, out2, res_out2, eps, N, q2=None, scale=None):
     BLOCK = triton.next_power_of_2(N)
     num_warps = norm_warps(BLOCK)
     has_res, quant = r2 is not None, q2 is not None
+    pdl = pdl_enabled(x2)
     if not quant:     # never written; of the FP8 form's types, so that both launch one program
         q2, scale = _placeholders(x2.device)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2 if has_res else x2, weight, out2, res_out2 if has_res else out2, q2, scale,
         x2.stride(0), r2.stride(0) if has_res else 0, out2.stride(0),
         res_out2.stride(0) if has_res else 0, q2.stride(0), N, eps, FP8_MIN_SCALE, int(quant),
-        HAS_RESIDUAL=has_res, BLOCK=BLOCK, EMULATE=interpreting(), num_warps=num_warps)
+        HAS_RESIDUAL=has_res, BLOCK=BLOCK, EMULATE=interpreting(), PDL=pdl, num_warps=num_warps,
+        **launch_options(pdl))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,12 +13,16 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
 def _positions_slots_kernel(seq_ptr, tables_ptr, pos_ptr, slot_ptr, num_reqs, stride_t,
-                            block_size, BLOCK: tl.constexpr):
+                            block_size, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+    pdl_start(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < num_reqs
     pos = tl.load(seq_ptr + r, mask=ok, other=1).to(tl.int64) - 1
@@ -39,16 +43,20 @@ def decode_positions_slots(seq_lens: torch.Tensor, block_tables: torch.Tensor,
     slots = torch.empty(R, dtype=torch.int64, device=seq_lens.device)
     if R:
         block = 256            # one variant whatever R (eager steps of any size compile nothing)
+        pdl = pdl_enabled(seq_lens)
         _positions_slots_kernel[(triton.cdiv(R, block),)](seq_lens, block_tables, pos, slots, R,
                                                           block_tables.stride(0), block_size,
-                                                          BLOCK=block, num_warps=4)
+                                                          BLOCK=block, PDL=pdl, num_warps=4,
+                                                          **launch_options(pdl))
     return pos, slots
 
 
 @triton.jit
 def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, num_tokens, scale,
                     HALF: tl.constexpr, BLOCK_T: tl.constexpr, SCALED: tl.constexpr,
-                    EMULATE: tl.constexpr):
+                    EMULATE: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, HALF)
     ok = t < num_tokens
@@ -77,15 +85,19 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
     sin = torch.empty_like(cos)
     if T:
         block_t = max(1, min(64, 4096 // half))
+        pdl = pdl_enabled(positions)
         _cos_sin_kernel[(triton.cdiv(T, block_t),)](positions, inv_freq, cos, sin, T, scale, HALF=half,
                                                     BLOCK_T=block_t, SCALED=scale != 1.0,
-                                                    EMULATE=interpreting(), num_warps=4)
+                                                    EMULATE=interpreting(), PDL=pdl, num_warps=4,
+                                                    **launch_options(pdl))
     return cos, sin
 
 
 @triton.jit
 def _embedding_rows_kernel(ids_ptr, table_ptr, out_ptr, hidden, stride_t, stride_o,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -105,7 +117,8 @@ def embedding_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, H), dtype=table.dtype, device=table.device)
     if T:
         block = min(1024, triton.next_power_of_2(H))
+        pdl = pdl_enabled(table)
         _embedding_rows_kernel[(T, triton.cdiv(H, block))](
             ids.contiguous(), table, out, H, table.stride(0), out.stride(0), BLOCK=block,
-            num_warps=4)
+            PDL=pdl, num_warps=4, **launch_options(pdl))
     return out

@@ -7,12 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
+from m3serve.kernels.pdl import enabled as pdl_enabled
+from m3serve.kernels.pdl import launch_options, pdl_start
 from m3serve.kernels.rmsnorm import cast_rne, interpreting
 
 
 @triton.jit
 def _swiglu_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, alpha, limit,
-                   BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+                   BLOCK: tl.constexpr, EMULATE: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -35,7 +39,8 @@ def swiglu_oai_fused(gate_up: torch.Tensor, alpha: float, limit: float) -> torch
     if T == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
+    pdl = pdl_enabled(gate_up)
     _swiglu_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
                                                    alpha, limit, BLOCK=block, EMULATE=interpreting(),
-                                                   num_warps=4)
+                                                   PDL=pdl, num_warps=4, **launch_options(pdl))
     return out

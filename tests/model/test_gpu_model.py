@@ -494,6 +494,44 @@ def test_tiny_online_fp8_decode_gemm_greedy_equals_scaled_mm(tiny_dir, monkeypat
     assert _agree_to_near_ties(runs[True], runs[False], near_tie=0.1) <= 2
 
 
+def _greedy_with_logprobs(model_dir, monkeypatch, pdl_on, **flags):
+    """Greedy tokens and their top-3 logprobs of six prompts with M3SERVE_PDL on or off (CUDA
+    graphs for the decode steps, eager prompt steps)."""
+    from m3serve import envs
+    from m3serve.llm import LLM
+    from m3serve.sampling_params import SamplingParams
+    from test_engine import prompts
+    monkeypatch.setattr(envs, "PDL", pdl_on)
+    llm = LLM(model=str(model_dir), device="cuda", max_num_batched_tokens=256, max_model_len=1024,
+              kv_cache_memory=1 << 30, **flags)
+    ps = [{"prompt_token_ids": p} for p in prompts((5, 37, 80, 150, 9, 120))]
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+                        use_tqdm=False)
+    assert llm.engine.worker.runner.num_graph_steps > 10
+    del llm
+    torch.cuda.empty_cache()
+    return [(list(o.outputs[0].token_ids),
+             [sorted((t, e.logprob) for t, e in d.items()) for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("model", ["tiny", "realshape_l4"])
+def test_pdl_graph_replay_bit_identical(tiny_dir, tmp_path, monkeypatch, model):
+    """The decode kernels launched with programmatic dependent launch (programmatic edges in the
+    captured graphs) compute the same bits: greedy tokens and logprobs equal with and without
+    it, bf16, on the tiny model and a real-shape 4-layer model (dummy weights)."""
+    from m3serve.kernels import pdl
+    if not pdl.SUPPORTED or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper and a Triton that has it")
+    if model == "tiny":
+        model_dir, flags = tiny_dir, dict(dtype="bfloat16")
+    else:
+        from m3serve.bench.realshape import write_realshape_dir
+        model_dir, flags = write_realshape_dir(tmp_path / "rs", num_layers=4), dict(load_format="dummy")
+    off = _greedy_with_logprobs(model_dir, monkeypatch, False, **flags)
+    on = _greedy_with_logprobs(model_dir, monkeypatch, True, **flags)
+    assert on == off
+
+
 def _heldout_nll(device, quantization):
     """Per-token negative log-likelihood of four 300-token pieces of the trained tiny model's
     held-out text (prompt logprobs: teacher-forced, so every position sees the same context on
