@@ -32,8 +32,8 @@ ROUTE_FUSED_MAX_TOKENS = 32
 ROUTE_BLOCK_K = 128     # hidden columns per K step of the router's partial-logit kernel
 ROUTE_ITERS = 2         # K steps per program (scripts/decode_kernels_bench.py route)
 ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
-# More bf16 tokens than ROUTE_FUSED_MAX_TOKENS: the logits on tensor cores in tiles of
-# ROUTE_TC_BLOCK_T tokens x ROUTE_TC_BLOCK_E experts (M3SERVE_ROUTE_TENSOR_CORES=0: torch's fp32 GEMM)
+# More bf16 tokens than ROUTE_FUSED_MAX_TOKENS with M3SERVE_ROUTE_TENSOR_CORES=1: the logits on
+# tensor cores in tiles of ROUTE_TC_BLOCK_T tokens x ROUTE_TC_BLOCK_E experts
 ROUTE_TC_BLOCK_T = 128
 ROUTE_TC_BLOCK_E = 128
 ROUTE_TC_BLOCK_K = 32
@@ -184,8 +184,9 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     Returns (weights [T, K] fp32, renormalised over the chosen experts and multiplied by
     routed_scaling_factor; ids [T, K] int32). On a GPU, up to ROUTE_FUSED_MAX_TOKENS tokens: two
     kernels (split-hidden partial logits on CUDA cores, then sum + sigmoid + top-k); more bf16
-    tokens: the logits on tensor cores (`_route_logits_tc_kernel`), then the same top-k kernel;
-    otherwise the same math in torch (cuBLAS fp32). The three sum the products in different
+    tokens with M3SERVE_ROUTE_TENSOR_CORES=1: the logits on tensor cores
+    (`_route_logits_tc_kernel`), then the same top-k kernel; otherwise the same math in torch
+    (cuBLAS fp32). The three sum the products in different
     orders: scores agree to fp32 rounding.
     """
     num_experts = gate_weight.shape[0]

@@ -69,13 +69,16 @@ def test_fused_route_matches_torch_route_real_shapes(num_tokens):
 
 
 @pytest.mark.parametrize("num_tokens", [33, 100, 1000, 16384])
-def test_tensor_core_route_matches_torch_route_real_shapes(num_tokens):
-    """More than 32 bf16 tokens at the real 128 experts x 6144: the tensor-core logits (the fp32
+def test_tensor_core_route_matches_torch_route_real_shapes(num_tokens, monkeypatch):
+    """More than 32 bf16 tokens at the real 128 experts x 6144 with M3SERVE_ROUTE_TENSOR_CORES=1:
+    the tensor-core logits (the fp32
     gate in three exact bf16 parts) give the torch route's experts, except where the reference's
     4th and 5th choice values are within fp32 rounding of each other (a near tie, either way),
     and its weights to fp32 rounding."""
+    from m3serve import envs
     from m3serve.kernels.fused_moe import moe_route
     from m3serve.layers.moe import route
+    monkeypatch.setattr(envs, "ROUTE_TENSOR_CORES", True)
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, 6144, device="cuda", generator=g, dtype=torch.bfloat16)
     gate = torch.randn(128, 6144, device="cuda", generator=g) * 6144 ** -0.5

@@ -81,10 +81,17 @@ def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
 
 
 @pytest.mark.parametrize("num_tokens", [33, 130])
-def test_tensor_core_route_matches_layer_route(num_tokens):
-    """More than 32 bf16 tokens: the logits on tensor cores from the fp32 gate split into three
-    bf16 parts, then the top-k kernel; the same experts as the layer's torch route and weights
-    equal to fp32 rounding (16 experts, hidden 96: three K tiles, the last one partial)."""
+def test_tensor_core_route_matches_layer_route(num_tokens, monkeypatch):
+    """More than 32 bf16 tokens (M3SERVE_ROUTE_TENSOR_CORES=1): the logits on tensor cores from
+    the fp32 gate split into three bf16 parts, then the top-k kernel; the same experts as the
+    layer's torch route and weights equal to fp32 rounding (16 experts, hidden 96: three K
+    tiles, the last one partial)."""
+    from m3serve import envs
+    monkeypatch.setattr(envs, "ROUTE_TENSOR_CORES", True)
+    launched = []
+    real = fm._route_logits_tc_kernel
+    monkeypatch.setattr(fm, "_route_logits_tc_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **k: launched.append(1) or real[grid](*a, **k))})())
     hidden, experts = 96, 16
     g = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
@@ -92,6 +99,7 @@ def test_tensor_core_route_matches_layer_route(num_tokens):
     bias = torch.randn(experts, generator=g) * 0.05
     weights, ids = moe_route(x, gate, bias, 4, 2.5)
     ref_w, ref_ids = route(x, gate, bias, 4, 2.5)
+    assert launched == [1]
     assert torch.equal(ids.long(), ref_ids)
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
