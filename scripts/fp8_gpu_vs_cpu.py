@@ -14,17 +14,21 @@ activations, `quantization="fp8"`), six prompts.
     PYTHONPATH=. python scripts/fp8_gpu_vs_cpu.py
 """
 import contextlib
+import os
 import tempfile
 from pathlib import Path
 
-import torch
+# IEEE fp32 products in the Triton kernels, as the GPU tests run them (Hopper's default is TF32)
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-from m3serve.kernels import fused_moe
-from m3serve.kernels.ref.fused_moe import quant_rows_fp8_ref
-from m3serve.layers import dispatch
-from m3serve.llm import LLM
-from m3serve.model.tiny import make_tiny
-from m3serve.sampling_params import SamplingParams
+import torch  # noqa: E402
+
+from m3serve.kernels import fused_moe  # noqa: E402
+from m3serve.kernels.ref.fused_moe import quant_rows_fp8_ref  # noqa: E402
+from m3serve.layers import dispatch  # noqa: E402
+from m3serve.llm import LLM  # noqa: E402
+from m3serve.model.tiny import make_tiny  # noqa: E402
+from m3serve.sampling_params import SamplingParams  # noqa: E402
 
 TOP = 8
 
