@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200; results go to $OUT (or ./out). Usage:
 #   bash scripts/gpu_checks.sh tests | offline L [QUANT] | executor | executor_serve | spec L | serve L QUANT CONCS PPC | itl L QUANT CONC PROMPTS | profile L B ISL | pd L | vllm
-#   | startup L | kvacc L | specrank N [MODES] | indexreuse [N] [QUANT] [FREQS]   (serve / itl: RANK=N for one TP N rank at full depth)
+#   | startup L | kvacc L | specrank N [MODES] | indexreuse [N] [QUANT] [FREQS] | optins [N] [QUANT]   (serve / itl: RANK=N for one TP N rank at full depth)
 # Environment: POINTS (offline ISL:batch groups), OSL, MAXSEQS, TMO (per-step timeout, s), TAG
 # (result-file suffix), PACK=1 (at the end, every result file in $OUT goes into one
 # $OUT/results-<check>.tgz: the device returns only a few files per call). Each step prints the
@@ -167,6 +167,25 @@ c.setdefault('text_config', c)['num_mtp_modules'] = 7; json.dump(c, open(p, 'w')
     step specrank_tp${N}_${mode}${always}${TAG:-} timeout ${TMO:-200} python -m m3serve bench offline --model $dir --load-format dummy \
       --points ${POINTS:-8192:1,4,16,64} --osl ${OSL:-128} --max-model-len 9472 --max-num-seqs 64 \
       --max-num-batched-tokens 16384 --cudagraph-capture-sizes ${SIZES:-1,4,16,64} ${QUANT:+--quantization $QUANT} "${spec[@]}"
+  done
+fi
+# optins [N] [QUANT]: the opt-in kernel switches checked and measured at one TP N rank (default
+# 8, fp8): their GPU tests (tensor-core router logits, PDL bit-identical replay, the FP8
+# perplexity against the CPU), then the prompt step of two 8K prompts with the tensor-core
+# router off and on (profiled), then decode at POINTS (default 8K at 1, 4, 16) with PDL off and on
+if [ "${1:-}" = optins ]; then
+  N=${2:-8}; Q=${3:-fp8}; dir=/tmp/rank$N
+  step optin_tests timeout ${TMO:-300} python -m pytest -q -m gpu -s -p no:cacheprovider tests/kernels/test_fused_moe.py \
+    tests/model/test_gpu_model.py -k "tensor_core or bf16_matches_ref or pdl or perplexity"
+  python -m m3serve bench make-realshape $dir --layers 60 --dense-layers 3 --tp-rank $N > /dev/null
+  for tc in 0 1; do
+    step optin_prefill_tc$tc env M3SERVE_ROUTE_TENSOR_CORES=$tc timeout 200 python -m m3serve.bench.step_profile $dir \
+      --batch 2 --isl 8192 --prefill --quantization $Q
+  done
+  for p in 0 1; do
+    step optin_rank_pdl$p env M3SERVE_PDL=$p timeout ${TMO:-300} python -m m3serve bench offline --model $dir \
+      --load-format dummy --points ${POINTS:-8192:1,4,16} --osl ${OSL:-64} --max-model-len 9472 --max-num-seqs 64 \
+      --max-num-batched-tokens 16384 --cudagraph-capture-sizes 1,4,16 --quantization $Q
   done
 fi
 # profile L B ISL [QUANT]: where one decode step's time goes
