@@ -69,11 +69,10 @@ ROUTE_ALIGN_MAX_TOKENS = route_align_max_tokens()
 SPLIT_MERGE_IN_KERNEL = env_flag("M3SERVE_SPLIT_MERGE_IN_KERNEL")
 
 
-# "1": routers of more than 32 bf16 tokens (prefill, mixed and verify steps) compute their fp32
-# logits on tensor cores, the fp32 gate split into three exact bf16 parts
-# (kernels/fused_moe.py: _route_logits_tc_kernel); "0" (the default until a GPU run has checked
-# it against the torch route): torch's fp32 GEMM.
-ROUTE_TENSOR_CORES = env_flag("M3SERVE_ROUTE_TENSOR_CORES")
+# On by default: routers of at least ROUTE_TC_MIN_TOKENS bf16 tokens (long prompt steps) compute
+# their fp32 logits on tensor cores, the fp32 gate split into three exact bf16 parts
+# (kernels/fused_moe.py: _route_logits_tc_kernel); "0": torch's fp32 GEMM, for A/B measurements.
+ROUTE_TENSOR_CORES = env_flag("M3SERVE_ROUTE_TENSOR_CORES", default=True)
 
 
 # Programmatic dependent launch of the decode kernels (kernels/pdl.py) where the GPU and Triton

@@ -32,11 +32,15 @@ ROUTE_FUSED_MAX_TOKENS = 32
 ROUTE_BLOCK_K = 128     # hidden columns per K step of the router's partial-logit kernel
 ROUTE_ITERS = 2         # K steps per program (scripts/decode_kernels_bench.py route)
 ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
-# More bf16 tokens than ROUTE_FUSED_MAX_TOKENS with M3SERVE_ROUTE_TENSOR_CORES=1: the logits on
-# tensor cores in tiles of ROUTE_TC_BLOCK_T tokens x ROUTE_TC_BLOCK_E experts
+# From ROUTE_TC_MIN_TOKENS bf16 tokens on (M3SERVE_ROUTE_TENSOR_CORES, on by default): the logits
+# on tensor cores in tiles of ROUTE_TC_BLOCK_T tokens x ROUTE_TC_BLOCK_E experts, each program over
+# the whole hidden dimension. Measured on an H100 (128 x 6144, µs, torch's fp32 route against
+# these): 57 / 58 / 123 / 288 / 930 against 224 / 223 / 220 / 230 / 262 at 33 / 64 / 1024 / 4096 /
+# 16384 tokens -- a program's ~200 µs over K is the floor, so fewer tokens stay on torch.
+ROUTE_TC_MIN_TOKENS = 4096
 ROUTE_TC_BLOCK_T = 128
 ROUTE_TC_BLOCK_E = 128
-ROUTE_TC_BLOCK_K = 32
+ROUTE_TC_BLOCK_K = 64
 
 
 @triton.jit
@@ -183,10 +187,9 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     x: [T, H]; gate_weight: [E, H] fp32; bias: [E] fp32.
     Returns (weights [T, K] fp32, renormalised over the chosen experts and multiplied by
     routed_scaling_factor; ids [T, K] int32). On a GPU, up to ROUTE_FUSED_MAX_TOKENS tokens: two
-    kernels (split-hidden partial logits on CUDA cores, then sum + sigmoid + top-k); more bf16
-    tokens with M3SERVE_ROUTE_TENSOR_CORES=1: the logits on tensor cores
-    (`_route_logits_tc_kernel`), then the same top-k kernel; otherwise the same math in torch
-    (cuBLAS fp32). The three sum the products in different
+    kernels (split-hidden partial logits on CUDA cores, then sum + sigmoid + top-k); from
+    ROUTE_TC_MIN_TOKENS bf16 tokens on: the logits on tensor cores (`_route_logits_tc_kernel`),
+    then the same top-k kernel; otherwise the same math in torch (cuBLAS fp32). The three sum the products in different
     orders: scores agree to fp32 rounding.
     """
     num_experts = gate_weight.shape[0]
@@ -197,8 +200,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     fits = ((x.is_cuda or _INTERPRET) and num_tokens > 0 and x.stride(1) == 1
             and num_experts == triton.next_power_of_2(num_experts) and num_experts <= 256
             and top_k == triton.next_power_of_2(top_k))
-    if (fits and num_tokens > ROUTE_FUSED_MAX_TOKENS and x.dtype == torch.bfloat16 and num_experts >= 16
-            and envs.ROUTE_TENSOR_CORES):
+    if (fits and num_tokens >= max(ROUTE_TC_MIN_TOKENS, ROUTE_FUSED_MAX_TOKENS + 1)
+            and x.dtype == torch.bfloat16 and num_experts >= 16 and envs.ROUTE_TENSOR_CORES):
         w, b = gate_weight.float().contiguous(), bias.float().contiguous()
         logits = torch.empty(1, num_tokens, num_experts, dtype=torch.float32, device=x.device)
         block_e = min(num_experts, ROUTE_TC_BLOCK_E)

@@ -82,12 +82,13 @@ def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
 
 @pytest.mark.parametrize("num_tokens", [33, 130])
 def test_tensor_core_route_matches_layer_route(num_tokens, monkeypatch):
-    """More than 32 bf16 tokens (M3SERVE_ROUTE_TENSOR_CORES=1): the logits on tensor cores from
-    the fp32 gate split into three bf16 parts, then the top-k kernel; the same experts as the
-    layer's torch route and weights equal to fp32 rounding (16 experts, hidden 96: three K
+    """The tensor-core router logits (from ROUTE_TC_MIN_TOKENS bf16 tokens on, lowered here to
+    33): the fp32 gate split into three bf16 parts, then the top-k kernel; the same experts as
+    the layer's torch route and weights equal to fp32 rounding (16 experts, hidden 96: two K
     tiles, the last one partial)."""
     from m3serve import envs
     monkeypatch.setattr(envs, "ROUTE_TENSOR_CORES", True)
+    monkeypatch.setattr(fm, "ROUTE_TC_MIN_TOKENS", 33)
     launched = []
     real = fm._route_logits_tc_kernel
     monkeypatch.setattr(fm, "_route_logits_tc_kernel", type("K", (), {

@@ -2,7 +2,7 @@
 M3SERVE_ROUTE_ALIGN_MAX_TOKENS sets the batch size up to which the MoE layer routes and aligns
 in one launch (`kernels/fused_moe.ROUTE_ALIGN_MAX_TOKENS`), M3SERVE_SPLIT_MERGE_IN_KERNEL turns
 on the attention kernel's own split merge (`envs.SPLIT_MERGE_IN_KERNEL`),
-M3SERVE_ROUTE_TENSOR_CORES=1 turns on the tensor-core router logits of more than 32 tokens
+M3SERVE_ROUTE_TENSOR_CORES=0 turns off the tensor-core router logits of long prompt steps
 (`envs.ROUTE_TENSOR_CORES`), M3SERVE_PDL=1 programmatic dependent launch (`envs.PDL`); bad values
 are refused by name."""
 import os
@@ -27,11 +27,11 @@ def _read(**env) -> subprocess.CompletedProcess:
 
 
 def test_defaults_and_overrides():
-    assert _read().stdout.split() == ["8", "False", "False", "False"]
+    assert _read().stdout.split() == ["8", "False", "True", "False"]
     got = _read(M3SERVE_ROUTE_ALIGN_MAX_TOKENS="16", M3SERVE_SPLIT_MERGE_IN_KERNEL="1",
-                M3SERVE_ROUTE_TENSOR_CORES="1", M3SERVE_PDL="1")
-    assert got.stdout.split() == ["16", "True", "True", "True"], got.stderr[-2000:]
-    assert _read(M3SERVE_ROUTE_ALIGN_MAX_TOKENS="0").stdout.split() == ["0", "False", "False", "False"]
+                M3SERVE_ROUTE_TENSOR_CORES="0", M3SERVE_PDL="1")
+    assert got.stdout.split() == ["16", "True", "False", "True"], got.stderr[-2000:]
+    assert _read(M3SERVE_ROUTE_ALIGN_MAX_TOKENS="0").stdout.split() == ["0", "False", "True", "False"]
 
 
 @pytest.mark.parametrize("name,value,message", [
