@@ -38,6 +38,7 @@ ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
 # these): 57 / 58 / 123 / 288 / 930 against 224 / 223 / 220 / 230 / 262 at 33 / 64 / 1024 / 4096 /
 # 16384 tokens -- a program's ~200 µs over K is the floor, so fewer tokens stay on torch.
 ROUTE_TC_MIN_TOKENS = 4096
+ROUTE_TC_SPLITS = 1       # hidden-dimension splits (summed by the top-k kernel); 1 is what was measured
 ROUTE_TC_BLOCK_T = 128
 ROUTE_TC_BLOCK_E = 128
 ROUTE_TC_BLOCK_K = 64
@@ -120,21 +121,25 @@ def _route_topk_rows(part_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, t0, s
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _route_logits_tc_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, stride_x,
+def _route_logits_tc_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, stride_x, k_per_split,
                             E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                             BLOCK_K: tl.constexpr, F32_DOTS: tl.constexpr):
     """Router logits on tensor cores: x [T, H] bf16 against the fp32 gate w [E, H] -> out
-    [T, E] fp32. Each fp32 weight is split in registers into three bf16 parts, hi + mid + lo,
-    whose sum is exactly the weight (8 significant bits each: fp32's 24), so every product of a
-    bf16 activation and a part is exact in fp32, and the products are summed in fp32: the fp32
-    reference's products, summed in another order. F32_DOTS (the interpreter, whose bf16 dots
-    are wrong): the same bf16 values multiplied as fp32."""
+    [splits, T, E] fp32, program (t, e, s) summing hidden columns [s k_per_split, (s + 1)
+    k_per_split) into out[s] (`_route_topk_kernel` adds the splits in order). Each fp32 weight
+    is split in registers into three bf16 parts, hi + mid + lo, whose sum is exactly the weight
+    (8 significant bits each: fp32's 24), so every product of a bf16 activation and a part is
+    exact in fp32, and the products are summed in fp32: the fp32 reference's products, summed
+    in another order. F32_DOTS (the interpreter, whose bf16 dots are wrong): the same bf16
+    values multiplied as fp32."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
     offs_k = tl.arange(0, BLOCK_K)
     t_ok = offs_t < num_tokens
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, hidden), BLOCK_K):
         cols = k0 + offs_k
         k_ok = cols < hidden
         a = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + cols[None, :],
@@ -154,7 +159,8 @@ def _route_logits_tc_kernel(x_ptr, w_ptr, out_ptr, num_tokens, hidden, stride_x,
             acc = tl.dot(a, hi, acc)
             acc = tl.dot(a, mid, acc)
             acc = tl.dot(a, lo, acc)
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * E + offs_e[None, :], acc, mask=t_ok[:, None])
+    rows = split.to(tl.int64) * num_tokens + offs_t.to(tl.int64)
+    tl.store(out_ptr + rows[:, None] * E + offs_e[None, :], acc, mask=t_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -203,15 +209,19 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
     if (fits and num_tokens >= max(ROUTE_TC_MIN_TOKENS, ROUTE_FUSED_MAX_TOKENS + 1)
             and x.dtype == torch.bfloat16 and num_experts >= 16 and envs.ROUTE_TENSOR_CORES):
         w, b = gate_weight.float().contiguous(), bias.float().contiguous()
-        logits = torch.empty(1, num_tokens, num_experts, dtype=torch.float32, device=x.device)
         block_e = min(num_experts, ROUTE_TC_BLOCK_E)
-        _route_logits_tc_kernel[(triton.cdiv(num_tokens, ROUTE_TC_BLOCK_T), num_experts // block_e)](
-            x, w, logits, num_tokens, hidden, x.stride(0), E=num_experts, BLOCK_T=ROUTE_TC_BLOCK_T,
-            BLOCK_E=block_e, BLOCK_K=ROUTE_TC_BLOCK_K, F32_DOTS=_INTERPRET, num_warps=8)
+        splits = max(1, min(ROUTE_TC_SPLITS, triton.cdiv(hidden, ROUTE_TC_BLOCK_K)))
+        k_per_split = triton.cdiv(triton.cdiv(hidden, splits), ROUTE_TC_BLOCK_K) * ROUTE_TC_BLOCK_K
+        splits = triton.cdiv(hidden, k_per_split)
+        logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
+        _route_logits_tc_kernel[(triton.cdiv(num_tokens, ROUTE_TC_BLOCK_T), num_experts // block_e, splits)](
+            x, w, logits, num_tokens, hidden, x.stride(0), k_per_split, E=num_experts,
+            BLOCK_T=ROUTE_TC_BLOCK_T, BLOCK_E=block_e, BLOCK_K=ROUTE_TC_BLOCK_K, F32_DOTS=_INTERPRET,
+            num_warps=8)
         weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
         _route_topk_kernel[(num_tokens,)](logits, b, weights, ids, num_tokens, routed_scaling_factor,
-                                          E=num_experts, SPLITS=1, TOP_K=top_k, PDL=pdl, num_warps=4,
+                                          E=num_experts, SPLITS=splits, TOP_K=top_k, PDL=pdl, num_warps=4,
                                           **launch_options(pdl))
         return weights, ids
     if fits and num_tokens <= ROUTE_FUSED_MAX_TOKENS:

@@ -80,15 +80,16 @@ def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens", [33, 130])
-def test_tensor_core_route_matches_layer_route(num_tokens, monkeypatch):
+@pytest.mark.parametrize("num_tokens,splits", [(33, 1), (130, 1), (40, 2)])
+def test_tensor_core_route_matches_layer_route(num_tokens, splits, monkeypatch):
     """The tensor-core router logits (from ROUTE_TC_MIN_TOKENS bf16 tokens on, lowered here to
     33): the fp32 gate split into three bf16 parts, then the top-k kernel; the same experts as
     the layer's torch route and weights equal to fp32 rounding (16 experts, hidden 96: two K
-    tiles, the last one partial)."""
+    tiles, the last one partial; in one program or split over two, summed by the top-k kernel)."""
     from m3serve import envs
     monkeypatch.setattr(envs, "ROUTE_TENSOR_CORES", True)
     monkeypatch.setattr(fm, "ROUTE_TC_MIN_TOKENS", 33)
+    monkeypatch.setattr(fm, "ROUTE_TC_SPLITS", splits)      # 2: hidden columns 0-63 and 64-95
     launched = []
     real = fm._route_logits_tc_kernel
     monkeypatch.setattr(fm, "_route_logits_tc_kernel", type("K", (), {
@@ -117,8 +118,8 @@ def test_tensor_core_route_logits_split_the_gate_exactly():
     x = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16)
     x[torch.arange(num_tokens), cols] = 1.0
     logits = torch.empty(1, num_tokens, experts)
-    fm._route_logits_tc_kernel[(1, 1)](x, gate, logits, num_tokens, hidden, x.stride(0), E=experts,
-                                       BLOCK_T=64, BLOCK_E=experts, BLOCK_K=32, F32_DOTS=True)
+    fm._route_logits_tc_kernel[(1, 1, 1)](x, gate, logits, num_tokens, hidden, x.stride(0), hidden,
+                                          E=experts, BLOCK_T=64, BLOCK_E=experts, BLOCK_K=32, F32_DOTS=True)
     assert torch.equal(logits[0], gate[:, cols].t())
 
 
