@@ -136,6 +136,7 @@ def route_prefill() -> None:
     from m3serve.layers.moe import route as torch_route
     gate = torch.randn(128, 6144, device="cuda") * 6144 ** -0.5
     bias = torch.randn(128, device="cuda") * 0.05
+    switches = envs.ROUTE_TENSOR_CORES, fm.ROUTE_TC_MIN_TOKENS
     for t in (33, 64, 128, 256, 1024, 4096, 16384):
         x = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
         envs.ROUTE_TENSOR_CORES = False
@@ -156,6 +157,7 @@ def route_prefill() -> None:
         print(f"route T={t}: torch fp32 {ref:.1f} us, tensor cores {tc:.1f} us (tokens whose experts differ: "
               f"{differ}, max |dw| {(w - ref_w).abs().max().item():.2e}); best tiles " +
               ", ".join(f"{n} {v:.1f}" for v, n in rows[:6]), flush=True)
+    envs.ROUTE_TENSOR_CORES, fm.ROUTE_TC_MIN_TOKENS = switches
 
 
 def route_align() -> None:

@@ -271,6 +271,7 @@ def _align_plan(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_post_ptr, cursor_
     bins = tl.arange(0, BINS)
     if COUNTED:
         counts = tl.load(cursor_ptr + bins)
+        tl.debug_barrier()   # every warp has read the counts before any overwrites them below
     else:
         counts = tl.zeros((BINS,), dtype=tl.int32)
         for start in range(0, num_pairs, BLOCK):

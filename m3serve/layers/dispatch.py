@@ -25,9 +25,10 @@ _forced_reference: bool | frozenset = False
 def reference_ops(*ops: str):
     """Run the PyTorch reference ops inside this block, whatever the device (for comparisons):
     every op, or only the named ones (e.g. `reference_ops("moe")`, to find which op a
-    difference comes from)."""
+    difference comes from); nested blocks add to what the outer one forces."""
     global _forced_reference
-    before, _forced_reference = _forced_reference, frozenset(ops) if ops else True
+    before = _forced_reference
+    _forced_reference = True if before is True or not ops else frozenset(ops) | (before or frozenset())
     try:
         yield
     finally:

@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (kernels/pdl.py): the decode kernels compiled for sm_90 with
-PDL on carry the grid-dependency instructions (wait before the first load, launch of the next
-kernel) and without it none; off by default, and never under the interpreter."""
+"""Programmatic dependent launch (kernels/pdl.py): decode kernels compiled for sm_90 with PDL on
+carry the grid-dependency instructions (the wait before any memory access, the launch of the
+next kernel) and without it none; off by default, and never under the interpreter."""
 import json
 import os
 import subprocess
@@ -24,8 +24,12 @@ for mod, name, sig, consts, warps in json.loads(sys.argv[1]):
     full.update({c: "constexpr" for c in consts})
     ptx = triton.compile(triton.compiler.ASTSource(fn=fn, signature=full, constexprs=consts),
                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+    # the wait must come before the kernel's first memory access
+    body = ptx[ptx.index("griddepcontrol.wait"):] if "griddepcontrol.wait" in ptx else ""
+    head = ptx[:len(ptx) - len(body)] if body else ""
+    early = any(op in head for op in ("ld.global", "st.global", "atom.", "red.", "cp.async", "ld.shared"))
     print("compiled", name, consts["PDL"], "griddepcontrol.wait" in ptx,
-          "griddepcontrol.launch_dependents" in ptx, flush=True)
+          "griddepcontrol.launch_dependents" in ptx, not early, flush=True)
 """
 
 # kernel -> (pointer types, constexprs): the decode layer's chain
@@ -46,10 +50,22 @@ _JOBS = {
 
 
 def test_off_by_default_and_never_under_the_interpreter(monkeypatch):
+    from types import SimpleNamespace
     from m3serve import envs
     assert envs.PDL is False or os.environ.get("M3SERVE_PDL") == "1"
     monkeypatch.setattr(envs, "PDL", True)
     assert not pdl.enabled(torch.zeros(1))                      # a CPU tensor
+    # a CUDA tensor on a Hopper device, as far as `enabled` can tell
+    monkeypatch.setattr(pdl, "SUPPORTED", True)
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    cuda_like = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl.enabled(cuda_like)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(cuda_like)
+    monkeypatch.setattr(envs, "PDL", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not pdl.enabled(cuda_like)
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
 
 
@@ -74,5 +90,6 @@ def test_decode_kernels_compile_with_the_grid_dependency_instructions(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     lines = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("compiled")]
     assert len(lines) == 2 * len(_JOBS)
-    for _, name, on, wait, launch in lines:
+    for _, name, on, wait, launch, wait_first in lines:
         assert wait == launch == on, (name, on, wait, launch)
+        assert wait_first == "True", name          # no memory access before the wait
