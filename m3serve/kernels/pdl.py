@@ -10,7 +10,7 @@ first load and are launched with `**launch_options(on)`; a kernel after one that
 trigger (cuBLAS) simply starts when that one ends.
 
 M3SERVE_PDL=1 turns it on (Hopper and newer, where this Triton supports it; never under the
-interpreter); off by default until measured faster at the rank (docs/performance.md).
+interpreter); off by default until timed faster at the rank (docs/performance.md).
 """
 from __future__ import annotations
 
