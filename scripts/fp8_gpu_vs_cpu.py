@@ -17,6 +17,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 # IEEE fp32 products in the Triton kernels, as the GPU tests run them (Hopper's default is TF32)
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
@@ -95,16 +96,6 @@ def fp64_scaled_mm(a, b, scale_a=None, scale_b=None, out_dtype=None, **_):
     return y.to(out_dtype)
 
 
-@contextlib.contextmanager
-def swapped(attr_owner, name, value):
-    before = getattr(attr_owner, name)
-    setattr(attr_owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(attr_owner, name, before)
-
-
 def main() -> None:
     model = make_tiny(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     cpu_greedy = greedy(model, "cpu", True)
@@ -118,10 +109,10 @@ def main() -> None:
         "GPU, moe reference": lambda: dispatch.reference_ops("moe"),
         "GPU, rms_norm reference (no norm-made FP8)": lambda: dispatch.reference_ops("rms_norm"),
         "GPU, attention reference": lambda: dispatch.reference_ops("attention"),
-        "GPU, quant_rows_fp8 reference": lambda: swapped(fused_moe, "quant_rows_fp8",
-                                                          lambda x: quant_rows_fp8_ref(x)),
-        "GPU, _scaled_mm in fp64": lambda: swapped(torch, "_scaled_mm", fp64_scaled_mm),
-        "GPU, every op's reference and _scaled_mm in fp64": lambda: _both(),
+        "GPU, quant_rows_fp8 reference": lambda: mock.patch.object(fused_moe, "quant_rows_fp8",
+                                                                    quant_rows_fp8_ref),
+        "GPU, _scaled_mm in fp64": lambda: mock.patch.object(torch, "_scaled_mm", fp64_scaled_mm),
+        "GPU, every op's reference and _scaled_mm in fp64": _both,
     }
     for name, ctx in variants.items():
         dispatch.executed.clear()
@@ -132,7 +123,7 @@ def main() -> None:
 
 @contextlib.contextmanager
 def _both():
-    with dispatch.reference_ops(), swapped(torch, "_scaled_mm", fp64_scaled_mm):
+    with dispatch.reference_ops(), mock.patch.object(torch, "_scaled_mm", fp64_scaled_mm):
         yield
 
 

@@ -81,15 +81,14 @@ def test_tensor_core_route_matches_torch_route_real_shapes(num_tokens, monkeypat
     from m3serve.layers.moe import route
     monkeypatch.setattr(envs, "ROUTE_TENSOR_CORES", True)
     monkeypatch.setattr(fm, "ROUTE_TC_MIN_TOKENS", 33)
-    launched, real = [], fm._route_logits_tc_kernel
-    monkeypatch.setattr(fm, "_route_logits_tc_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (lambda *a, **k: launched.append(1) or real[grid](*a, **k))})())
+    from launches import record_launches
+    launched = record_launches(monkeypatch, fm, "_route_logits_tc_kernel")
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, 6144, device="cuda", generator=g, dtype=torch.bfloat16)
     gate = torch.randn(128, 6144, device="cuda", generator=g) * 6144 ** -0.5
     bias = torch.randn(128, device="cuda", generator=g) * 0.05
     weights, ids = moe_route(x, gate, bias, 4, 2.5)
-    assert launched == [1]
+    assert len(launched) == 1
     ref_w, ref_ids = route(x, gate, bias, 4, 2.5)
     choice = torch.sigmoid(x.float() @ gate.t()) + bias
     top5 = choice.topk(5, dim=-1).values

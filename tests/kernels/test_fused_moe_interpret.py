@@ -10,6 +10,7 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests run only without a GPU", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from launches import record_launches  # noqa: E402
 from m3serve.kernels import fused_moe as fm
 from m3serve.kernels.fused_moe import fused_moe, moe_align, moe_route, quant_rows_fp8
 from m3serve.kernels.ref.fused_moe import (
@@ -66,18 +67,24 @@ def test_route_matches_layer_route(num_tokens):
     torch.testing.assert_close(weights.sum(-1), torch.full((num_tokens,), 2.0))
 
 
-@pytest.mark.parametrize("num_tokens", [2, 29])
-def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
-    """The two routing kernels (split-hidden partial logits, then sum, sigmoid and top-k), at
-    router logits of order 1 as a trained model has them, against the layer's torch route."""
+def _route_matches_layer_route(num_tokens, hidden, experts, top_k):
+    """moe_route at router logits of order 1, as a trained model has them: the layer's torch
+    route's experts, and its weights to fp32 rounding."""
     g = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, H, generator=g).to(torch.bfloat16)
-    gate = torch.randn(E, H, generator=g) * H ** -0.5
-    bias = torch.randn(E, generator=g) * 0.05
-    weights, ids = moe_route(x, gate, bias, 2, 2.5)
-    ref_w, ref_ids = route(x, gate, bias, 2, 2.5)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    gate = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
+    bias = torch.randn(experts, generator=g) * 0.05
+    weights, ids = moe_route(x, gate, bias, top_k, 2.5)
+    ref_w, ref_ids = route(x, gate, bias, top_k, 2.5)
     assert torch.equal(ids.long(), ref_ids)
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", [2, 29])
+def test_fused_route_kernels_match_reference_at_trained_scale(num_tokens):
+    """The two routing kernels (split-hidden partial logits, then sum, sigmoid and top-k)
+    against the layer's torch route."""
+    _route_matches_layer_route(num_tokens, H, E, 2)
 
 
 @pytest.mark.parametrize("num_tokens,splits", [(33, 1), (130, 1), (40, 2)])
@@ -90,20 +97,9 @@ def test_tensor_core_route_matches_layer_route(num_tokens, splits, monkeypatch):
     monkeypatch.setattr(envs, "ROUTE_TENSOR_CORES", True)
     monkeypatch.setattr(fm, "ROUTE_TC_MIN_TOKENS", 33)
     monkeypatch.setattr(fm, "ROUTE_TC_SPLITS", splits)      # 2: hidden columns 0-63 and 64-95
-    launched = []
-    real = fm._route_logits_tc_kernel
-    monkeypatch.setattr(fm, "_route_logits_tc_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (lambda *a, **k: launched.append(1) or real[grid](*a, **k))})())
-    hidden, experts = 96, 16
-    g = torch.Generator().manual_seed(num_tokens)
-    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
-    gate = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
-    bias = torch.randn(experts, generator=g) * 0.05
-    weights, ids = moe_route(x, gate, bias, 4, 2.5)
-    ref_w, ref_ids = route(x, gate, bias, 4, 2.5)
-    assert launched == [1]
-    assert torch.equal(ids.long(), ref_ids)
-    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+    launched = record_launches(monkeypatch, fm, "_route_logits_tc_kernel")
+    _route_matches_layer_route(num_tokens, 96, 16, 4)
+    assert len(launched) == 1
 
 
 def test_tensor_core_route_logits_split_the_gate_exactly():

@@ -103,14 +103,16 @@ import importlib, json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
-for mod, name, sig, consts, warps in json.loads(sys.argv[1]):
+for i, (mod, name, sig, consts, warps) in enumerate(json.loads(sys.argv[1])):
     fn = getattr(importlib.import_module(mod), name)
     full = {n: "i32" for n in fn.arg_names}
     full.update(sig)
     full.update({c: "constexpr" for c in consts})
     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=full, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    print("compiled", name, "wgmma" in k.asm["ptx"], flush=True)
+    with open(os.path.join(sys.argv[2], f"{i}.ptx"), "w") as f:
+        f.write(k.asm["ptx"])
+    print("compiled", name, flush=True)
 """
 
 
@@ -118,6 +120,11 @@ def compile_for_hopper(jobs, cache_dir) -> list[str]:
     """Compile Triton kernels for sm_90 on this CPU machine (bundled ptxas) in a subprocess
     without TRITON_INTERPRET. jobs: [(module, kernel, {arg: type}, {constexpr: value}, warps)],
     args not named are i32. Returns one "compiled <kernel> <uses wgmma>" line per job."""
+    return [f"compiled {name} {'wgmma' in ptx}" for name, ptx in compile_ptx_for_hopper(jobs, cache_dir)]
+
+
+def compile_ptx_for_hopper(jobs, cache_dir) -> list[tuple[str, str]]:
+    """`compile_for_hopper`'s compiles -> (kernel name, its PTX) per job."""
     import triton
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
@@ -125,10 +132,13 @@ def compile_for_hopper(jobs, cache_dir) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache_dir), TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(jobs)], env=env,
+    out = Path(cache_dir) / "ptx"
+    out.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(jobs), str(out)], env=env,
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-4000:]
-    return [ln for ln in r.stdout.splitlines() if ln.startswith("compiled")]
+    names = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("compiled")]
+    return [(name, (out / f"{i}.ptx").read_text()) for i, name in enumerate(names)]
 
 
 @pytest.mark.gpu
