@@ -76,7 +76,8 @@ ROUTE_TENSOR_CORES = env_flag("M3SERVE_ROUTE_TENSOR_CORES", default=True)
 
 
 # Programmatic dependent launch of the decode kernels (kernels/pdl.py) where the GPU and Triton
-# support it: "1" on, "0" off (the default until a lease measures it faster at the rank).
+# support it: "1" on, "0" off (the default: measured slower at one TP 8 rank, H100 online fp8,
+# batch 1 and 4; docs/performance.md).
 PDL = env_flag("M3SERVE_PDL")
 
 

@@ -738,12 +738,18 @@ class Scheduler:
         plain step without a draft pass (`spec_gate`'s rule). Without one: 0 (nothing reads it)."""
         if not self.num_lookahead_tokens:
             return 0
-        width = self.spec_gate.draft_width(len(self.running), self._prompt_due, self._mean_output_budget)
+        width = self.spec_gate.draft_width(len(self.running), self._prompt_due, self._mean_output_budget,
+                                           self._joining)
         if width is None:
             self.num_plain_steps += 1
         else:
             self.num_steps_by_width[width] = self.num_steps_by_width.get(width, 0) + 1
         return width
+
+    def _joining(self) -> int:
+        """The requests that will run once the waiting ones are admitted (max_num_seqs at most):
+        the batch a prompt computed now will decode in."""
+        return min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
 
     def _mean_output_budget(self) -> float | None:
         """The running requests' mean output length in tokens as they were asked for: max_tokens,

@@ -73,9 +73,14 @@ they run when the bucket chooses them. A step with drafts is never deferred, and
 newest tokens on the host: when drafts follow a deferred plain step, the scheduler first takes a
 step that only lands its tokens (`Scheduler.num_landing_steps`), then a switch step (width 0:
 no drafts to verify yet, it proposes them), which is timed for no arm. A step that may compute
-prompt tokens runs the draft pass whatever the bucket chose (it writes the prompt's draft KV);
-in a bucket that chose plain steps its decodes verify none and, on the eager path, it proposes
-none either (`SchedulerOutput.propose`: the next plain step would drop them).
+prompt tokens runs the draft pass whatever its own bucket chose (it writes the prompt's draft
+KV); in a bucket that chose plain steps its decodes verify none and, on the eager path, it
+proposes none either (`SchedulerOutput.propose`: the next plain step would drop them). The
+exception: where the requests that will run once the waiting ones are admitted fall in a bucket
+that chose plain steps (and is not retrying drafts), the step is a plain one, without the draft
+pass, deferred like any -- its prompts' draft KV would go unread. (Measured at one TP 8 rank,
+DSpark, 8K prompts: with the draft pass the prompt steps of a batch of 4 took about 120 ms more
+than plain ones, 0.9 ms of peer TPOT at 128 output tokens, although its buckets ran plain steps.)
 
 A timed step is decode-only (each request computes its next token and exactly the arm's number
 of drafts) and of the same arm and bucket as the step before it; its time is from the previous
@@ -289,13 +294,16 @@ class SpeculationGate:
 
     # ------------------------------------------------------------ choosing
 
-    def draft_width(self, num_running: int, prompt_due=lambda: False, length=lambda: None) -> int | None:
+    def draft_width(self, num_running: int, prompt_due=lambda: False, length=lambda: None,
+                    joining=None) -> int | None:
         """How many drafts each request verifies in the next step: None for a plain step (no
         draft pass), else a width of 0..k (0: the step only proposes drafts). `prompt_due()`:
         whether the step may compute prompt tokens (asked only under the measured rule, which
-        then runs the draft pass whatever the bucket chose, so that the draft's KV holds the
-        prompt; in a bucket that chose plain steps its decodes verify none). `length()`: the
-        running requests' mean output budget in tokens (None: unknown; the finish spread)."""
+        then runs the draft pass so that the draft's KV holds the prompt -- unless the prompts
+        join a bucket that chose plain steps; in a bucket that chose plain steps its decodes
+        verify none). `length()`: the running requests' mean output budget in tokens (None:
+        unknown; the finish spread). `joining()`: the requests that will run once the waiting
+        ones are admitted (None: `num_running`)."""
         if self.fixed is not None:
             on = num_running < self.fixed
             if on != self._on:
@@ -305,13 +313,18 @@ class SpeculationGate:
             return self.k if on else None
         if not self.measured:
             return self.k
+        joining = joining or (lambda: num_running)
         if num_running == 0:
-            return 0            # prompts only: the draft writes their KV; decode steps choose
+            # prompts only: the draft writes their KV (decode steps choose), unless they join a
+            # bucket that runs plain steps
+            return None if self._joins_plain(joining) else 0
         b = bucket_of(num_running)
         state = self.buckets.get(b)
         if state is None:
             state = self.buckets[b] = _Bucket(self.widths)
         state.running, self._length = num_running, length
+        if prompt_due() and self._joins_plain(joining):
+            return None          # the prompts' requests will run plain steps: no draft pass
         if state.choice is None and not state.hold and prompt_due():
             # a bucket still timing its arms does so in decode-only steps: a step that computes
             # prompt tokens is not timed, and verifying drafts in it only keeps it from being
@@ -321,6 +334,15 @@ class SpeculationGate:
         if arm == 0:
             return 0 if prompt_due() else None
         return arm
+
+    def _joins_plain(self, joining) -> bool:
+        """Whether the requests that will run once the waiting ones are admitted (`joining()`)
+        fall in a bucket that chose plain steps and is not timing drafts: their prompts' draft
+        KV would go unread (plain steps verify no drafts; a later retry or a smaller batch that
+        drafts reads holes there, see core/kv_cache/draft_window.py), so a step that computes
+        prompt tokens runs without the draft pass, deferred like a plain step."""
+        state = self.buckets.get(bucket_of(max(1, joining())))
+        return state is not None and state.choice == 0 and state.probe is None
 
     def _arm(self, state: _Bucket, b: int) -> int:
         if state.hold:

@@ -33,15 +33,18 @@ ROUTE_BLOCK_K = 128     # hidden columns per K step of the router's partial-logi
 ROUTE_ITERS = 2         # K steps per program (scripts/decode_kernels_bench.py route)
 ROUTE_MAX_SPLITS = 48   # partials the top-k kernel sums
 # From ROUTE_TC_MIN_TOKENS bf16 tokens on (M3SERVE_ROUTE_TENSOR_CORES, on by default): the logits
-# on tensor cores in tiles of ROUTE_TC_BLOCK_T tokens x ROUTE_TC_BLOCK_E experts, each program over
-# the whole hidden dimension. Measured on an H100 (128 x 6144, µs, torch's fp32 route against
-# these): 57 / 58 / 123 / 288 / 930 against 224 / 223 / 220 / 230 / 262 at 33 / 64 / 1024 / 4096 /
-# 16384 tokens -- a program's ~200 µs over K is the floor, so fewer tokens stay on torch.
-ROUTE_TC_MIN_TOKENS = 4096
-ROUTE_TC_SPLITS = 1       # hidden-dimension splits (summed by the top-k kernel); 1 is what was measured
+# on tensor cores in tiles of ROUTE_TC_BLOCK_T tokens x ROUTE_TC_BLOCK_E experts, the hidden
+# dimension split over ROUTE_TC_SPLITS programs (their partial logits summed by the top-k kernel).
+# Measured on an H100 (128 x 6144, µs, scripts/decode_kernels_bench.py route_prefill, three runs):
+# torch's fp32 route 123-344 / 289-349 / 951-959 at 1024 / 4096 / 16384 tokens; these tiles (128
+# tokens, K steps of 32, 4 splits) 65-69 / 76-110 / 219-220; one split (K steps of 64): ~217 /
+# 225 / 247 (a program's walk over K is the floor). Below 1024 tokens torch's times were too
+# noisy to call.
+ROUTE_TC_MIN_TOKENS = 1024
+ROUTE_TC_SPLITS = 4
 ROUTE_TC_BLOCK_T = 128
 ROUTE_TC_BLOCK_E = 128
-ROUTE_TC_BLOCK_K = 64
+ROUTE_TC_BLOCK_K = 32
 
 
 @triton.jit

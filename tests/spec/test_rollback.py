@@ -114,7 +114,7 @@ class RandomWidths:
     def __init__(self, k, rng):
         self.k, self.rng, self.widths = k, rng, []
 
-    def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None):
+    def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None, joining=None):
         self.widths.append(self.rng.choice([None, *range(self.k + 1)]))
         return self.widths[-1]
 

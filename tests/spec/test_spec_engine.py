@@ -325,6 +325,50 @@ def test_fp8_kv_keeps_the_draft_cache_in_the_model_dtype(tiny_dir, drafts, kind)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_prompts_that_join_plain_steps_skip_the_draft_then_drafts_read_holes(tiny_dir, drafts, kind):
+    """The gate is asked with the batch the prompts will decode in (`joining`: the running
+    requests plus the waiting ones, max_num_seqs at most), and where that batch runs plain steps
+    it answers None for prompt steps too: no draft pass over the prompts. When drafts come back
+    the draft's KV holds nothing of those prompts (holes below `valid_from`); the greedy outputs
+    still equal speculation off."""
+    prompts = _prompts()[:6]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(tiny_dir), **_flags())
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=_spec(kind, drafts),
+              **_flags(kind))
+    sched, proposer = llm.engine.core.scheduler, llm.engine.worker.runner.proposer
+    k, seen, calls = sched.num_lookahead_tokens, [], {"propose": 0, "write_only": 0}
+
+    class PlainWhilePromptsThenDrafts:
+        """Plain steps while any prompt is due (the batch it joins runs plain steps), then k."""
+        rule = "scripted"
+
+        def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None, joining=None):
+            seen.append((num_running, joining()))
+            return None if prompt_due() else k
+
+        def scheduled(self, step):
+            pass
+
+        def observe(self, step, num_requests=None, verified=()):
+            pass
+    sched.spec_gate = PlainWhilePromptsThenDrafts()
+    for name in calls:
+        real = getattr(proposer, name)
+        setattr(proposer, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
+                or _real(*a))
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == want
+    assert seen[0] == (0, len(prompts))                     # all six wait at the first step
+    assert all(running <= joining <= 8 for running, joining in seen)
+    assert calls["write_only"] == 0 and calls["propose"] > 0 and sched.spec_stats.num_drafts > 0
+    _check_clean(llm)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
 def test_prompt_steps_under_plain_arms_write_draft_kv_without_proposing(tiny_dir, drafts, kind):
     """A gate whose arm is plain steps answers 0 where prompt tokens are due: such a step runs
     the draft over its tokens (the draft's KV) but proposes nothing (`SchedulerOutput.propose`,
@@ -348,7 +392,7 @@ def test_prompt_steps_under_plain_arms_write_draft_kv_without_proposing(tiny_dir
         """Plain steps (0 where a prompt is due) for the first 30 steps, then k drafts."""
         rule = "scripted"
 
-        def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None):
+        def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None, joining=None):
             steps[0] += 1
             if steps[0] > 30:
                 return k

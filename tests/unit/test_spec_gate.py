@@ -274,15 +274,30 @@ def test_acceptance_after_plain_steps_waits_for_the_draft_to_settle():
 
 
 def test_a_step_that_may_compute_prompt_tokens_runs_the_draft_pass_and_who_measures():
-    """In a bucket that chose plain steps a step that may compute prompt tokens proposes drafts
-    (width 0: its decodes verify none); elsewhere it verifies the bucket's width."""
+    """A step that may compute prompt tokens runs the draft pass where its prompts join a bucket
+    that drafts (or has not chosen): in a bucket that chose plain steps it proposes drafts
+    (width 0: its decodes verify none), elsewhere it verifies the bucket's width. Where they join
+    a bucket that chose plain steps (and is not retrying drafts) it is a plain step, whatever
+    its own bucket runs: the prompts' draft KV would go unread (the issue-49 batch of 4)."""
     from m3serve.core.spec_gate import measured_rule_applies
     clock = Clock()
     gate = SpeculationGate(7, measured=True, clock=clock)
+    assert gate.draft_width(0, lambda: True, joining=lambda: 4) == 0          # nothing chosen yet
     _run(gate, clock, Engine.from_table("dspark", 4), 60, running=4)      # plain chosen for 3-4
-    assert gate.draft_width(4, lambda: False) is None and gate.draft_width(4, lambda: True) == 0
+    assert gate.buckets[4].choice == 0
+    assert gate.draft_width(4, lambda: False) is None and gate.draft_width(4, lambda: True) is None
+    assert gate.draft_width(0, lambda: True, joining=lambda: 4) is None       # four prompts arrive
+    assert gate.draft_width(2, lambda: True, joining=lambda: 4) is None
+    assert gate.draft_width(4, lambda: True, joining=lambda: 5) == 0          # they join bucket 8
     _run(gate, clock, Engine.from_table("dspark", 1), 100, running=1)
-    assert gate.draft_width(1, lambda: True) == gate.buckets[1].choice > 0
+    k1 = gate.buckets[1].choice
+    assert k1 > 0 and gate.draft_width(1, lambda: True) == k1
+    assert gate.draft_width(0, lambda: True, joining=lambda: 1) == 0
+    assert gate.draft_width(1, lambda: True, joining=lambda: 3) is None       # its bucket drafts, 3-4 not
+    assert gate.draft_width(1, lambda: False, joining=lambda: 3) == k1
+    gate.buckets[4].steps = gate.buckets[4].draft_every       # bucket 4 retries drafts now
+    assert gate.draft_width(4, lambda: False) == 7 and gate.buckets[4].retry is not None
+    assert gate.draft_width(0, lambda: True, joining=lambda: 4) == 0          # the retry reads their KV
 
     def config(dp=1, limit=None, method="eagle3"):
         return SimpleNamespace(speculative=SimpleNamespace(enabled=method is not None, disable_by_batch_size=limit),
