@@ -1,10 +1,11 @@
 """Programmatic dependent launch (PDL) for the decode kernels.
 
 A kernel launched with PDL may start while the kernel before it on the stream is still running:
-its programs first tell the runtime that the kernel after them may launch too
-(`griddepcontrol.launch_dependents`), then wait until the kernel before them has finished and
-its writes are visible (`griddepcontrol.wait`), and only then read anything. What overlaps is a
-launch's latency and a program's start with the previous kernel's tail; inside a CUDA graph the
+its programs first wait until the kernel before them has finished and its writes are visible
+(`griddepcontrol.wait`), then tell the runtime that the kernel after them may launch
+(`griddepcontrol.launch_dependents`), so at most one kernel waits ahead of the running one.
+What overlaps is a launch's latency and a program's start with the previous kernel's work;
+inside a CUDA graph the
 launches become programmatic edges. Kernels that take part call `pdl_start(PDL)` before their
 first load and are launched with `**launch_options(on)`; a kernel after one that does not
 trigger (cuBLAS) simply starts when that one ends.
@@ -42,11 +43,13 @@ if not SUPPORTED:
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
-    """First thing in a kernel that may be launched with PDL: let the next kernel launch, then
-    wait for the previous one (its writes visible). Nothing when PDL is False."""
+    """First thing in a kernel that may be launched with PDL: wait for the previous kernel (its
+    writes visible), then let the next one launch. Nothing when PDL is False. (The other order
+    let every kernel of the chain launch before the first had finished, their programs holding
+    SM slots while they waited: 1 ms slower a decode step at one TP 8 rank.)"""
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=None)
