@@ -11,7 +11,7 @@ first load and are launched with `**launch_options(on)`; a kernel after one that
 trigger (cuBLAS) simply starts when that one ends.
 
 M3SERVE_PDL=1 turns it on (Hopper and newer, where this Triton supports it; never under the
-interpreter); off by default until timed faster at the rank (docs/performance.md).
+interpreter); off by default: measured slower at the rank (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ if not SUPPORTED:
 def pdl_start(PDL: tl.constexpr):
     """First thing in a kernel that may be launched with PDL: wait for the previous kernel (its
     writes visible), then let the next one launch. Nothing when PDL is False. (The other order
-    let every kernel of the chain launch before the first had finished, their programs holding
-    SM slots while they waited: 1 ms slower a decode step at one TP 8 rank.)"""
+    lets the whole chain launch before the first kernel has finished; at one TP 8 rank both
+    orders measured about 0.9-1 ms slower a decode step than no PDL, docs/performance.md.)"""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
