@@ -80,7 +80,7 @@ exception: where the requests that will run once the waiting ones are admitted f
 that chose plain steps (and is not retrying drafts), the step is a plain one, without the draft
 pass, deferred like any -- its prompts' draft KV would go unread. (Measured at one TP 8 rank,
 DSpark, 8K prompts: with the draft pass the prompt steps of a batch of 4 took about 120 ms more
-than plain ones, 0.9 ms of peer TPOT at 128 output tokens, although its buckets ran plain steps.)
+than plain ones, 0.8 ms of peer TPOT at 128 output tokens, although its buckets ran plain steps.)
 
 A timed step is decode-only (each request computes its next token and exactly the arm's number
 of drafts) and of the same arm and bucket as the step before it; its time is from the previous
