@@ -323,7 +323,7 @@ class SpeculationGate:
         if state is None:
             state = self.buckets[b] = _Bucket(self.widths)
         state.running, self._length = num_running, length
-        if prompt_due() and self._joins_plain(joining):
+        if self._joins_plain(joining) and prompt_due():   # (a dict lookup first: prompt_due walks the batch)
             return None          # the prompts' requests will run plain steps: no draft pass
         if state.choice is None and not state.hold and prompt_due():
             # a bucket still timing its arms does so in decode-only steps: a step that computes

@@ -213,8 +213,9 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, to
             and x.dtype == torch.bfloat16 and num_experts >= 16 and envs.ROUTE_TENSOR_CORES):
         w, b = gate_weight.float().contiguous(), bias.float().contiguous()
         block_e = min(num_experts, ROUTE_TC_BLOCK_E)
-        splits = max(1, min(ROUTE_TC_SPLITS, triton.cdiv(hidden, ROUTE_TC_BLOCK_K)))
-        k_per_split = triton.cdiv(triton.cdiv(hidden, splits), ROUTE_TC_BLOCK_K) * ROUTE_TC_BLOCK_K
+        # whole K steps per split; fewer splits where the hidden dimension has too few steps
+        step = ROUTE_TC_BLOCK_K
+        k_per_split = triton.cdiv(triton.cdiv(hidden, max(1, ROUTE_TC_SPLITS)), step) * step
         splits = triton.cdiv(hidden, k_per_split)
         logits = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=x.device)
         _route_logits_tc_kernel[(triton.cdiv(num_tokens, ROUTE_TC_BLOCK_T), num_experts // block_e, splits)](

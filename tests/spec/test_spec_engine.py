@@ -324,6 +324,52 @@ def test_fp8_kv_keeps_the_draft_cache_in_the_model_dtype(tiny_dir, drafts, kind)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
 
 
+class _ScriptedGate:
+    """A speculation gate of k drafts whose answers come from `width(k, num_running, prompt_due,
+    joining)`; it times nothing."""
+    rule = "scripted"
+
+    def __init__(self, k, width):
+        self.k, self._width = k, width
+
+    def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None, joining=None):
+        return self._width(self.k, num_running, prompt_due, joining)
+
+    def scheduled(self, step):
+        pass
+
+    def observe(self, step, num_requests=None, verified=()):
+        pass
+
+
+def _scripted_run(tiny_dir, drafts, kind, width, scheduled=None):
+    """Six prompts, 24 greedy tokens each, under a `_ScriptedGate` of `width` (and `scheduled(so)`
+    on each step the scheduler builds): (the engine, its outputs, speculation off's, the draft
+    proposer's calls of `propose` and `write_only`)."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:6]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_dir), **_flags()).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=_spec(kind, drafts),
+              **_flags(kind))
+    sched, proposer = llm.engine.core.scheduler, llm.engine.worker.runner.proposer
+    sched.spec_gate = _ScriptedGate(sched.num_lookahead_tokens, width)
+    if scheduled is not None:
+        schedule = sched.schedule
+
+        def observed():
+            so = schedule()
+            scheduled(so)
+            return so
+        sched.schedule = observed
+    calls = dict.fromkeys(("propose", "write_only"), 0)
+    for name in calls:
+        real = getattr(proposer, name)
+        setattr(proposer, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
+                or _real(*a))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return llm, got, want, calls
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
 def test_prompts_that_join_plain_steps_skip_the_draft_then_drafts_read_holes(tiny_dir, drafts, kind):
     """The gate is asked with the batch the prompts will decode in (`joining`: the running
@@ -331,38 +377,15 @@ def test_prompts_that_join_plain_steps_skip_the_draft_then_drafts_read_holes(tin
     it answers None for prompt steps too: no draft pass over the prompts. When drafts come back
     the draft's KV holds nothing of those prompts (holes below `valid_from`); the greedy outputs
     still equal speculation off."""
-    prompts = _prompts()[:6]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(tiny_dir), **_flags())
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                            use_tqdm=False)]
-    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=_spec(kind, drafts),
-              **_flags(kind))
-    sched, proposer = llm.engine.core.scheduler, llm.engine.worker.runner.proposer
-    k, seen, calls = sched.num_lookahead_tokens, [], {"propose": 0, "write_only": 0}
+    seen = []
 
-    class PlainWhilePromptsThenDrafts:
-        """Plain steps while any prompt is due (the batch it joins runs plain steps), then k."""
-        rule = "scripted"
-
-        def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None, joining=None):
-            seen.append((num_running, joining()))
-            return None if prompt_due() else k
-
-        def scheduled(self, step):
-            pass
-
-        def observe(self, step, num_requests=None, verified=()):
-            pass
-    sched.spec_gate = PlainWhilePromptsThenDrafts()
-    for name in calls:
-        real = getattr(proposer, name)
-        setattr(proposer, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
-                or _real(*a))
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]
+    def plain_while_prompts_then_drafts(k, num_running, prompt_due, joining):
+        seen.append((num_running, joining()))
+        return None if prompt_due() else k
+    llm, got, want, calls = _scripted_run(tiny_dir, drafts, kind, plain_while_prompts_then_drafts)
+    sched = llm.engine.core.scheduler
     assert got == want
-    assert seen[0] == (0, len(prompts))                     # all six wait at the first step
+    assert seen[0] == (0, 6)                                # all six wait at the first step
     assert all(running <= joining <= 8 for running, joining in seen)
     assert calls["write_only"] == 0 and calls["propose"] > 0 and sched.spec_stats.num_drafts > 0
     _check_clean(llm)
@@ -377,49 +400,22 @@ def test_prompt_steps_under_plain_arms_write_draft_kv_without_proposing(tiny_dir
     itself, its draft pass reading the sampled ids on the device. Later the gate drafts again:
     the requests start from switch steps, and the greedy outputs equal speculation off
     throughout."""
-    prompts = _prompts()[:6]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(tiny_dir), **_flags())
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                            use_tqdm=False)]
-    llm = LLM(str(drafts[kind] if kind == "dspark" else tiny_dir), speculative_config=_spec(kind, drafts),
-              **_flags(kind))
-    core = llm.engine.core
-    sched, proposer = core.scheduler, llm.engine.worker.runner.proposer
-    k, steps, calls = sched.num_lookahead_tokens, [0], {"propose": 0, "write_only": 0}
+    steps, write_only = [0], []
 
-    class PlainThenDrafts:
+    def plain_then_drafts(k, num_running, prompt_due, joining):
         """Plain steps (0 where a prompt is due) for the first 30 steps, then k drafts."""
-        rule = "scripted"
+        steps[0] += 1
+        if steps[0] > 30:
+            return k
+        return 0 if prompt_due() else None
 
-        def draft_width(self, num_running, prompt_due=lambda: False, length=lambda: None, joining=None):
-            steps[0] += 1
-            if steps[0] > 30:
-                return k
-            return 0 if prompt_due() else None
-
-        def scheduled(self, step):
-            pass
-
-        def observe(self, step, num_requests=None, verified=()):
-            pass
-    sched.spec_gate = PlainThenDrafts()
-    schedule, write_only = sched.schedule, []
-
-    def scheduled():
-        so = schedule()
+    def scheduled(so):
         if so.speculate and not so.propose and so.num_scheduled_tokens:
             write_only.append(so.deferred)
-        return so
-    sched.schedule = scheduled
-    for name in calls:
-        real = getattr(proposer, name)
-        setattr(proposer, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
-                or _real(*a))
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]
+    llm, got, want, calls = _scripted_run(tiny_dir, drafts, kind, plain_then_drafts, scheduled)
+    sched = llm.engine.core.scheduler
     assert got == want
     assert calls["write_only"] > 0 and calls["propose"] > 0 and sched.spec_stats.num_drafts > 0
-    assert core.scheduler.async_scheduling and any(write_only)       # deferred write-only steps
+    assert sched.async_scheduling and any(write_only)                # deferred write-only steps
     assert sched.num_landing_steps <= 1                              # only at the switch to drafts
     _check_clean(llm)
