@@ -6,6 +6,7 @@ readings taken some thousand requests apart show what grew and where it was allo
 from __future__ import annotations
 
 import gc
+import linecache
 import sys
 import tracemalloc
 
@@ -21,12 +22,15 @@ def start(frames: int) -> bool:
 
 def traced_bytes() -> int:
     """Bytes still allocated by Python (0 when not tracing), after collecting cyclic garbage
-    and emptying CPython's type-attribute cache: both would read as growth that is not kept,
-    the garbage until the collector runs, the cache as it fills (its 4096 slots, keyed by the
-    address of the name looked up, each hold on to the name: a string made afresh for each
-    lookup, as zmq's socket options are, takes one more slot every time)."""
+    and emptying CPython's type-attribute cache and the source-line cache: each would read as
+    growth that is not kept, the garbage until the collector runs, the type cache as it fills
+    (its 4096 slots, keyed by the address of the name looked up, each hold on to the name: a
+    string made afresh for each lookup, as zmq's socket options are, takes one more slot every
+    time), the line cache once a warning or a logged traceback first reads a source file (it
+    keeps the whole file, hundreds of KB for a large module)."""
     if not tracemalloc.is_tracing():
         return 0
+    linecache.clearcache()
     sys._clear_type_cache()
     gc.collect()
     return tracemalloc.get_traced_memory()[0]

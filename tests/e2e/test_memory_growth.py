@@ -1,7 +1,7 @@
 """The API process keeps nothing per request: after a warm-up, the request mix of a soak
 (completions, chat, streams, n > 1, 400s, tokenize, streams the client drops) grows the Python
 objects still allocated in the API process (tracemalloc, through the M3SERVE_DEBUG_TRACEMALLOC
-hook) by less than a few dozen bytes per request between two later checkpoints, and the engine
+hook) by less than a few dozen bytes per request in one of two later intervals, and the engine
 process's likewise. A leak of 200 bytes per request, the size the soak of issue 32 saw in RSS,
 fails it. The growth that soak saw was native (the tokenizer's memory per calling thread, from
 asyncio's pool of threads): the slow test watches the API process's RSS under tokenization."""
@@ -94,19 +94,26 @@ def _checkpoint(srv: LiveServer) -> tuple[int, int]:
 
 
 def test_traced_memory_does_not_grow_per_request(traced_server):
+    """Two measured intervals after the warm-up: a leak grows the traced bytes in each, while
+    something allocated once (a cache that fills the first time a rare path runs: one reading
+    of CI's engine grew 2.8 MB in one interval) grows only one; the smaller growth is held to the
+    bound."""
     _drive(traced_server, rounds=3)                 # warm-up: lazy imports, caches, pools
-    api_0, engine_0 = _checkpoint(traced_server)
-    rounds = 8
-    _drive(traced_server, rounds)
-    api_1, engine_1 = _checkpoint(traced_server)
+    checkpoints = [_checkpoint(traced_server)]
+    rounds = 6
+    for _ in range(2):
+        _drive(traced_server, rounds)
+        checkpoints.append(_checkpoint(traced_server))
     num_requests = rounds * REQUESTS_PER_ROUND
-    api_per_request = (api_1 - api_0) / num_requests
-    engine_per_request = (engine_1 - engine_0) / num_requests
-    print(f"traced growth per request: API {api_per_request:.1f} B, engine {engine_per_request:.1f} B "
-          f"over {num_requests} requests")
-    assert api_0 > 1_000_000 and engine_0 > 1_000_000     # tracing is on in both processes
-    assert api_per_request < BOUND_BYTES_PER_REQUEST, (api_0, api_1, num_requests)
-    assert engine_per_request < BOUND_BYTES_PER_REQUEST, (engine_0, engine_1, num_requests)
+    growth = [((a1 - a0) / num_requests, (e1 - e0) / num_requests)
+              for (a0, e0), (a1, e1) in zip(checkpoints, checkpoints[1:])]
+    print("traced growth per request (API, engine) in each interval of "
+          f"{num_requests} requests: {[(round(a, 1), round(e, 1)) for a, e in growth]}")
+    assert min(checkpoints[0]) > 1_000_000     # tracing is on in both processes
+    api_per_request = min(a for a, _ in growth)
+    engine_per_request = min(e for _, e in growth)
+    assert api_per_request < BOUND_BYTES_PER_REQUEST, checkpoints
+    assert engine_per_request < BOUND_BYTES_PER_REQUEST, checkpoints
 
 
 def _rss_bytes(pid: int) -> int:
