@@ -19,7 +19,10 @@ from m3serve import envs
 
 _TILE_BYTES = 8 << 20   # bound on one fp64 tile's score tensor (stays in a core's L2 / the L3)
 _FAST_TILE_BYTES = 64 << 20  # fp32 index scores: fewer, larger products
-_FLASH_TILE = 1024      # fp32 attention: query tiles on this grid of absolute positions
+# fp32 attention: query tiles on this grid of absolute positions. Every tile is computed whole,
+# so a decode token costs a whole tile against its context: 64 rows made a decode step at 18K
+# tokens of context ~8x cheaper than 1024 rows, a 30K-token prefill ~20 % dearer (docs/performance.md)
+_FLASH_TILE = 64
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 

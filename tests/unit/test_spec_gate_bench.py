@@ -29,18 +29,31 @@ TPOT_MS = {"eagle3": (3, 2.78, {1: 3.44, 4: 5.58, 16: 9.76, 64: 17.0}),
            "dspark": (7, 2.3, {1: 4.30, 4: 9.42, 16: 14.20, 64: 26.0})}
 
 
+def _at(table: dict[int, float], b: int) -> float:
+    """table's value at batch b, linear between its batch sizes (b beyond them: the last)."""
+    lo = max((s for s in table if s <= b), default=min(table))
+    hi = min((s for s in table if s >= b), default=max(table))
+    return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (b - lo) / (hi - lo)
+
+
 class SyntheticEngine:
     """The scheduler, a fake clock, and a runner that emits synthetic acceptance (each draft
     kept with one probability once the one before it was) and k drafts after each step that
     speculated; deferred steps' outputs come with the next step's, as in `EngineCore.execute`."""
 
-    def __init__(self, kind: str | None, seed: int = 0, max_num_batched_tokens: int = 2 * ISL):
+    def __init__(self, kind: str | None, seed: int = 0, max_num_batched_tokens: int = 2 * ISL,
+                 sizes: tuple[int, ...] | None = SIZES, prompt_s_per_token: float = 25e-6,
+                 max_model_len: int = ISL + OSL + 256):
+        """`sizes`: the capture sizes batches pad to (None: the cost is interpolated at the batch
+        itself, between the table's batch sizes); `prompt_s_per_token`: a prompt step's cost per
+        token computed."""
+        self.sizes, self.prompt_s_per_token = sizes, prompt_s_per_token
         self.k, mean, self.tpot = TPOT_MS[kind] if kind else (0, 1.0, {})
         self.alpha = synthetic_acceptance_rate(mean, self.k) if kind else 0.0
         self.mean, self.rng, self.now, self.n = mean, random.Random(seed), 0.0, 0
         kv = KVCacheManager(4096, 128)
         self.sched = Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=64),
-                               kv, ISL + OSL + 256, num_speculative_tokens=self.k, async_scheduling=True,
+                               kv, max_model_len, num_speculative_tokens=self.k, async_scheduling=True,
                                measure_speculation=kind is not None)
         self.sched.spec_gate.clock = lambda: self.now
         self._deferred = None
@@ -51,13 +64,14 @@ class SyntheticEngine:
         spec, rows = so.scheduled_spec_decode_tokens, so.num_scheduled_tokens
         widths = {len(spec.get(r, ())) for r in rows}
         if all(n == 1 + len(spec.get(r, ())) for r, n in rows.items()) and len(widths) == 1:
-            b = next(s for s in SIZES if s >= len(rows))
-            plain = PLAIN_MS[b] / 1e3
+            b = len(rows) if self.sizes is None else next(s for s in self.sizes if s >= len(rows))
+            plain = _at(PLAIN_MS, b) / 1e3
             if not so.speculate or not self.k:
                 return plain
-            j, full = widths.pop(), self.tpot[b] * self.mean / 1e3
+            j, full = widths.pop(), _at(self.tpot, b) * self.mean / 1e3
             return plain + (full - plain) * ((j / self.k) ** 0.5 if j else 0.15)
-        return 0.03 + so.total_num_scheduled_tokens * 25e-6 + (0.01 if so.speculate and self.k else 0)
+        return (0.03 + so.total_num_scheduled_tokens * self.prompt_s_per_token
+                + (0.01 if so.speculate and self.k else 0))
 
     def _run(self, so) -> ModelRunnerOutput:
         self.now += self._cost(so)
@@ -79,13 +93,19 @@ class SyntheticEngine:
         if not so.deferred:
             self.sched.update_from_output(so, out)
 
+    def add(self, prompt_len: int, max_tokens: int) -> Request:
+        """A new request of `prompt_len` random tokens to `max_tokens` output tokens."""
+        self.n += 1
+        prompt = [self.rng.randrange(10, 2000) for _ in range(prompt_len)]
+        request = Request(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          eos_token_id=0)
+        self.sched.add_request(request)
+        return request
+
     def generate(self, batch: int, max_tokens: int) -> float:
         """Seconds to run `batch` new requests of ISL random tokens to `max_tokens` each."""
         for _ in range(batch):
-            self.n += 1
-            prompt = [self.rng.randrange(10, 2000) for _ in range(ISL)]
-            self.sched.add_request(Request(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens,
-                                                                                ignore_eos=True), eos_token_id=0))
+            self.add(ISL, max_tokens)
         start = self.now
         while self.sched.has_unfinished_requests() or self._deferred is not None:
             self.step()
