@@ -20,7 +20,9 @@ ROUTE = "/v1/chat/completions"
 def servers(tiny_vision_dir, tmp_path_factory):
     flags = ("--api-key", KEY, "--dtype", "float32")
     servers = LiveServer.start_many(tiny_vision_dir, {
-        "P": (*flags, *kv_flags("kv_producer", abort_request_timeout=4)),
+        # the hold outlives a decode leg on a loaded 2-core machine (4 s did not, once); the failed
+        # pull's hold is freed by it, within assert_clean's 20 s
+        "P": (*flags, *kv_flags("kv_producer", abort_request_timeout=10)),
         "D": (*flags, *kv_flags("kv_consumer")),
         "fail": (*flags, *kv_flags("kv_consumer", test_fault="fail", handshake_timeout=2)),
     }, tmp_path_factory.mktemp("pd-vision-logs"))
