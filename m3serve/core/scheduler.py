@@ -779,10 +779,13 @@ class Scheduler:
                 - len(self.kv_manager.get_block_ids(head.request_id)) <= self.kv_manager.num_free_blocks)
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        """Drafts past the context are dropped. Drafts past max_tokens are kept: every request
-        then verifies k drafts, so the step still fits the verify CUDA graphs, and the tokens
-        past max_tokens are discarded as they are emitted."""
-        room = self.max_model_len - request.num_tokens
+        """Drafts past the context (max_model_len, or the KV pool where it holds fewer tokens)
+        are dropped: a verify step past the pool would never get its blocks, and the request
+        would wait for them forever. Drafts past max_tokens are kept: every request then
+        verifies k drafts, so the step still fits the verify CUDA graphs, and the tokens past
+        max_tokens are discarded as they are emitted."""
+        pool = self.kv_manager.num_usable_blocks * self.kv_manager.block_size
+        room = min(self.max_model_len, pool) - request.num_tokens
         return list(drafts[:max(0, room - 1)])
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -141,7 +141,9 @@ class KVCacheManager:
             (prefix hit, remote prefill); they extend `request.num_computed_tokens`.
         new_computed_blocks: prefix-hit blocks from `get_computed_blocks`, covering the leading
             part of `num_new_computed_tokens`; only for a request that holds no blocks yet.
-        num_lookahead_tokens: extra slots reserved beyond this step (e.g. for draft tokens).
+        num_lookahead_tokens: extra slots reserved beyond this step (e.g. for draft tokens), as
+            many as the whole pool can hold beside the request's tokens (a request never needs
+            more: its drafts stop where the pool ends, `Scheduler._usable_drafts`).
 
         Returns the ids of the blocks appended to the request's list (prefix hits first), or None
         if the free pool cannot cover them; on None nothing was allocated or referenced. With a
@@ -157,8 +159,9 @@ class KVCacheManager:
         if new_computed_blocks and blocks:
             raise RuntimeError(f"request {request.request_id!r} already holds blocks; "
                                "prefix-hit blocks are only for a fresh request")
-        num_total_tokens = (request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-                            + num_lookahead_tokens)
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        capacity = self.block_pool.num_usable_blocks * self.block_size
+        num_total_tokens = num_tokens + min(num_lookahead_tokens, max(0, capacity - num_tokens))
         num_required = cdiv(num_total_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Hit blocks sitting in the free queue leave it when touched, so they use up free blocks.
