@@ -65,6 +65,8 @@ class Scheduler:
         self.config = scheduler_config
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
+        # where a request's drafts stop: its context, or the KV pool where that holds less
+        self._draft_limit = min(max_model_len, kv_manager.capacity_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
@@ -784,8 +786,7 @@ class Scheduler:
         would wait for them forever. Drafts past max_tokens are kept: every request then
         verifies k drafts, so the step still fits the verify CUDA graphs, and the tokens past
         max_tokens are discarded as they are emitted."""
-        pool = self.kv_manager.num_usable_blocks * self.kv_manager.block_size
-        room = min(self.max_model_len, pool) - request.num_tokens
+        room = self._draft_limit - request.num_tokens
         return list(drafts[:max(0, room - 1)])
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -102,12 +102,16 @@ class SyntheticEngine:
         self.sched.add_request(request)
         return request
 
+    def busy(self) -> bool:
+        """Requests left, or a deferred step's output not yet applied."""
+        return self.sched.has_unfinished_requests() or self._deferred is not None
+
     def generate(self, batch: int, max_tokens: int) -> float:
         """Seconds to run `batch` new requests of ISL random tokens to `max_tokens` each."""
         for _ in range(batch):
             self.add(ISL, max_tokens)
         start = self.now
-        while self.sched.has_unfinished_requests() or self._deferred is not None:
+        while self.busy():
             self.step()
         return self.now - start
 

@@ -9,6 +9,7 @@ Costs as in test_spec_gate_bench.py (the same measured table), interpolated at t
 itself (a server captures graphs for 1, 2, 4, 8, 16, 32, ... requests); prompts of 1,024 tokens
 on average stand for the sweep's 8K ones, at 200 us a token (an 8K prompt's ~0.2 s at the rank).
 The result compared is the sweep's: the median over requests of each request's TPOT."""
+import functools
 import random
 import statistics
 
@@ -30,7 +31,7 @@ def _closed_loop(engine: SyntheticEngine, concurrency: int, lengths: list[tuple[
     """Run `lengths` (prompt, output) requests with at most `concurrency` in flight, each next
     one sent when one ends; each request's TPOT in ms (first to last token over its gaps)."""
     todo, live, tpots = list(lengths), {}, []
-    while todo or live or engine.sched.has_unfinished_requests() or engine._deferred is not None:
+    while todo or live or engine.busy():
         while todo and len(live) < concurrency:
             live[engine.add(*todo.pop(0))] = None                 # request -> its first token's time
         engine.step()
@@ -56,9 +57,9 @@ def _sweep(kind: str | None, seed: int) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def off():
-    """Speculation off's sweep for a seed (the same requests as a draft's sweep of that seed)."""
-    sweeps = {}
-    return lambda seed: sweeps.setdefault(seed, _sweep(None, seed))
+    """Speculation off's sweep for a seed (the same requests as a draft's sweep of that seed),
+    run once per seed."""
+    return functools.cache(lambda seed: _sweep(None, seed))
 
 
 @pytest.mark.parametrize("seed", range(2))

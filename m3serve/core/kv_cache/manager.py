@@ -54,6 +54,11 @@ class KVCacheManager:
         return self.block_pool.num_usable_blocks
 
     @property
+    def capacity_tokens(self) -> int:
+        """The tokens of KV the whole pool holds (its usable blocks)."""
+        return self.block_pool.num_usable_blocks * self.block_size
+
+    @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
@@ -160,8 +165,7 @@ class KVCacheManager:
             raise RuntimeError(f"request {request.request_id!r} already holds blocks; "
                                "prefix-hit blocks are only for a fresh request")
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        capacity = self.block_pool.num_usable_blocks * self.block_size
-        num_total_tokens = num_tokens + min(num_lookahead_tokens, max(0, capacity - num_tokens))
+        num_total_tokens = num_tokens + min(num_lookahead_tokens, max(0, self.capacity_tokens - num_tokens))
         num_required = cdiv(num_total_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Hit blocks sitting in the free queue leave it when touched, so they use up free blocks.
